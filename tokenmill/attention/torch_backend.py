@@ -1,0 +1,71 @@
+"""Pure-torch paged attention: the CPU path and the oracle for GPU kernels."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    nb, bs, h, d = key_cache.shape
+    key_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k)
+    value_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """[max_blocks] block ids -> the first `length` tokens as [Hkv, length, D]."""
+    nblocks = -(-length // cache.shape[1])
+    g = cache.index_select(0, block_table[:nblocks]).flatten(0, 1)[:length]
+    return g.transpose(0, 1)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def build_step_state(self, meta: AttentionMetadata) -> None:
+        nd = meta.num_decodes
+        if nd > 1:
+            lens = meta.seq_lens[:nd]
+            max_len = int(max(meta.seq_lens_host[:nd]))
+            meta.decode_mask = (torch.arange(max_len) < lens[:, None].to(torch.int64)).view(nd, 1, 1, max_len)
+
+    def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float):
+        write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], key_cache, value_cache, meta, scale)
+        qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
+        for i in range(nd, len(lens)):
+            s, e = qsl[i], qsl[i + 1]
+            qi = q[s:e].transpose(0, 1)  # [Hq, n, D]
+            if meta.fresh_prefill[i]:
+                ki, vi = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                L, n = lens[i], e - s
+                ki = gather_kv(key_cache, meta.block_tables[i], L)
+                vi = gather_kv(value_cache, meta.block_tables[i], L)
+                # query j sits at absolute position L - n + j and sees keys 0 .. L - n + j
+                mask = torch.ones(n, L, dtype=torch.bool).tril_(diagonal=L - n)
+                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[s:e] = o.transpose(0, 1)
+        return out
+
+    def _decode(self, q, key_cache, value_cache, meta: AttentionMetadata, scale: float):
+        nd = q.shape[0]
+        if nd == 1:
+            L = meta.seq_lens_host[0]
+            kk = gather_kv(key_cache, meta.block_tables[0], L)
+            vv = gather_kv(value_cache, meta.block_tables[0], L)
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, scale=scale, enable_gqa=True)
+            return o.transpose(0, 1)
+        mask = meta.decode_mask
+        max_len = mask.shape[-1]
+        bs = key_cache.shape[1]
+        tables = meta.block_tables[:nd, : -(-max_len // bs)]
+        # [nd, blocks, bs, Hkv, D] -> [nd, Hkv, L, D]; padded tail is masked out
+        kk = key_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
+        vv = value_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.squeeze(2)

@@ -1,0 +1,141 @@
+"""EngineCore: the step loop over token ids. One step = schedule -> run model -> sample -> update."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.kv.manager import KVCacheManager, cdiv
+from tokenmill.models.loader import load_hf_config, load_model
+from tokenmill.sample.sampler import TokenLogprobs
+from tokenmill.sched.scheduler import Scheduler
+from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("tokenmill")
+
+_DEFAULT_CPU_KV_GB = 4.0
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_steps: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_config = ModelConfig.from_hf(load_hf_config(config.model))
+        config.resolve(self.model_config)
+        self.dtype = config.torch_dtype(self.model_config)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.model = load_model(config, self.model_config, self.dtype, config.device)
+        num_blocks = self._num_kv_blocks()
+        mc = self.model_config
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, mc.num_layers, mc.num_kv_heads,
+                                  mc.head_dim, self.dtype, config.device, config.seed)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_model_len, config.scheduling_policy, config.enable_chunked_prefill)
+        self.num_steps = 0
+        logger.info("engine ready: %s, %s, %d KV blocks of %d tokens", mc.architecture, self.dtype,
+                    num_blocks, config.block_size)
+
+    def _num_kv_blocks(self) -> int:
+        cfg, mc = self.config, self.model_config
+        per_seq = cdiv(cfg.max_model_len, cfg.block_size)
+        bytes_per_block = 2 * mc.num_layers * cfg.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        if cfg.num_kv_blocks is not None:
+            n = cfg.num_kv_blocks
+        elif cfg.device == "cuda":
+            free, total = torch.cuda.mem_get_info()
+            used = total - free
+            # leave room for one worst-case step's activations (a rough bound; logits dominate)
+            act = cfg.max_num_batched_tokens * (mc.hidden_size * 16 + mc.vocab_size * 4)
+            n = int((total * cfg.gpu_memory_utilization - used - act) // bytes_per_block)
+        else:
+            gb = cfg.kv_cache_memory_gb or _DEFAULT_CPU_KV_GB
+            # more blocks than every sequence at full length can use only ever holds cached prefixes
+            n = min(int(gb * 2**30 // bytes_per_block), cfg.max_num_seqs * per_seq + per_seq)
+        if n < per_seq:
+            raise ValueError(f"the KV cache holds {n} blocks but one {cfg.max_model_len}-token sequence needs "
+                             f"{per_seq}; raise the KV memory budget or lower max_model_len")
+        return n
+
+    # -- requests ------------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+
+    def abort(self, request_ids) -> list[str]:
+        return [r.request_id for r in self.scheduler.abort(request_ids)]
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- the step --------------------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            self.runner.forget(sched.finished_ids)
+            return []
+        self.num_steps += 1
+        result = self.runner.execute(sched)
+        outputs: dict[str, EngineCoreOutput] = {}
+        for rid, rows in result.prompt_logprobs.items():
+            outputs[rid] = EngineCoreOutput(rid, [], prompt_logprobs=rows)
+        for req in self.scheduler.update(sched, result.sampled):
+            o = outputs.setdefault(req.request_id, EngineCoreOutput(req.request_id, []))
+            o.new_token_ids.append(req.output_token_ids[-1])
+            o.finish_reason, o.stop_reason = req.finish_reason, req.stop_reason
+            o.num_cached_tokens = max(req.num_cached_tokens, 0)
+            if req.request_id in result.logprobs:
+                o.logprobs.append(result.logprobs[req.request_id])
+        return list(outputs.values())
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason=None) -> None:
+        """Called by the output side when a stop string matched."""
+        req = self.scheduler.requests.get(request_id)
+        if req is not None and not req.is_finished:
+            req.stop_reason = stop_reason
+            self.scheduler.finish(req, status)
+
+    # -- introspection -----------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        s, kv = self.scheduler, self.kv
+        return EngineStats(
+            num_running=len(s.running), num_waiting=len(s.waiting), num_kv_blocks=kv.pool.num_blocks,
+            num_free_kv_blocks=kv.num_free_blocks, kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
+            prefix_cache_hit_rate=kv.stats.hit_rate, num_preemptions=s.num_preemptions, num_steps=self.num_steps)
+
+    def check_invariants(self) -> None:
+        """KV accounting is exact; when idle, every block is back in the pool."""
+        self.kv.check_invariants()
+        if not self.has_unfinished():
+            assert self.kv.num_free_blocks == self.kv.pool.num_blocks, (
+                f"idle engine holds {self.kv.pool.num_blocks - self.kv.num_free_blocks} KV blocks")

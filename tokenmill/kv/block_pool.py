@@ -1,0 +1,80 @@
+"""Fixed-size KV blocks: O(1) allocate, free, and LRU eviction of cached blocks.
+
+Free blocks live in one insertion-ordered dict used as an LRU queue. A free block may still hold a
+cached prefix (it keeps its hash) until it is reallocated; a prefix hit pulls it back out of the queue.
+
+    free queue (front = evicted first)
+    [b7 (hash h3)] [b2] [b9 (hash h0)] ... <- freed blocks appended here
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int):
+        if num_blocks <= 0:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[bytes, KVBlock] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def lookup(self, block_hash: bytes) -> KVBlock | None:
+        return self._cached.get(block_hash)
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take a reference to cached blocks (prefix hits), pulling free ones out of the queue."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                del self._free[b.block_id]
+            b.ref_cnt += 1
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} KV blocks with {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            _, b = self._free.popitem(last=False)
+            if b.block_hash is not None:  # evict the least recently used cached prefix
+                del self._cached[b.block_hash]
+                b.block_hash = None
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def free(self, blocks_in_eviction_order) -> None:
+        for b in blocks_in_eviction_order:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self._free[b.block_id] = b
+
+    def cache(self, block: KVBlock, block_hash: bytes) -> None:
+        if block_hash in self._cached:  # same prefix computed twice concurrently: keep the first
+            return
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        for b in self._cached.values():
+            b.block_hash = None
+        self._cached.clear()
+
+    def check_invariants(self) -> None:
+        for b in self.blocks:
+            assert b.ref_cnt >= 0, f"block {b.block_id} has ref_cnt {b.ref_cnt}"
+            assert (b.ref_cnt == 0) == (b.block_id in self._free), f"block {b.block_id} free-list mismatch"
+        for h, b in self._cached.items():
+            assert b.block_hash == h, f"block {b.block_id} cache key mismatch"

@@ -1,0 +1,116 @@
+"""Per-request block tables over the block pool, with automatic prefix caching.
+
+A request's block table maps token positions to cache slots:
+
+    position p  ->  block_table[p // block_size] * block_size + p % block_size   (its slot)
+
+    block_table  [ 4 ][ 9 ][ 2 ]            block_size = 4
+    positions     0-3  4-7  8-9 (2 free slots: the only waste, one partial block)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenmill.engine.request import Request
+from tokenmill.kv.block_pool import BlockPool, KVBlock
+from tokenmill.kv.hashing import extend_block_hashes
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._num_cached: dict[str, int] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def _hashes(self, req: Request, num_tokens: int) -> list[bytes]:
+        extend_block_hashes(req.block_hashes, req.token_ids, num_tokens, self.block_size, req.cache_salt)
+        return req.block_hashes
+
+    def find_cached_prefix(self, req: Request) -> list[KVBlock]:
+        """Longest run of cached full blocks at the start of the request. At least one token is left
+        to compute, because sampling needs the last position's logits."""
+        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hit = []
+        for h in self._hashes(req, max_blocks * self.block_size)[:max_blocks]:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hit.append(b)
+        self.stats.queries += req.num_tokens
+        self.stats.hits += len(hit) * self.block_size
+        return hit
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, cached: list[KVBlock] = ()) -> bool:
+        """Reserve slots for `num_new_tokens` after `req.num_computed_tokens`, adopting `cached`
+        (prefix hits, whose tokens `req.num_computed_tokens` already counts). False if blocks run out."""
+        blocks = self.req_blocks.get(req.request_id, [])
+        total = req.num_computed_tokens + num_new_tokens
+        need = cdiv(total, self.block_size) - len(blocks) - len(cached)
+        reclaimed = sum(1 for b in cached if b.ref_cnt == 0)  # cached hits sitting in the free queue
+        if need > self.pool.num_free - reclaimed:
+            return False
+        self.pool.touch(cached)
+        blocks = self.req_blocks.setdefault(req.request_id, blocks)
+        blocks.extend(cached)
+        if need > 0:
+            blocks.extend(self.pool.allocate(need))
+        if self.enable_caching:
+            # Blocks that will be full once this step runs are registered now; their tokens are known.
+            done = self._num_cached.get(req.request_id, 0)
+            full = total // self.block_size
+            if full > done:
+                hashes = self._hashes(req, full * self.block_size)
+                for i in range(done, full):
+                    self.pool.cache(blocks[i], hashes[i])
+                self._num_cached[req.request_id] = full
+        return True
+
+    def free(self, req: Request) -> None:
+        blocks = self.req_blocks.pop(req.request_id, None)
+        self._num_cached.pop(req.request_id, None)
+        if blocks:
+            self.pool.free(reversed(blocks))  # tail blocks first: they are the least likely to be shared
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        """Every block's ref count equals the number of block tables that hold it."""
+        refs: dict[int, int] = {}
+        for blocks in self.req_blocks.values():
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for b in self.pool.blocks:
+            assert b.ref_cnt == refs.get(b.block_id, 0), (
+                f"block {b.block_id}: ref_cnt {b.ref_cnt} but held by {refs.get(b.block_id, 0)} requests")
+        self.pool.check_invariants()

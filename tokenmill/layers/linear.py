@@ -1,0 +1,41 @@
+"""Linear layers whose parameters carry their own weight loaders (nano-vllm's idea): a checkpoint
+tensor for q_proj lands in its slice of the merged qkv_proj without the model knowing the layout."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input stacked along the output dim, e.g. [q | k | v]."""
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False):
+        super().__init__(in_features, sum(shards.values()), bias)
+        self.offsets, off = {}, 0
+        for name, size in shards.items():
+            self.offsets[name] = (off, size)
+            off += size
+        self.weight.weight_loader = self._load_shard
+        if self.bias is not None:
+            self.bias.weight_loader = self._load_shard
+
+    def _load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str) -> None:
+        off, size = self.offsets[shard_id]
+        default_weight_loader(param.data.narrow(0, off, size), loaded)

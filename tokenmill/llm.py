@@ -1,0 +1,66 @@
+"""The offline API: `LLM(model=...).generate(prompts, params)`, as in vLLM."""
+from __future__ import annotations
+
+from tqdm.auto import tqdm
+
+from tokenmill.config import DEFAULT_MODEL, EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, list) and len(params) != len(prompts):
+            raise ValueError("'sampling_params' list must have one entry per prompt")
+        engine = self.llm_engine
+        ids = []
+        try:
+            for i, p in enumerate(prompts):
+                sp = params[i] if isinstance(params, list) else params
+                ids.append(engine.add_request(None, p, sp, priority=priority[i] if priority else 0))
+        except Exception:
+            engine.abort_request(ids)  # a bad prompt in the batch leaves nothing behind
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.get_tokenizer()
+        prompts = []
+        for conv in convs:
+            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           chat_template=chat_template)
+            # the template already carries any BOS; don't add special tokens twice
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while len(done) < len(ids):
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in done])
+            raise
+        finally:
+            bar.close()
+        return [done[i] for i in ids]

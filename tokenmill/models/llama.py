@@ -1,0 +1,120 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over the paged KV cache."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.config import ModelConfig
+from tokenmill.layers.activation import silu_and_mul
+from tokenmill.layers.linear import Linear, MergedLinear, default_weight_loader
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+                                     bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.scale = self.hd ** -0.5
+
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, self.nh, self.hd), cos, sin)
+        k = apply_rotary(k.view(-1, self.nkv, self.hd), cos, sin)
+        v = v.view(-1, self.nkv, self.hd)
+        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size})
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x):
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, residual, cos, sin, kv_cache, meta, backend):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, meta, backend)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
+
+    def forward(self, input_ids, positions, kv_caches, meta, backend):
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions)
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, cos, sin, kv, meta, backend)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name piece -> (our merged parameter piece, shard id)
+    stacked = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+               "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg, dtype, max_positions)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, input_ids, positions, kv_caches, meta, backend):
+        return self.model(input_ids, positions, kv_caches, meta, backend)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            shard = None
+            for piece, (merged, sid) in self.stacked.items():
+                if f".{piece}." in name:
+                    name, shard = name.replace(f".{piece}.", f".{merged}."), sid
+                    break
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+            p = params[name]
+            loader = getattr(p, "weight_loader", default_weight_loader)
+            loader(p, tensor.to(p.dtype), shard) if shard else default_weight_loader(p, tensor.to(p.dtype))
+            loaded.add(name)
+        return loaded

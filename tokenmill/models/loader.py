@@ -1,0 +1,78 @@
+"""Build a model from a local Hugging Face directory: safetensors (single or sharded) or dummy weights."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.models.registry import model_class
+
+logger = logging.getLogger("tokenmill")
+
+
+def load_hf_config(path: str):
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"no config.json in model directory {path!r}")
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
+        if missing:
+            raise ValueError(f"safetensors shard(s) listed in the index are missing: {', '.join(missing)}")
+        return [os.path.join(path, s) for s in shards]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise ValueError(f"no model.safetensors or model.safetensors.index.json in {path!r} "
+                     f"(use load_format='dummy' for random weights)")
+
+
+def iterate_weights(files: list[str], show_progress: bool = True):
+    handles = [safe_open(f, framework="pt") for f in files]
+    total = sum(len(h.keys()) for h in handles)
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress, leave=False) as bar:
+        for h in handles:
+            for name in h.keys():
+                yield name, h.get_tensor(name)
+                bar.update(1)
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Small uniform values (vLLM's choice) keep activations finite for any shape; norms stay at 1."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.data.fill_(1.0)
+        else:
+            p.data.copy_(torch.empty(p.shape, dtype=torch.float32).uniform_(-1e-3, 1e-3, generator=g))
+
+
+def load_model(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: str):
+    cls = model_class(mcfg.architecture)
+    with torch.device(device):
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = cls(mcfg, dtype, cfg.max_model_len)
+        finally:
+            torch.set_default_dtype(prev)
+    if cfg.load_format == "dummy":
+        init_dummy_weights(model, cfg.seed)
+    else:
+        loaded = model.load_weights(iterate_weights(safetensors_files(cfg.model)))
+        missing = {n for n, _ in model.named_parameters()} - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(sorted(missing)[:5])}")
+    return model.eval()

@@ -1,0 +1,135 @@
+"""Logits -> next tokens: penalties, min_tokens, greedy or temperature / top-k / top-p / min-p
+sampling, and logprobs. Seeded requests draw from their own generator, so a seed reproduces the same
+tokens whatever else shares the batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.sampling_params import SamplingParams
+
+# (token_id, logprob, rank) rows: the chosen token first, then the top-N.
+TokenLogprobs = list[tuple[int, float, int]]
+
+
+@dataclass
+class SampleRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """In place. Repetition penalty covers prompt and output (as HF and vLLM); presence and
+    frequency penalties cover the output only (as OpenAI)."""
+    vocab = logits.shape[-1]
+    for i, r in enumerate(rows):
+        sp = r.params
+        if not sp.needs_penalties:
+            continue
+        row = logits[i]
+        out = torch.tensor(r.output_token_ids, dtype=torch.int64)
+        if sp.repetition_penalty != 1.0:
+            seen = torch.tensor(r.prompt_token_ids + r.output_token_ids, dtype=torch.int64).unique()
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
+        if len(out) and (sp.presence_penalty or sp.frequency_penalty):
+            counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
+            row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    for i, r in enumerate(rows):
+        sp = r.params
+        if len(r.output_token_ids) < sp.min_tokens:
+            banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(sp.eos_token_ids))
+            if banned:
+                logits[i, banned] = float("-inf")
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                  use_k: bool, use_p: bool, use_min_p: bool) -> torch.Tensor:
+    """Mask excluded tokens with -inf. top_k 0 = off, top_p 1 = off, min_p 0 = off (per row)."""
+    if use_k or use_p:
+        sorted_logits, idx = logits.sort(dim=-1, descending=True)
+        mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if use_k:
+            k = torch.where(top_k > 0, top_k, logits.shape[-1])
+            mask |= torch.arange(logits.shape[-1]).unsqueeze(0) >= k.unsqueeze(1)
+            sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+        if use_p:
+            probs = sorted_logits.softmax(dim=-1)
+            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+            mass_before = probs.cumsum(dim=-1) - probs
+            mask |= mass_before >= top_p.unsqueeze(1)
+        logits = logits.scatter(1, idx, sorted_logits.masked_fill(mask, float("-inf")))
+    if use_min_p:
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    return logits
+
+
+def exponential_sample(probs: torch.Tensor, generators: list[torch.Generator | None],
+                       default: torch.Generator) -> torch.Tensor:
+    """argmax(p / E) with E ~ Exp(1) draws a token with probability p (the Gumbel-max trick);
+    each row's noise comes from its own generator when it has one."""
+    noise = torch.empty_like(probs)
+    for i, g in enumerate(generators):
+        noise[i].exponential_(generator=g or default)
+    return (probs / noise).argmax(dim=-1)
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+        want_logprobs = any(r.params.logprobs is not None for r in rows)
+        raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+        penalties = any(r.params.needs_penalties for r in rows)
+        min_tokens = any(len(r.output_token_ids) < r.params.min_tokens for r in rows)
+        if penalties or min_tokens:
+            logits = logits.clone()  # the caller's logits stay raw
+            apply_penalties(logits, rows)
+            apply_min_tokens(logits, rows)
+
+        tokens = logits.argmax(dim=-1)
+        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if rand:
+            tokens[rand] = self._sample(logits[rand], [rows[i] for i in rand])
+        token_list = tokens.tolist()
+        lps = [None] * len(rows)
+        if want_logprobs:
+            for i, r in enumerate(rows):
+                if r.params.logprobs is not None:
+                    lps[i] = token_logprobs(raw_logprobs[i], token_list[i], r.params.logprobs)
+        return SamplerOutput(token_list, lps)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        temp = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
+        logits = logits / temp.unsqueeze(1)
+        top_k = torch.tensor([r.params.top_k for r in rows])
+        top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype)
+        min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype)
+        logits = filter_logits(logits, top_k, top_p, min_p, bool((top_k > 0).any()),
+                               bool((top_p < 1).any()), bool((min_p > 0).any()))
+        return exponential_sample(logits.softmax(dim=-1), [r.generator for r in rows], self.generator)
+
+
+def token_logprobs(logprobs: torch.Tensor, chosen: int, top_n: int) -> TokenLogprobs:
+    """The chosen token's logprob and 1-based rank, then the top-N (vLLM's convention)."""
+    lp = logprobs[chosen]
+    rank = int((logprobs > lp).sum()) + 1
+    out = [(chosen, float(lp), rank)]
+    if top_n:
+        vals, ids = logprobs.topk(top_n)
+        out += [(int(t), float(v), j + 1) for j, (t, v) in enumerate(zip(ids.tolist(), vals.tolist()))]
+    return out
