@@ -1,0 +1,114 @@
+"""Shared fixtures: tiny random float32 models in Hugging Face format, with a small byte-level BPE
+tokenizer, for checking tokenmill against transformers."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+VOCAB = 512
+CORPUS = (
+    "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer "
+    "the slings and arrows of outrageous fortune, or to take arms against a sea of troubles. "
+    "Héllo wörld! Ça va? 你好，世界。 こんにちは 🙂🎉 naïve café — “quotes” ‘single’ … "
+) * 20
+
+
+def build_tokenizer(path: str, vocab_size: int = VOCAB) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([CORPUS], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    fast.save_pretrained(path)
+
+
+def _llama(**kw):
+    from transformers import LlamaConfig
+    return LlamaConfig(architectures=["LlamaForCausalLM"], **kw)
+
+
+def _mistral(**kw):
+    from transformers import MistralConfig
+    return MistralConfig(architectures=["MistralForCausalLM"], sliding_window=None, **kw)
+
+
+def _qwen2(**kw):
+    from transformers import Qwen2Config
+    return Qwen2Config(architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True, **kw)
+
+
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+             bos_token_id=0, eos_token_id=1, pad_token_id=2)
+ARCHS = {
+    "llama": lambda: _llama(**SHAPE, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "mistral": lambda: _mistral(**SHAPE),
+    "qwen2": lambda: _qwen2(**SHAPE),
+}
+
+
+def build_model(path: str, arch: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(ARCHS[arch](), dtype=torch.float32).eval()
+    # Larger-than-default weights make logits spread out, so greedy choices are not near-ties.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path)
+    build_tokenizer(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """arch -> (path, transformers model)."""
+    out = {}
+    for arch in ARCHS:
+        path = str(tmp_path_factory.mktemp(arch))
+        out[arch] = (path, build_model(path, arch))
+    return out
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs):
+    return model_dirs["llama"][0]
+
+
+@pytest.fixture(scope="session")
+def hf_llama(model_dirs):
+    return model_dirs["llama"][1]
+
+
+def make_llm(path: str, **kw):
+    from tokenmill import LLM
+
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("max_model_len", 256)
+    return LLM(path, **kw)
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         pad_token_id=2)
+    return out[0, len(prompt):].tolist()
+
+
+def random_prompts(lengths, seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]

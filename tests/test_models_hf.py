@@ -1,0 +1,61 @@
+"""Numerics against Hugging Face transformers on tiny random float32 models."""
+import pytest
+import torch
+
+from tokenmill import SamplingParams
+from conftest import hf_greedy, make_llm, random_prompts
+
+# one-token prompt, prompts ending exactly on block boundaries (16, 32), and ragged lengths
+LENGTHS = [1, 7, 16, 23, 32, 45]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_prompt_logprobs_match_transformers(model_dirs, arch):
+    path, hf = model_dirs[arch]
+    llm = make_llm(path)
+    prompts = random_prompts([40, 17], seed=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0].float().log_softmax(-1)
+        assert out.prompt_logprobs[0] is None
+        ours = torch.tensor([out.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))])
+        expected = ref[torch.arange(len(p) - 1), torch.tensor(p[1:])]
+        torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_greedy_matches_transformers_generate(model_dirs, arch):
+    path, hf = model_dirs[arch]
+    llm = make_llm(path)
+    prompts = random_prompts(LENGTHS, seed=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, p, 24), f"prompt length {len(p)}"
+        assert out.outputs[0].finish_reason == "length"
+    llm.llm_engine.check_invariants()
+
+
+def test_text_prompt_matches_transformers(model_dirs):
+    path, hf = model_dirs["llama"]
+    llm = make_llm(path)
+    tok = llm.get_tokenizer()
+    prompt = "To be, or not to be"
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    ids = tok.encode(prompt)
+    assert out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == hf_greedy(hf, ids, 12)
+    assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_bfloat16_runs_close_to_float32(llama_dir):
+    prompts = random_prompts([20], seed=3)
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    f32 = make_llm(llama_dir).generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)[0]
+    b16 = make_llm(llama_dir, dtype="bfloat16").generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                                         use_tqdm=False)[0]
+    a = torch.tensor([d[prompts[0][i + 1]].logprob for i, d in enumerate(f32.prompt_logprobs[1:])])
+    b = torch.tensor([d[prompts[0][i + 1]].logprob for i, d in enumerate(b16.prompt_logprobs[1:])])
+    assert (a - b).abs().max() < 0.25

@@ -1,0 +1,5 @@
+import sys
+
+from tokenmill.entrypoints.cli import main
+
+sys.exit(main())

@@ -1,0 +1,139 @@
+"""`tokenmill` command line: generate, eval ppl, serve. `python -m tokenmill` is the same."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tokenmill.config import DEFAULT_MODEL
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags, named as in vLLM."""
+    p.add_argument("--model", default=DEFAULT_MODEL, help="local model directory (default: the shipped model)")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None, help="CPU KV cache budget in GiB (default 4)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument("--quantization", "-q", default=None)
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                kv_cache_memory_gb=args.kv_cache_memory_gb, tensor_parallel_size=args.tensor_parallel_size,
+                pipeline_parallel_size=args.pipeline_parallel_size, quantization=args.quantization,
+                load_format=args.load_format, enable_prefix_caching=args.enable_prefix_caching,
+                enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
+                seed=args.seed)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", type=int, default=None)
+
+
+def cmd_generate(args) -> int:
+    from tokenmill import LLM, SamplingParams
+
+    sp = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                        min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                        max_tokens=args.max_tokens, stop=args.stop, seed=args.sampling_seed,
+                        ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+    llm = LLM(**engine_kwargs(args))
+    prompts = args.prompt or ["To be, or not to be"]
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], sp, use_tqdm=False)
+    else:
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        for c in out.outputs:
+            if args.json:
+                print(json.dumps({"prompt": p, "index": c.index, "text": c.text, "token_ids": c.token_ids,
+                                  "finish_reason": c.finish_reason}))
+            else:
+                print(f"--- prompt: {p!r}" + (f" [{c.index}]" if args.n > 1 else ""))
+                print(p + c.text if not args.chat else c.text)
+                print(f"--- ({len(c.token_ids)} tokens, finish_reason={c.finish_reason})")
+    return 0
+
+
+def cmd_eval_ppl(args) -> int:
+    from tokenmill.evaluation.engine_ppl import evaluate_perplexity
+
+    res = evaluate_perplexity(args.model, args.text, dtype=args.dtype, window=args.window)
+    print(json.dumps(res, indent=2))
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from tokenmill.entrypoints.openai.api_server import run_server
+
+    return run_server(args) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text offline")
+    g.add_argument("prompt", nargs="*", help="prompt(s); default: a Shakespeare line")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("--json", action="store_true", help="one JSON line per completion")
+    add_engine_args(g)
+    add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    e = sub.add_parser("eval", help="evaluate a model")
+    esub = e.add_subparsers(dest="eval_command", required=True)
+    ppl = esub.add_parser("ppl", help="perplexity on held-out text")
+    ppl.add_argument("--model", default=DEFAULT_MODEL)
+    ppl.add_argument("--text", default=None, help="text file (default: the shipped Shakespeare validation text)")
+    ppl.add_argument("--dtype", default="float32")
+    ppl.add_argument("--window", type=int, default=None, help="tokens per window (default: max_position_embeddings)")
+    ppl.set_defaults(func=cmd_eval_ppl)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("model_tag", nargs="?", default=None, help="model directory (same as --model)")
+    add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
