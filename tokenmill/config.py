@@ -45,6 +45,9 @@ class ModelConfig:
         archs = getattr(hf_config, "architectures", None) or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; cannot pick a model class")
+        from tokenmill.models.registry import model_class
+
+        model_class(archs[0])  # unknown architectures fail here, naming themselves
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         rope = dict(getattr(hf_config, "rope_parameters", None) or {})  # transformers >= 5

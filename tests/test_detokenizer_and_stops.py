@@ -1,0 +1,80 @@
+"""Incremental detokenization (multi-byte UTF-8, BPE merges) and stop strings."""
+import pytest
+
+from tokenmill import SamplingParams
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from conftest import make_llm
+
+
+@pytest.fixture(scope="module")
+def tok(llama_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(llama_dir)
+
+
+@pytest.mark.parametrize("text", ["你好，世界。 こんにちは", "🙂🎉 naïve café", "To be, or not to be — “quotes” …"])
+def test_incremental_equals_full_decode(tok, text):
+    ids = tok.encode(text)
+    prompt = tok.encode("Héllo ")
+    d = IncrementalDetokenizer(tok, prompt)
+    pieces = []
+    for t in ids:
+        before = d.output_text
+        d.update([t])
+        pieces.append(d.output_text[len(before):])
+        assert "\ufffd" not in d.output_text  # never a half character
+    assert d.output_text == text == tok.decode(ids)
+
+
+def test_split_multibyte_characters_are_held_back(tok):
+    text = "龍🐉"  # not in the tokenizer's corpus: each character is several byte-level tokens
+    ids = tok.encode(text)
+    assert len(ids) > len(text)
+    d = IncrementalDetokenizer(tok, [])
+    pieces = []
+    for t in ids:
+        before = d.output_text
+        d.update([t])
+        pieces.append(d.output_text[len(before):])
+    assert "" in pieces and "".join(pieces) == text
+
+
+def test_stop_string_across_tokens_is_trimmed(tok):
+    text = "To be, or not to be, that is the question"
+    ids = tok.encode(text)
+    d = IncrementalDetokenizer(tok, [], stop=["not to"])
+    hit = None
+    for t in ids:
+        hit = d.update([t])
+        if hit:
+            break
+    assert hit == "not to" and d.output_text == "To be, or "
+    d2 = IncrementalDetokenizer(tok, [], stop=["not to"], include_stop_str_in_output=True)
+    for t in ids:
+        if d2.update([t]):
+            break
+    assert d2.output_text == "To be, or not to"
+
+
+def test_streaming_holds_back_possible_stop_prefix(tok):
+    d = IncrementalDetokenizer(tok, [], stop=["question"])
+    d.update(tok.encode("the ques"))
+    assert not d.visible_text(False).endswith("ques")
+    assert d.visible_text(True) == "the ques"
+
+
+def test_engine_applies_stop_strings(llama_dir):
+    llm = make_llm(llama_dir)
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    free = llm.generate("To be", sp, use_tqdm=False)[0].outputs[0]
+    text = free.text
+    assert len(text) > 6
+    stop = text[3:6]
+    if stop in text[:3 + len(stop) - 1]:
+        stop = text[3:7]
+    out = llm.generate("To be", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    assert len(out.token_ids) < len(free.token_ids)
+    llm.llm_engine.check_invariants()

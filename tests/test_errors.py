@@ -1,0 +1,65 @@
+"""Bad input gets a ValueError naming the field; the engine keeps serving."""
+import pytest
+
+from tokenmill import SamplingParams
+from tokenmill.config import EngineConfig
+from conftest import make_llm, random_prompts
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-5), "top_k"), (dict(min_p=2), "min_p"), (dict(max_tokens=0), "max_tokens"),
+    (dict(n=0), "n"), (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(presence_penalty=3), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(logprobs=-1), "logprobs"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(stop=[""]), "stop"), (dict(seed="x"), "seed"), (dict(temperature=float("nan")), "temperature"),
+])
+def test_invalid_sampling_values(kw, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw)
+
+
+def test_bad_prompts_leave_engine_serving(llama_dir):
+    llm = make_llm(llama_dir, max_model_len=64)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    good = {"prompt_token_ids": random_prompts([5])[0]}
+    expected = llm.generate(good, sp, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="prompt.*empty"):
+        llm.generate("", sp, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt.*empty"):
+        llm.generate({"prompt_token_ids": []}, sp, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate({"prompt_token_ids": [5] * 64}, sp, use_tqdm=False)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate({"prompt_token_ids": [5, 10**6]}, sp, use_tqdm=False)
+    # a bad prompt inside a batch rejects the batch but leaves nothing half-admitted
+    with pytest.raises(ValueError):
+        llm.generate([good, {"prompt_token_ids": []}], sp, use_tqdm=False)
+    llm.llm_engine.check_invariants()
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.generate(good, sp, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
+def test_config_errors_name_the_problem(llama_dir, tmp_path):
+    with pytest.raises(ValueError, match="model directory not found"):
+        EngineConfig(model=str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="config.json"):
+        make_llm(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        make_llm(str(tmp_path))
+    with pytest.raises(ValueError, match="max_model_len"):
+        make_llm(llama_dir, max_model_len=10**6)
+    with pytest.raises(ValueError, match="dtype"):
+        make_llm(llama_dir, dtype="int3")
+
+
+def test_missing_weights_file(llama_dir, tmp_path):
+    import shutil
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{llama_dir}/{f}", tmp_path / f)
+    with pytest.raises(ValueError, match="model.safetensors"):
+        make_llm(str(tmp_path))
+    llm = make_llm(str(tmp_path), load_format="dummy")  # dummy weights need no checkpoint
+    out = llm.generate("To be", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3

@@ -1,0 +1,152 @@
+"""Sampler: seeds, filters, the softmax law, penalties, logprobs, stop rules."""
+import math
+
+import pytest
+import torch
+
+from tokenmill import SamplingParams
+from tokenmill.sample.sampler import SampleRow, Sampler, filter_logits
+from conftest import make_llm, random_prompts
+
+
+def _rows(n, **kw):
+    return [SampleRow(SamplingParams(**kw), [], [], None) for _ in range(n)]
+
+
+def test_seeded_request_reproduces_whatever_the_batch(llama_dir):
+    llm = make_llm(llama_dir)
+    prompts = random_prompts([12, 30, 5], seed=20)
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate({"prompt_token_ids": prompts[0]}, seeded, use_tqdm=False)[0].outputs[0].token_ids
+    other = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    batch = llm.generate([{"prompt_token_ids": p} for p in prompts], [seeded, other, other], use_tqdm=False)
+    assert batch[0].outputs[0].token_ids == alone
+    different = SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True)
+    assert llm.generate({"prompt_token_ids": prompts[0]}, different, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=3), dict(top_p=0.3), dict(min_p=0.2)])
+def test_filters_never_emit_excluded_tokens(kw):
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 3
+    probs = logits.softmax(-1)
+    if "top_k" in kw:
+        allowed = [set(r.topk(kw["top_k"]).indices.tolist()) for r in logits]
+    elif "top_p" in kw:
+        allowed = []
+        for r in probs:
+            p, idx = r.sort(descending=True)
+            keep = (p.cumsum(0) - p) < kw["top_p"]
+            allowed.append(set(idx[keep].tolist()))
+    else:
+        allowed = [set((r >= kw["min_p"] * r.max()).nonzero().flatten().tolist()) for r in probs]
+    sampler = Sampler(seed=0)
+    seen = [set() for _ in range(4)]
+    for _ in range(300):
+        out = sampler(logits.clone(), _rows(4, temperature=1.0, **kw))
+        for i, t in enumerate(out.token_ids):
+            seen[i].add(t)
+    for i in range(4):
+        assert seen[i] <= allowed[i]
+        assert len(seen[i]) > 1 or len(allowed[i]) == 1
+
+
+def test_temperature_sampling_follows_softmax():
+    """Chi-square goodness of fit of 20k draws against softmax(logits / T)."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -2.0]])
+    temp = 0.7
+    expected = (logits / temp).softmax(-1)[0]
+    sampler = Sampler(seed=123)
+    n = 20000
+    rows = _rows(1, temperature=temp)
+    counts = torch.zeros(6)
+    batch = 500
+    for _ in range(n // batch):
+        out = sampler(logits.expand(batch, -1).clone(), rows * batch)
+        counts += torch.bincount(torch.tensor(out.token_ids), minlength=6)
+    chi2 = float((((counts - n * expected) ** 2) / (n * expected)).sum())
+    assert chi2 < 20.5  # 5 degrees of freedom: p < 0.001 critical value
+
+
+def test_top_p_keeps_at_least_one_token():
+    logits = torch.tensor([[10.0, 0.0, 0.0]])
+    out = filter_logits(logits, torch.tensor([0]), torch.tensor([1e-6]), torch.tensor([0.0]), False, True, False)
+    assert torch.isfinite(out).sum() == 1 and out[0, 0] == 10.0
+
+
+def test_penalties():
+    logits = torch.tensor([[1.0, 2.0, -1.0, 0.5]])
+    rp = SampleRow(SamplingParams(temperature=0, repetition_penalty=2.0), [1], [2], None)
+    pres = SampleRow(SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.5), [0], [1, 1], None)
+    from tokenmill.sample.sampler import apply_penalties
+
+    a = logits.clone()
+    apply_penalties(a, [rp])
+    assert a.tolist() == [[1.0, 1.0, -2.0, 0.5]]
+    b = logits.clone()
+    apply_penalties(b, [pres])
+    assert b.tolist() == [[1.0, 2.0 - 1.5 - 1.0, -1.0, 0.5]]
+
+
+def test_logprobs_are_raw_log_softmax(llama_dir, hf_llama):
+    llm = make_llm(llama_dir)
+    prompt = random_prompts([10], seed=21)[0]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=3, logprobs=4,
+                                                                    ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 3
+    ids = prompt + out.token_ids
+    with torch.no_grad():
+        ref = hf_llama(torch.tensor([ids])).logits[0].log_softmax(-1)
+    for j, (tok, lps) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = ref[len(prompt) - 1 + j]
+        assert lps[tok].rank == 1  # greedy picks the top token
+        top = row.topk(4)
+        assert set(lps) == set(top.indices.tolist()) | {tok}
+        for t, lp in lps.items():
+            assert math.isclose(lp.logprob, float(row[t]), abs_tol=1e-4)
+    assert math.isclose(out.cumulative_logprob, sum(out.logprobs[j][t].logprob for j, t in enumerate(out.token_ids)),
+                        abs_tol=1e-5)
+
+
+def test_stop_token_ids_min_tokens_and_max_tokens(llama_dir):
+    llm = make_llm(llama_dir)
+    prompt = random_prompts([8], seed=22)[0]
+    free = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop_tok = free.token_ids[4]
+    first = free.token_ids.index(stop_tok)
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12,
+                                                                    stop_token_ids=[stop_tok]), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert c.token_ids == free.token_ids[: first + 1] and c.finish_reason == "stop" and c.stop_reason == stop_tok
+    # min_tokens bans the stop token until enough tokens exist
+    c2 = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12, min_tokens=first + 2,
+                                                                   stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
+    assert len(c2.token_ids) >= first + 2 and stop_tok not in c2.token_ids[: first + 1]
+    c3 = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                      use_tqdm=False)[0].outputs[0]
+    assert len(c3.token_ids) == 5 and c3.finish_reason == "length"
+
+
+def test_eos_stops_unless_ignored(llama_dir):
+    llm = make_llm(llama_dir)
+    prompt = random_prompts([8], seed=23)[0]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    toks = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0].outputs[0].token_ids
+    eos = toks[3]
+    llm.llm_engine.input_processor.eos_token_ids = (eos,)  # pretend the model's EOS is the 4th greedy token
+    stopped = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=10),
+                           use_tqdm=False)[0].outputs[0]
+    assert stopped.token_ids == toks[: toks.index(eos) + 1] and stopped.finish_reason == "stop"
+    ignored = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0].outputs[0]
+    assert ignored.token_ids == toks and ignored.finish_reason == "length"
+
+
+def test_seeded_n_completions_differ_and_reproduce(llama_dir):
+    llm = make_llm(llama_dir)
+    prompt = random_prompts([6], seed=24)[0]
+    sp = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
+    a = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0]
+    b = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert len({tuple(c.token_ids) for c in a.outputs}) > 1
