@@ -106,6 +106,7 @@ class EngineConfig:
     revision: str | None = None
     trust_remote_code: bool = False
     num_threads: int | None = None
+    cpu_linear_kernel: str = "auto"  # "auto" | "onednn" (packed weights) | "torch" (F.linear)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -117,6 +118,8 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
+        if self.cpu_linear_kernel not in ("auto", "onednn", "torch"):
+            raise ValueError(f"cpu_linear_kernel must be 'auto', 'onednn' or 'torch', got {self.cpu_linear_kernel!r}")
         if self.quantization is not None:
             raise ValueError(f"quantization={self.quantization!r} is not supported yet")
         if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:

@@ -30,7 +30,7 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     # Prefill-only rows whose whole context is new (no cached prefix): plain causal attention.
     fresh_prefill: list[bool]
-    decode_mask: torch.Tensor | None = None  # bool [num_decodes, 1, 1, max_decode_len], built once per step
+    decode_mask: torch.Tensor | None = None  # float bias [num_decodes, 1, 1, max_len]: 0 or -inf, built once per step
 
 
 class AttentionBackend:

@@ -21,13 +21,30 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return g.transpose(0, 1)
 
 
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     mask_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence. q [B, Hq, D], k/v [B, Hkv, L, D] -> [B, Hq, D]. Query heads are grouped
+    under their KV head and handled by two batched matmuls: on CPU this is several times faster
+    than SDPA for single-token queries, whose kernels are tuned for long queries."""
+    B, Hq, D = q.shape
+    Hkv = k.shape[1]
+    qg = q.view(B, Hkv, Hq // Hkv, D)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, Hkv, g, L]
+    if mask_bias is not None:
+        scores += mask_bias
+    probs = scores.softmax(dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).view(B, Hq, D)
+
+
 class TorchAttentionBackend(AttentionBackend):
     def build_step_state(self, meta: AttentionMetadata) -> None:
         nd = meta.num_decodes
         if nd > 1:
             lens = meta.seq_lens[:nd]
             max_len = int(max(meta.seq_lens_host[:nd]))
-            meta.decode_mask = (torch.arange(max_len) < lens[:, None].to(torch.int64)).view(nd, 1, 1, max_len)
+            valid = torch.arange(max_len, device=lens.device) < lens[:, None].to(torch.int64)
+            bias = torch.zeros(nd, 1, 1, max_len, dtype=torch.float32, device=lens.device)
+            meta.decode_mask = bias.masked_fill_(~valid.view(nd, 1, 1, max_len), float("-inf"))
 
     def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float):
         write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
@@ -56,16 +73,14 @@ class TorchAttentionBackend(AttentionBackend):
         nd = q.shape[0]
         if nd == 1:
             L = meta.seq_lens_host[0]
-            kk = gather_kv(key_cache, meta.block_tables[0], L)
-            vv = gather_kv(value_cache, meta.block_tables[0], L)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, scale=scale, enable_gqa=True)
-            return o.transpose(0, 1)
-        mask = meta.decode_mask
-        max_len = mask.shape[-1]
+            kk = gather_kv(key_cache, meta.block_tables[0], L).unsqueeze(0)
+            vv = gather_kv(value_cache, meta.block_tables[0], L).unsqueeze(0)
+            return decode_attention(q, kk, vv, scale)
+        bias = meta.decode_mask
+        max_len = bias.shape[-1]
         bs = key_cache.shape[1]
         tables = meta.block_tables[:nd, : -(-max_len // bs)]
-        # [nd, blocks, bs, Hkv, D] -> [nd, Hkv, L, D]; padded tail is masked out
+        # [nd, blocks, bs, Hkv, D] -> [nd, Hkv, L, D]; the padded tail is masked out by the bias
         kk = key_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
         vv = value_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)
-        return o.squeeze(2)
+        return decode_attention(q, kk, vv, scale, bias)

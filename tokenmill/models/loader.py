@@ -10,6 +10,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.layers.linear import Linear, onednn_linear_available
 from tokenmill.models.registry import model_class
 
 logger = logging.getLogger("tokenmill")
@@ -75,4 +76,19 @@ def load_model(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device:
         missing = {n for n, _ in model.named_parameters()} - loaded
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(sorted(missing)[:5])}")
+    if cpu_linear_kernel(cfg, device) == "onednn":
+        for m in model.modules():
+            if isinstance(m, Linear):
+                m.pack_for_cpu()
     return model.eval()
+
+
+def cpu_linear_kernel(cfg: EngineConfig, device: str) -> str:
+    kind = cfg.cpu_linear_kernel
+    if device != "cpu":
+        return "torch"
+    if kind == "auto":
+        return "onednn" if onednn_linear_available() else "torch"
+    if kind == "onednn" and not onednn_linear_available():
+        raise ValueError("cpu_linear_kernel='onednn' needs a PyTorch build with oneDNN (mkldnn)")
+    return kind

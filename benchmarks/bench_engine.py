@@ -1,0 +1,134 @@
+"""tokenmill vs transformers on a Qwen2.5-0.5B-shaped dummy model, side by side in one run.
+
+Workloads (issue 2):
+  a) batch-1 decode: 128 prompt tokens, 128 new tokens
+  b) 64 prompts x 128 tokens, 128 new tokens each
+  c) 64 sequences, input and output lengths uniform in 64..512 (nano-vllm's workload, scaled down)
+transformers runs (b) and (c) as padded static batches (one generate call, to the longest output).
+
+    python benchmarks/bench_engine.py --dtypes bfloat16 float32 --out benchmarks/results/engine.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import QWEN25_05B, dummy_model_dir, machine, read_bandwidth_gbs, write_json  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def workloads(n_c: int, seed: int = 0):
+    rng = random.Random(seed)
+    vocab = QWEN25_05B["vocab_size"]
+    rand = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
+    return {
+        "a_batch1_decode": [(rand(128), 128)],
+        "b_64x128": [(rand(128), 128) for _ in range(64)],
+        "c_random_64_512": [(rand(rng.randint(64, 512)), rng.randint(64, 512)) for _ in range(n_c)],
+    }
+
+
+def run_tokenmill(llm, reqs):
+    from tokenmill import SamplingParams
+
+    prompts = [{"prompt_token_ids": p} for p, _ in reqs]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert n_out == sum(n for _, n in reqs)
+    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
+    return {"seconds": dt, "output_tokens": n_out, "output_tok_s": n_out / dt,
+            "mean_ttft_s": sum(ttft) / len(ttft)}
+
+
+def run_hf(model, reqs):
+    """One padded static batch: left-pad prompts, generate to the longest requested output."""
+    max_in = max(len(p) for p, _ in reqs)
+    max_out = max(n for _, n in reqs)
+    ids = torch.zeros(len(reqs), max_in, dtype=torch.long)
+    mask = torch.zeros(len(reqs), max_in, dtype=torch.long)
+    for i, (p, _) in enumerate(reqs):
+        ids[i, max_in - len(p):] = torch.tensor(p)
+        mask[i, max_in - len(p):] = 1
+    t = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_out, min_new_tokens=max_out,
+                       do_sample=False, pad_token_id=0)
+    dt = time.perf_counter() - t
+    useful = sum(n for _, n in reqs)  # tokens past a request's own max_tokens are waste, not output
+    return {"seconds": dt, "output_tokens": useful, "output_tok_s": useful / dt}
+
+
+def weight_bytes(model) -> int:
+    """Bytes read per decoded token: every weight once (the tied embedding once, as the LM head)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    ap.add_argument("--workloads", nargs="+", default=None)
+    ap.add_argument("--n-c", type=int, default=64, help="sequences in workload c")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results/engine.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tokenmill import LLM
+
+    path = dummy_model_dir()
+    wl = workloads(args.n_c)
+    names = args.workloads or list(wl)
+    result = {"machine": machine(), "model": "Qwen2.5-0.5B shape, dummy weights", "runs": {}}
+    result["read_bandwidth_gbs_before"] = read_bandwidth_gbs(args.threads)
+    for dname in args.dtypes:
+        dtype = DTYPES[dname]
+        llm = LLM(path, dtype=dname, load_format="dummy", skip_tokenizer_init=True, max_model_len=1024,
+                  max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_memory_gb=6)
+        wbytes = weight_bytes(llm.llm_engine.core.model)
+        run_tokenmill(llm, [(wl["a_batch1_decode"][0][0][:16], 4)])  # warm-up
+        hf = None
+        if not args.skip_hf:
+            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype).eval()
+            run_hf(hf, [(wl["a_batch1_decode"][0][0][:16], 4)])
+        for name in names:
+            reqs = wl[name]
+            entry = {"tokenmill": run_tokenmill(llm, reqs)}
+            print(dname, name, "tokenmill", f"{entry['tokenmill']['output_tok_s']:.1f} tok/s", flush=True)
+            if hf is not None:
+                entry["transformers"] = run_hf(hf, reqs)
+                entry["speedup"] = entry["tokenmill"]["output_tok_s"] / entry["transformers"]["output_tok_s"]
+                print(dname, name, "transformers", f"{entry['transformers']['output_tok_s']:.1f} tok/s",
+                      f"speedup {entry['speedup']:.2f}x", flush=True)
+            if name == "a_batch1_decode":
+                bw = read_bandwidth_gbs(args.threads)
+                # decode-only rate: the prefill of 128 tokens is removed using the measured TTFT
+                tm = entry["tokenmill"]
+                decode_tok_s = (tm["output_tokens"] - 1) / (tm["seconds"] - tm["mean_ttft_s"])
+                entry["tokenmill"]["decode_tok_s"] = decode_tok_s
+                entry["weight_bytes"] = wbytes
+                entry["read_bandwidth_gbs"] = bw
+                entry["roofline_tok_s"] = bw * 1e9 / wbytes
+                entry["fraction_of_roofline"] = decode_tok_s / entry["roofline_tok_s"]
+                print(f"  decode {decode_tok_s:.1f} tok/s = {entry['fraction_of_roofline']:.0%} of the "
+                      f"{entry['roofline_tok_s']:.1f} tok/s roofline ({bw:.1f} GB/s)", flush=True)
+            result["runs"][f"{dname}/{name}"] = entry
+        del llm, hf
+    result["read_bandwidth_gbs_after"] = read_bandwidth_gbs(args.threads)
+    write_json(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Shared benchmark helpers: model shapes, a dummy model directory, memory bandwidth, JSON output."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import tempfile
+import time
+
+import torch
+
+QWEN25_05B = dict(architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                  num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643,
+                  eos_token_id=151645)
+
+
+def dummy_model_dir(shape: dict = QWEN25_05B, name: str = "qwen2.5-0.5b-dummy") -> str:
+    """A config-only model directory; tokenmill builds random weights for it (load_format='dummy')."""
+    from transformers import Qwen2Config
+
+    path = os.path.join(tempfile.gettempdir(), "tokenmill-bench", name)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        Qwen2Config(**{k: v for k, v in shape.items()}).save_pretrained(path)
+    return path
+
+
+def read_bandwidth_gbs(threads: int = 2, gib: float = 1.0, repeats: int = 5) -> float:
+    """Best-of-N GB/s of a `threads`-thread sum over a `gib` GiB float32 buffer."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    x = torch.ones(int(gib * 2**30 // 4), dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    torch.set_num_threads(prev)
+    return x.numel() * 4 / best / 1e9
+
+
+def machine() -> dict:
+    cpu = ""
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+            "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "git": _git_rev()}
+
+
+def _git_rev() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def write_json(result: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {path}")
