@@ -68,9 +68,14 @@ def run_hf(model, reqs):
     return {"seconds": dt, "output_tokens": useful, "output_tok_s": useful / dt}
 
 
-def weight_bytes(model) -> int:
-    """Bytes read per decoded token: every weight once (the tied embedding once, as the LM head)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+def weight_bytes(path: str, dtype: torch.dtype) -> int:
+    """Bytes read per decoded token: every weight once (a tied embedding once, as the LM head).
+    Counted on a meta-device copy of the architecture, so nothing is allocated."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return sum(p.numel() for p in m.parameters()) * dtype.itemsize
 
 
 def main():
@@ -97,7 +102,7 @@ def main():
         dtype = DTYPES[dname]
         llm = LLM(path, dtype=dname, load_format="dummy", skip_tokenizer_init=True, max_model_len=1024,
                   max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_memory_gb=6)
-        wbytes = weight_bytes(llm.llm_engine.core.model)
+        wbytes = weight_bytes(path, dtype)
         run_tokenmill(llm, [(wl["a_batch1_decode"][0][0][:16], 4)])  # warm-up
         hf = None
         if not args.skip_hf:
