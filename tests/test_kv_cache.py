@@ -1,0 +1,99 @@
+"""Block pool and KV manager: allocation, ref counts, prefix hits, LRU eviction, bounded waste."""
+import pytest
+
+from tokenmill import SamplingParams
+from tokenmill.engine.request import Request
+from tokenmill.kv.block_pool import BlockPool
+from tokenmill.kv.hashing import hash_block
+from tokenmill.kv.manager import KVCacheManager
+
+
+def _req(rid, tokens, **kw):
+    return Request(rid, list(tokens), SamplingParams(**kw))
+
+
+def test_chained_hash_depends_on_prefix_and_extra_key():
+    a = hash_block(None, [1, 2, 3, 4])
+    assert hash_block(None, [1, 2, 3, 4]) == a
+    assert hash_block(a, [5, 6, 7, 8]) != hash_block(hash_block(None, [0, 2, 3, 4]), [5, 6, 7, 8])
+    assert hash_block(None, [1, 2, 3, 4], "salt") != a
+
+
+def test_allocate_and_free_return_every_block():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    r = _req("a", range(10))
+    assert kv.allocate_slots(r, 10)
+    assert len(kv.req_blocks["a"]) == 3 and kv.num_free_blocks == 7  # waste: one partial block
+    r.num_computed_tokens = 10
+    assert kv.allocate_slots(r, 2)  # still fits the third block
+    assert len(kv.req_blocks["a"]) == 3
+    kv.free(r)
+    assert kv.num_free_blocks == 10
+    kv.check_invariants()
+
+
+def test_allocation_fails_cleanly_when_out_of_blocks():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    assert kv.allocate_slots(_req("a", range(8)), 8)
+    assert not kv.allocate_slots(_req("b", range(100, 109)), 9)
+    assert kv.num_free_blocks == 1 and "b" not in kv.req_blocks
+    kv.check_invariants()
+
+
+def test_prefix_hit_shares_blocks_and_counts_refs():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    a = _req("a", range(10))
+    kv.allocate_slots(a, 10)
+    b = _req("b", list(range(8)) + [99, 98, 97])
+    hit = kv.find_cached_prefix(b)
+    assert [x.block_id for x in hit] == kv.block_ids("a")[:2]
+    b.num_computed_tokens = 8
+    assert kv.allocate_slots(b, 3, hit)
+    assert all(x.ref_cnt == 2 for x in hit)
+    kv.check_invariants()
+    kv.free(a)
+    assert all(x.ref_cnt == 1 for x in hit)
+    kv.free(b)
+    kv.check_invariants()
+    assert kv.stats.hits == 8 and kv.stats.queries == 11
+
+
+def test_hit_leaves_at_least_one_token_to_compute():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    a = _req("a", range(8))
+    kv.allocate_slots(a, 8)
+    kv.free(a)
+    assert len(kv.find_cached_prefix(_req("b", range(8)))) == 1  # 8 tokens cached, only 4 reusable
+
+
+def test_freed_cached_blocks_are_evicted_lru_tail_first():
+    pool_blocks = 4
+    kv = KVCacheManager(num_blocks=pool_blocks, block_size=2)
+    a = _req("a", range(8))
+    kv.allocate_slots(a, 8)
+    kv.free(a)  # 4 cached free blocks; freed tail first, so the tail is evicted first
+    assert kv.num_free_blocks == 4
+    b = _req("b", range(100, 102))
+    kv.allocate_slots(b, 2)  # evicts one cached block: a's last
+    c = _req("c", list(range(8)))
+    hit = kv.find_cached_prefix(c)
+    assert len(hit) == 3  # a's first three blocks survive
+    kv.free(b)
+    kv.check_invariants()
+
+
+def test_salted_requests_do_not_share():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    a = _req("a", range(9))
+    kv.allocate_slots(a, 9)
+    b = _req("b", range(9))
+    b.cache_salt = "tenant-2"
+    assert kv.find_cached_prefix(b) == []
+
+
+@pytest.mark.parametrize("enable", [True, False])
+def test_prefix_caching_switch(enable):
+    kv = KVCacheManager(num_blocks=10, block_size=4, enable_caching=enable)
+    a = _req("a", range(9))
+    kv.allocate_slots(a, 9)
+    assert len(kv.find_cached_prefix(_req("b", range(9)))) == (2 if enable else 0)
