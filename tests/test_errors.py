@@ -29,7 +29,7 @@ def test_bad_prompts_leave_engine_serving(llama_dir):
     with pytest.raises(ValueError, match="prompt.*empty"):
         llm.generate({"prompt_token_ids": []}, sp, use_tqdm=False)
     with pytest.raises(ValueError, match="max_model_len"):
-        llm.generate({"prompt_token_ids": [5] * 64}, sp, use_tqdm=False)
+        llm.generate({"prompt_token_ids": [5] * 65}, sp, use_tqdm=False)
     with pytest.raises(ValueError, match="token ids"):
         llm.generate({"prompt_token_ids": [5, 10**6]}, sp, use_tqdm=False)
     # a bad prompt inside a batch rejects the batch but leaves nothing half-admitted

@@ -106,11 +106,13 @@ class Sampler:
         if rand:
             tokens[rand] = self._sample(logits[rand], [rows[i] for i in rand])
         token_list = tokens.tolist()
-        lps = [None] * len(rows)
+        lps: list[TokenLogprobs | None] = [None] * len(rows)
         if want_logprobs:
-            for i, r in enumerate(rows):
-                if r.params.logprobs is not None:
-                    lps[i] = token_logprobs(raw_logprobs[i], token_list[i], r.params.logprobs)
+            idx = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+            top_n = max(rows[i].params.logprobs for i in idx)
+            batch = batch_token_logprobs(raw_logprobs[idx], tokens[idx], top_n)
+            for i, row in zip(idx, batch):
+                lps[i] = row[: 1 + rows[i].params.logprobs]
         return SamplerOutput(token_list, lps)
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -124,12 +126,14 @@ class Sampler:
         return exponential_sample(logits.softmax(dim=-1), [r.generator for r in rows], self.generator)
 
 
-def token_logprobs(logprobs: torch.Tensor, chosen: int, top_n: int) -> TokenLogprobs:
-    """The chosen token's logprob and 1-based rank, then the top-N (vLLM's convention)."""
-    lp = logprobs[chosen]
-    rank = int((logprobs > lp).sum()) + 1
-    out = [(chosen, float(lp), rank)]
+def batch_token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, top_n: int) -> list[TokenLogprobs]:
+    """Per row: the chosen token's logprob and 1-based rank, then the top-N (vLLM's convention).
+    One batched pass and one host transfer for all rows."""
+    lp = logprobs.gather(1, chosen.view(-1, 1))
+    ranks = ((logprobs > lp).sum(dim=1) + 1).tolist()
+    rows = [[(t, v, r)] for t, v, r in zip(chosen.tolist(), lp.view(-1).tolist(), ranks)]
     if top_n:
-        vals, ids = logprobs.topk(top_n)
-        out += [(int(t), float(v), j + 1) for j, (t, v) in enumerate(zip(ids.tolist(), vals.tolist()))]
-    return out
+        vals, ids = logprobs.topk(top_n, dim=1)
+        for row, tv, ti in zip(rows, vals.tolist(), ids.tolist()):
+            row.extend((t, v, j + 1) for j, (t, v) in enumerate(zip(ti, tv)))
+    return rows

@@ -12,7 +12,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.torch_backend import TorchAttentionBackend
-from tokenmill.sample.sampler import SampleRow, Sampler, TokenLogprobs, token_logprobs
+from tokenmill.sample.sampler import SampleRow, Sampler, TokenLogprobs, batch_token_logprobs
 from tokenmill.sched.output import ScheduledSeq, SchedulerOutput
 
 
@@ -116,6 +116,5 @@ class ModelRunner:
         if count <= 0:
             return []
         lps = self.model.compute_logits(hidden[:count]).log_softmax(dim=-1)
-        top_n = seq.sampling_params.prompt_logprobs
-        targets = seq.prompt_token_ids[seq.start_pos + 1: seq.start_pos + 1 + count]
-        return [token_logprobs(lps[j], targets[j], top_n) for j in range(count)]
+        targets = torch.tensor(seq.prompt_token_ids[seq.start_pos + 1: seq.start_pos + 1 + count])
+        return batch_token_logprobs(lps, targets, seq.sampling_params.prompt_logprobs)
