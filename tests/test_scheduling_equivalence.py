@@ -154,3 +154,39 @@ def test_scheduler_never_exceeds_budget_or_seq_cap(llama_dir):
             break
     assert finished == 7
     eng.check_invariants()
+
+
+@pytest.mark.parametrize("kw", [
+    dict(batching="static"),
+    dict(kv_layout="contiguous"),
+    dict(attention_impl="eager"),
+    dict(batching="static", kv_layout="contiguous", attention_impl="eager", cpu_linear_kernel="torch"),
+], ids=["static", "contiguous", "eager", "all-baseline"])
+def test_ladder_baseline_modes_give_the_same_tokens(llama_dir, reference, kw):
+    prompts, ref = reference
+    llm = make_llm(llama_dir, max_model_len=128, max_num_seqs=4, **kw)
+    eng = llm.llm_engine
+    if kw.get("batching") == "static":  # no request joins a running batch
+        orig = eng.core.scheduler.schedule
+
+        def checked():
+            before = {r.request_id for r in eng.core.scheduler.running}
+            out = orig()
+            new = {s.request_id for s in out.seqs} - before
+            assert not new or not before
+            return out
+
+        eng.core.scheduler.schedule = checked
+    assert _run(llm, prompts) == ref
+    if kw.get("kv_layout") == "contiguous":  # each request held one adjacent run of max_model_len
+        assert eng.get_stats().prefix_cache_hits == 0
+
+
+def test_contiguous_layout_reserves_max_model_len(llama_dir):
+    eng = make_llm(llama_dir, max_model_len=128, kv_layout="contiguous").llm_engine
+    eng.add_request("a", {"prompt_token_ids": random_prompts([5])[0]}, GREEDY)
+    eng.step()
+    ids = eng.core.kv.block_ids("a")
+    assert len(ids) == 128 // 16 and ids == list(range(ids[0], ids[0] + len(ids)))
+    eng.abort_request("a")
+    eng.check_invariants()

@@ -107,6 +107,12 @@ class EngineConfig:
     trust_remote_code: bool = False
     num_threads: int | None = None
     cpu_linear_kernel: str = "auto"  # "auto" | "onednn" (packed weights) | "torch" (F.linear)
+    # Baseline modes, for the optimization ladder (`tokenmill bench ladder`): each turns one
+    # optimization off, so its effect can be measured in the same engine.
+    batching: str = "continuous"  # "static": a batch fills, runs to completion, then the next starts
+    kv_layout: str = "paged"  # "contiguous": each request reserves max_model_len of KV up front
+    attention_impl: str = "fused"  # "eager": materialized scores, GQA heads repeated, per sequence
+    static_batch_wait_s: float = 0.05  # static batching: how long a partial batch waits to fill
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -120,6 +126,14 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
         if self.cpu_linear_kernel not in ("auto", "onednn", "torch"):
             raise ValueError(f"cpu_linear_kernel must be 'auto', 'onednn' or 'torch', got {self.cpu_linear_kernel!r}")
+        for name, allowed in (("batching", ("continuous", "static")), ("kv_layout", ("paged", "contiguous")),
+                              ("attention_impl", ("fused", "eager"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        if self.kv_layout == "contiguous":
+            self.enable_prefix_caching = False  # nothing to share when every request owns a slab
+        if self.batching == "static":
+            self.enable_chunked_prefill = False
         if self.quantization is not None:
             raise ValueError(f"quantization={self.quantization!r} is not supported yet")
         if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
@@ -144,6 +158,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's limit of {limit} tokens")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else self.max_model_len
+        if self.batching == "static":  # a static batch prefills all its prompts in one step
+            self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_num_seqs * self.max_model_len)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
 

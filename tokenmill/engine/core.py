@@ -58,10 +58,14 @@ class EngineCore:
         num_blocks = self._num_kv_blocks()
         mc = self.model_config
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, mc.num_layers, mc.num_kv_heads,
-                                  mc.head_dim, self.dtype, config.device, config.seed)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+                                  mc.head_dim, self.dtype, config.device, config.seed,
+                                  attention_impl=config.attention_impl)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 reserve_tokens=config.max_model_len if config.kv_layout == "contiguous" else None)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_model_len, config.scheduling_policy, config.enable_chunked_prefill)
+                                   config.max_model_len, config.scheduling_policy, config.enable_chunked_prefill,
+                                   static_batch_wait_s=config.static_batch_wait_s if config.batching == "static"
+                                   else None)
         self.num_steps = 0
         logger.info("engine ready: %s, %s, %d KV blocks of %d tokens", mc.architecture, self.dtype,
                     num_blocks, config.block_size)

@@ -55,6 +55,23 @@ class BlockPool:
             out.append(b)
         return out
 
+    def allocate_contiguous(self, n: int) -> list[KVBlock] | None:
+        """n adjacent block ids, or None if no free run is long enough. O(num_blocks): only the
+        contiguous-KV baseline uses it, and its fragmentation is what the baseline demonstrates."""
+        run = 0
+        for b in self.blocks:
+            run = run + 1 if b.ref_cnt == 0 else 0
+            if run == n:
+                out = self.blocks[b.block_id - n + 1: b.block_id + 1]
+                for x in out:
+                    del self._free[x.block_id]
+                    if x.block_hash is not None:
+                        del self._cached[x.block_hash]
+                        x.block_hash = None
+                    x.ref_cnt = 1
+                return out
+        return None
+
     def free(self, blocks_in_eviction_order) -> None:
         for b in blocks_in_eviction_order:
             b.ref_cnt -= 1

@@ -31,9 +31,13 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 reserve_tokens: int | None = None):
         self.block_size = block_size
-        self.enable_caching = enable_caching
+        self.enable_caching = enable_caching and reserve_tokens is None
+        # Contiguous baseline: a request's first allocation reserves one adjacent run of blocks for
+        # `reserve_tokens` (max_model_len), as engines without paging preallocate per-request KV.
+        self.reserve_blocks = cdiv(reserve_tokens, block_size) if reserve_tokens else None
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._num_cached: dict[str, int] = {}
@@ -75,6 +79,13 @@ class KVCacheManager:
         (prefix hits, whose tokens `req.num_computed_tokens` already counts). False if blocks run out."""
         blocks = self.req_blocks.get(req.request_id, [])
         total = req.num_computed_tokens + num_new_tokens
+        if self.reserve_blocks is not None:
+            if not blocks:
+                run = self.pool.allocate_contiguous(self.reserve_blocks)
+                if run is None:
+                    return False
+                self.req_blocks[req.request_id] = run
+            return True
         need = cdiv(total, self.block_size) - len(blocks) - len(cached)
         reclaimed = sum(1 for b in cached if b.ref_cnt == 0)  # cached hits sitting in the free queue
         if need > self.pool.num_free - reclaimed:

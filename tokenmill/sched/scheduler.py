@@ -60,13 +60,16 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, policy: str = "fcfs", enable_chunked_prefill: bool = True):
+                 max_model_len: int, policy: str = "fcfs", enable_chunked_prefill: bool = True,
+                 static_batch_wait_s: float | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.policy = policy
         self.chunked = enable_chunked_prefill
+        # Static batching (a baseline): admit only into an empty engine, a batch at a time.
+        self.static_batch_wait_s = static_batch_wait_s
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(policy)
         self.running: list[Request] = []
@@ -131,7 +134,7 @@ class Scheduler:
                 scheduled[req.request_id] = n
                 budget -= n
 
-        if not preempted_now:
+        if not preempted_now and self._may_admit():
             budget = self._admit_waiting(budget, scheduled)
 
         out.seqs = [self._seq(self.requests[rid], n) for rid, n in scheduled.items()]
@@ -139,6 +142,15 @@ class Scheduler:
         for rid, n in scheduled.items():
             self.requests[rid].num_computed_tokens += n
         return out
+
+    def _may_admit(self) -> bool:
+        if self.static_batch_wait_s is None:
+            return True
+        if self.running or not len(self.waiting):
+            return False
+        # a partial batch waits (briefly) for more requests to fill it
+        oldest = min(r.arrival_time for r in self.waiting.ordered())
+        return len(self.waiting) >= self.max_num_seqs or time.time() - oldest >= self.static_batch_wait_s
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, int]) -> int:
         for req in self.waiting.ordered():

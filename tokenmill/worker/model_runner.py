@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.attention.eager_backend import EagerAttentionBackend
 from tokenmill.attention.torch_backend import TorchAttentionBackend
 from tokenmill.sample.sampler import SampleRow, Sampler, TokenLogprobs, batch_token_logprobs
 from tokenmill.sched.output import ScheduledSeq, SchedulerOutput
@@ -26,7 +27,7 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: str, seed: int = 0):
+                 head_dim: int, dtype: torch.dtype, device: str, seed: int = 0, attention_impl: str = "fused"):
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -34,7 +35,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
                                     dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(num_layers)]
-        self.backend = TorchAttentionBackend()
+        self.backend = EagerAttentionBackend() if attention_impl == "eager" else TorchAttentionBackend()
         self.sampler = Sampler(seed)
         self.generators: dict[str, torch.Generator] = {}
 
