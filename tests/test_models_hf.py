@@ -59,3 +59,20 @@ def test_bfloat16_runs_close_to_float32(llama_dir):
     a = torch.tensor([d[prompts[0][i + 1]].logprob for i, d in enumerate(f32.prompt_logprobs[1:])])
     b = torch.tensor([d[prompts[0][i + 1]].logprob for i, d in enumerate(b16.prompt_logprobs[1:])])
     assert (a - b).abs().max() < 0.25
+
+
+def test_sharded_checkpoint_loads(model_dirs, tmp_path):
+    import os
+    import shutil
+
+    path, hf = model_dirs["qwen2"]
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(path, f), tmp_path / f)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) > 1
+    prompt = random_prompts([11], seed=4)[0]
+    out = make_llm(str(tmp_path)).generate({"prompt_token_ids": prompt},
+                                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                           use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 8)
