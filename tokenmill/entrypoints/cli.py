@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("model_tag", nargs="?", default=None, help="model directory (same as --model)")
     add_engine_args(s)
+    from tokenmill.entrypoints.openai.cli_args import add_server_args
+
+    add_server_args(s)
     s.set_defaults(func=cmd_serve)
     return parser
 

@@ -1,0 +1,157 @@
+"""Serving overhead at saturation: `tokenmill serve` vs the offline engine (tokenmill.LLM) on one workload.
+
+All requests arrive at once (saturation), greedy, fixed prompt and output lengths (ignore_eos), so both
+paths run the same engine steps; the difference is the HTTP + IPC + detokenization cost. Offline and
+served runs alternate (the machine's speed drifts), and the ratio per pair is reported.
+
+    python benchmarks/bench_serving_overhead.py [--model DIR] [--num-requests 128] [--output-len 64]
+
+Writes benchmarks/results/serving_overhead.json."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tokenmill.config import DEFAULT_MODEL  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_prompts(tok, n: int, input_len: int) -> list[list[int]]:
+    base = tok.encode("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer "
+                      "the slings and arrows of outrageous fortune, or to take arms against a sea of troubles")
+    # distinct prompts (no prefix-cache sharing beyond the first token) of exactly input_len tokens
+    return [[(base[(i + j) % len(base)] + i) % 256 + 3 for j in range(input_len)] for i in range(n)]
+
+
+def run_offline(llm, prompts, output_len: int) -> dict:
+    from tokenmill import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    dt = time.perf_counter() - t
+    toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"seconds": dt, "output_tokens": toks, "output_tok_per_s": toks / dt}
+
+
+async def _serve_once(url: str, prompts, output_len: int, stream: bool) -> dict:
+    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as c:
+        async def one(p):
+            body = {"model": "bench", "prompt": p, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+                    "stream": stream}
+            if not stream:
+                r = await c.post("/v1/completions", json=body)
+                r.raise_for_status()
+                return r.json()["usage"]["completion_tokens"]
+            body["stream_options"] = {"include_usage": True}
+            n = 0
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and '"usage":{' in line:
+                        n = json.loads(line[6:])["usage"]["completion_tokens"]
+            return n
+
+        t = time.perf_counter()
+        counts = await asyncio.gather(*(one(p) for p in prompts))
+        dt = time.perf_counter() - t
+    toks = sum(counts)
+    return {"seconds": dt, "output_tokens": toks, "output_tok_per_s": toks / dt}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--num-requests", type=int, default=128)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serving_overhead.json"))
+    args = ap.parse_args()
+
+    from tokenmill import LLM
+
+    eng = dict(dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16, max_num_seqs=args.max_num_seqs,
+               seed=0)
+    llm = LLM(model=args.model, **eng)
+    prompts = make_prompts(llm.get_tokenizer(), args.num_requests, args.input_len)
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "tokenmill", "serve", "--model", args.model, "--port", str(port),
+           "--served-model-name", "bench", "--dtype", args.dtype, "--max-model-len", str(eng["max_model_len"]),
+           "--max-num-seqs", str(args.max_num_seqs), "--disable-log-requests", "--disable-uvicorn-access-log",
+           "--uvicorn-log-level", "warning"]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        # warm-up both paths
+        run_offline(llm, prompts[:8], 8)
+        asyncio.run(_serve_once(url, prompts[:8], 8, True))
+        rows = []
+        for r in range(args.repeats):
+            off = run_offline(llm, prompts, args.output_len)
+            st = asyncio.run(_serve_once(url, prompts, args.output_len, True))
+            ns = asyncio.run(_serve_once(url, prompts, args.output_len, False))
+            rows.append({"offline": off, "serve_stream": st, "serve_nonstream": ns,
+                         "ratio_stream": st["output_tok_per_s"] / off["output_tok_per_s"],
+                         "ratio_nonstream": ns["output_tok_per_s"] / off["output_tok_per_s"]})
+            print(f"repeat {r}: offline {off['output_tok_per_s']:.0f} tok/s | serve (stream) "
+                  f"{st['output_tok_per_s']:.0f} tok/s ({rows[-1]['ratio_stream']:.3f}x) | serve (non-stream) "
+                  f"{ns['output_tok_per_s']:.0f} tok/s ({rows[-1]['ratio_nonstream']:.3f}x)", flush=True)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)
+
+    med_s = statistics.median(r["ratio_stream"] for r in rows)
+    med_n = statistics.median(r["ratio_nonstream"] for r in rows)
+    result = {
+        "benchmark": "serving_overhead", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count(), "python": platform.python_version()},
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "workload": {"model": args.model, "dtype": args.dtype, "num_requests": args.num_requests,
+                     "input_len": args.input_len, "output_len": args.output_len, "max_num_seqs": args.max_num_seqs,
+                     "arrival": "all at once (saturation)", "sampling": "greedy, ignore_eos"},
+        "runs": rows,
+        "median_ratio_stream": med_s, "median_ratio_nonstream": med_n,
+        "overhead_stream_pct": 100 * (1 - med_s), "overhead_nonstream_pct": 100 * (1 - med_n),
+        "note": "the load generator shares the machine's CPUs with the server and the engine core",
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"serving overhead (median of {len(rows)}): streaming {result['overhead_stream_pct']:.1f} %, "
+          f"non-streaming {result['overhead_nonstream_pct']:.1f} % -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

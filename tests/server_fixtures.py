@@ -1,0 +1,115 @@
+"""Fixtures for the server tests: a tiny random Llama with a byte-level BPE tokenizer and a chat template
+(built once per session, no downloads), and a real `tokenmill serve` subprocess on a free loopback port."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + "
+                 "message['content'] + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}"
+                 "{% endif %}")
+
+_TEXT = """To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer
+The slings and arrows of outrageous fortune, Or to take arms against a sea of troubles
+And by opposing end them. To die, to sleep; No more; and by a sleep to say we end
+The heart-ache and the thousand natural shocks That flesh is heir to. 'Tis a consummation
+Devoutly to be wish'd. All the world's a stage, and all the men and women merely players;
+They have their exits and their entrances; And one man in his time plays many parts.
+Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise him.
+Now is the winter of our discontent Made glorious summer by this sun of York.
+你好，世界。今天天气很好。我们一起去公园散步吧。🚀🌟😀 Hello world! 123 456 789.
+"""
+
+
+def build_tiny_model(path: Path) -> Path:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    specials = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([_TEXT] * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   additional_special_tokens=specials[3:])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    cfg = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=0, eos_token_id=1, pad_token_id=2, architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m tokenmill serve ...` as a subprocess; logs go to a file shown on failure."""
+
+    def __init__(self, model: str, log_path: Path, *extra: str, api_key: str | None = None,
+                 env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log_path = log_path
+        args = [sys.executable, "-m", "tokenmill", "serve", "--model", model, "--port", str(self.port),
+                "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "256",
+                "--kv-cache-memory-gb", "0.05", "--served-model-name", "tiny", *extra]
+        if api_key:
+            args += ["--api-key", api_key]
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
+
+    def wait_ready(self, timeout: float = 180) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def terminate(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode

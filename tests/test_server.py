@@ -1,0 +1,352 @@
+"""The OpenAI-compatible server, end to end: a real `tokenmill serve` subprocess driven by the official
+`openai` client (and httpx for raw error cases). One server for the whole module."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from server_fixtures import ServerProcess, tiny_model_dir  # noqa: F401  (fixture)
+
+API_KEY = "test-key"
+MODEL = "tiny"
+PROMPTS = ["To be, or not to be", "All the world's a stage", "Friends, Romans", "Now is the winter"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):  # noqa: F811
+    srv = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("server") / "server.log",
+                        "--max-request-body-bytes", "200000", "--max-num-seqs", "64", api_key=API_KEY)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        code = srv.terminate()
+        assert code == 0, f"server exit code {code}:\n{srv.logs()}"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_dir):  # noqa: F811
+    from tokenmill import LLM
+
+    return LLM(model=tiny_model_dir, dtype="float32", max_model_len=256, kv_cache_memory_gb=0.05)
+
+
+def post(server, path, body=None, headers=None, **kw):
+    return httpx.post(server.url + path, json=body, headers={**server.headers, **(headers or {})}, timeout=60, **kw)
+
+
+def engine_stats(server) -> dict:
+    return httpx.get(server.url + "/debug/engine_stats", timeout=30).json()
+
+
+# -- basics ---------------------------------------------------------------------------------------------
+def test_models_health_version(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/version").json()["version"]
+
+
+def test_completion_greedy_matches_offline(client, offline):
+    from tokenmill import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = offline.generate(PROMPTS, sp, use_tqdm=False)
+    resp = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert [c.index for c in resp.choices] == list(range(len(PROMPTS)))
+    assert [c.text for c in resp.choices] == [w.outputs[0].text for w in want]
+    assert all(c.finish_reason == "length" for c in resp.choices)
+    assert resp.usage.completion_tokens == 12 * len(PROMPTS)
+    assert resp.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
+
+
+def test_streaming_equals_non_streaming_with_usage(client):
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_sse_wire_format(server):
+    body = {"model": MODEL, "prompt": "To be", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    for e in events[:-1]:
+        assert json.loads(e[6:])["object"] == "text_completion"
+
+
+def test_n_and_seed_reproducible(client):
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=1.0, n=3, seed=1234,
+              extra_body={"ignore_eos": True})
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert sorted(c.index for c in a.choices) == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1  # samples differ from each other
+    assert a.usage.completion_tokens == 24
+    # streaming n > 1 gives the same texts per index
+    parts = {}
+    for ch in client.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            parts[c.index] = parts.get(c.index, "") + c.text
+    assert [parts[i] for i in range(3)] == [c.text for c in a.choices]
+
+
+def test_logprobs_and_echo(client):
+    resp = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=5, temperature=0, logprobs=2,
+                                     extra_body={"ignore_eos": True})
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert all(len(t) >= 1 for t in lp.top_logprobs)
+    echo = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=5, temperature=0, echo=True,
+                                     logprobs=1, extra_body={"ignore_eos": True})
+    assert echo.choices[0].text == PROMPTS[2] + resp.choices[0].text
+    elp = echo.choices[0].logprobs
+    assert elp.token_logprobs[0] is None and len(elp.tokens) > 5
+
+
+def test_token_id_prompts(client, server):
+    ids = post(server, "/tokenize", {"prompt": PROMPTS[0]}).json()["tokens"]
+    by_text = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    batch = client.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text == batch.choices[0].text
+    assert len(batch.choices) == 2
+
+
+def test_stop_strings(client):
+    kw = dict(model=MODEL, prompt=PROMPTS[3], max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    base = client.completions.create(**kw).choices[0].text
+    stop = base[6:9]
+    assert stop.strip(), f"need a non-blank stop string from {base!r}"
+    want = base[: base.index(stop)]
+    r = client.completions.create(stop=[stop], **kw)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    streamed = list(client.completions.create(stop=stop, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in streamed) == want
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_chat_matches_offline(client, offline):
+    from tokenmill import SamplingParams
+
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who art thou?"}]
+    want = offline.chat(msgs, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=10, temperature=0,
+                                       logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want[0].outputs[0].text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(want[0].prompt_token_ids) and r.usage.completion_tokens == 10
+    content = r.choices[0].logprobs.content
+    assert len(content) == 10 and all(len(t.top_logprobs) == 3 for t in content)
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 response_format={"type": "text"}, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want[0].outputs[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].choices == []
+
+
+def test_chat_n_seed(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Speak"}], max_tokens=6, n=2, seed=7,
+              temperature=0.9)
+    a, b = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert [c.index for c in a.choices] == [0, 1]
+
+
+def test_unicode_round_trip(server, client):
+    text = "你好，世界 🚀🌟 naïve"
+    ids = post(server, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert post(server, "/detokenize", {"tokens": ids}).json()["prompt"] == text
+    r = client.completions.create(model=MODEL, prompt=text, max_tokens=4, echo=True, temperature=0)
+    assert r.choices[0].text.startswith(text)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=4)
+    assert chat.usage.prompt_tokens > len(ids)
+
+
+# -- errors ------------------------------------------------------------------------------------------------
+def _assert_error(r: httpx.Response, status: int, param: str | None = "any"):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param != "any":
+        assert err["param"] == param, err
+
+
+GOOD = {"model": MODEL, "prompt": "To be", "max_tokens": 2}
+
+
+@pytest.mark.parametrize("body,param", [
+    ({**GOOD, "temperature": 5}, "temperature"),
+    ({**GOOD, "top_p": 0}, "top_p"),
+    ({**GOOD, "n": 0}, "n"),
+    ({**GOOD, "max_tokens": "abc"}, "max_tokens"),
+    ({**GOOD, "prompt": 123}, "prompt"),
+    ({**GOOD, "prompt": []}, "prompt"),
+    ({**GOOD, "prompt": [999999]}, "prompt"),
+    ({**GOOD, "prompt": [5] * 300}, "prompt"),  # longer than max_model_len
+    ({**GOOD, "max_tokens": 10_000}, "max_tokens"),
+    ({**GOOD, "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({**GOOD, "stop": [""]}, "stop"),
+    ({"model": MODEL, "messages": []}, "messages"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     "response_format"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+])
+def test_bad_values_get_400(server, body, param):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    _assert_error(post(server, path, body), 400, param)
+
+
+def test_malformed_json_wrong_types_404_401_413(server):
+    h = {**server.headers, "content-type": "application/json"}
+    _assert_error(httpx.post(server.url + "/v1/completions", content=b'{"prompt": "x",', headers=h), 400)
+    _assert_error(httpx.post(server.url + "/v1/completions", content=b'[1, 2]', headers=h), 400)
+    _assert_error(post(server, "/v1/completions", {**GOOD, "model": "gpt-17"}), 404, "model")
+    _assert_error(httpx.get(server.url + "/v1/nope", headers=server.headers), 404)
+    _assert_error(httpx.post(server.url + "/v1/completions", json=GOOD), 401)
+    _assert_error(httpx.post(server.url + "/v1/completions", json=GOOD, headers={"Authorization": "Bearer bad"}), 401)
+    _assert_error(post(server, "/v1/completions", {**GOOD, "prompt": "x" * 300_000}), 413)
+    chunked = httpx.post(server.url + "/v1/completions", headers=h,
+                         content=iter([b'{"prompt": "', b"y" * 250_000, b'"}']))
+    _assert_error(chunked, 413)
+    # and the server keeps serving
+    r = post(server, "/v1/completions", GOOD)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+# -- disconnects, concurrency, metrics ------------------------------------------------------------------------
+def _wait_idle(server, timeout=30) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        s = engine_stats(server)
+        if (s["num_free_kv_blocks"] == s["num_kv_blocks"] and s["num_running"] == 0 and s["num_waiting"] == 0
+                and s["num_unfinished_requests"] == 0) or time.time() > deadline:
+            return s
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_frees_kv_blocks(server, stream):
+    body = {"model": MODEL, "prompt": "To be, or not to be " * 5, "max_tokens": 200, "ignore_eos": True,
+            "stream": stream}
+    if stream:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers) as r:
+            it = r.iter_lines()
+            next(l for l in it if l.startswith("data: "))
+            s = engine_stats(server)
+            assert s["num_running"] == 1 and s["num_free_kv_blocks"] < s["num_kv_blocks"]
+    else:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server.url + "/v1/completions", json=body, headers=server.headers, timeout=0.5)
+    s = _wait_idle(server)
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"], s
+    assert s["num_running"] == 0 and s["num_unfinished_requests"] == 0, s
+    assert post(server, "/v1/completions", GOOD).status_code == 200
+
+
+def test_64_concurrent_streams(server):
+    expected = {}
+    sync = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+    for p in PROMPTS:
+        expected[p] = sync.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0,
+                                              extra_body={"ignore_eos": True}).choices[0].text
+
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+        async def one(i):
+            p = PROMPTS[i % len(PROMPTS)]
+            text, finish = "", None
+            stream = await aclient.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0,
+                                                      stream=True, extra_body={"ignore_eos": True})
+            async for ch in stream:
+                text += ch.choices[0].text
+                finish = ch.choices[0].finish_reason or finish
+            return p, text, finish
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(64)))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(run())
+    assert len(results) == 64
+    for p, text, finish in results:
+        assert text == expected[p] and finish == "length"
+    s = _wait_idle(server)
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
+
+
+def test_metrics(server):
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("tokenmill:time_to_first_token_seconds_count", "tokenmill:inter_token_latency_seconds_count",
+                 "tokenmill:e2e_request_latency_seconds_count", "tokenmill:request_queue_time_seconds_count",
+                 "tokenmill:num_requests_running", "tokenmill:num_requests_waiting", "tokenmill:kv_cache_usage_perc",
+                 "tokenmill:prefix_cache_hit_rate", "tokenmill:num_preemptions_total",
+                 "tokenmill:prompt_tokens_total", "tokenmill:generation_tokens_total"):
+        assert name in text, name
+    ttft = re.search(r'^tokenmill:time_to_first_token_seconds_count\{[^}]*\} (\S+)', text, re.M)
+    assert float(ttft.group(1)) > 10
+    assert "finished request" in server.logs()
+
+
+# -- schema fuzzing ----------------------------------------------------------------------------------------
+def test_schema_fuzz_no_5xx(server):
+    """schemathesis against the server's own OpenAPI document: few examples per operation, no 5xx."""
+    import schemathesis
+    from hypothesis import HealthCheck, settings
+
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    failures, statuses = [], []
+    for result in schema.get_all_operations():
+        op = result.ok()
+        if op.path in ("/metrics",):
+            continue
+
+        @settings(max_examples=12, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        def check(case):
+            # keep generations short (2 CPU cores): cap the length and fan-out knobs the fuzzer picks
+            if isinstance(case.body, dict) and op.path.startswith("/v1/"):
+                for key, cap in (("max_tokens", 4), ("max_completion_tokens", 4), ("n", 2)):
+                    v = case.body.get(key)
+                    if isinstance(v, int) and not isinstance(v, bool) and v > cap:
+                        case.body[key] = cap
+                if "max_tokens" not in case.body and "max_completion_tokens" not in case.body:
+                    case.body["max_tokens"] = 4
+            r = case.call(headers=server.headers, timeout=60)
+            statuses.append(r.status_code)
+            if r.status_code >= 500:
+                failures.append((op.path, case.body, r.status_code, r.text[:300]))
+
+        check_fn = op.as_strategy()
+        from hypothesis import given
+        given(check_fn)(check)()
+    assert not failures, failures[:5]
+    assert len(statuses) > 30 and 400 in statuses and 200 in statuses, statuses
+    assert post(server, "/v1/completions", GOOD).status_code == 200

@@ -1,0 +1,64 @@
+"""Server admission (429 + Retry-After past --max-waiting-requests) and graceful SIGTERM shutdown."""
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import httpx
+import pytest
+
+from server_fixtures import ServerProcess, tiny_model_dir  # noqa: F401  (fixture)
+
+BODY = {"model": "tiny", "prompt": "To be, or not to be", "max_tokens": 40, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):  # noqa: F811
+    srv = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("server") / "server.log",
+                        "--max-num-seqs", "1", "--max-waiting-requests", "2", "--shutdown-timeout", "60")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.terminate()
+
+
+def test_queue_full_gets_429_with_retry_after(server):
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            return await asyncio.gather(*(c.post("/v1/completions", json=BODY) for _ in range(12)))
+
+    rs = asyncio.run(run())
+    codes = sorted(r.status_code for r in rs)
+    assert 200 in codes and 429 in codes, codes
+    assert set(codes) <= {200, 429}
+    for r in rs:
+        if r.status_code == 429:
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["code"] == "rate_limit_exceeded"
+        else:
+            assert len(r.json()["choices"][0]["text"]) > 0
+    # capacity comes back
+    assert httpx.post(server.url + "/v1/completions", json={**BODY, "max_tokens": 2}, timeout=60).status_code == 200
+
+
+def test_sigterm_drains_and_exits_zero(server):
+    body = {**BODY, "max_tokens": 60, "stream": True}
+    lines = []
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+        it = r.iter_lines()
+        lines.append(next(l for l in it if l.startswith("data: ")))
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        # no new work is admitted while draining
+        try:
+            refused = httpx.post(server.url + "/v1/completions", json=BODY, timeout=10).status_code
+        except httpx.TransportError:
+            refused = "closed"
+        assert refused in (503, "closed")
+        lines.extend(l for l in it if l.startswith("data: "))
+    assert lines[-1] == "data: [DONE]"  # the in-flight request finished
+    assert '"finish_reason":"length"' in lines[-2]
+    assert server.proc.wait(60) == 0
+    assert "draining" in server.logs()

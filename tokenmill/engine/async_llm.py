@@ -1,0 +1,292 @@
+"""AsyncLLM: the API process's engine. Tokenizes and detokenizes here; the EngineCore steps in its own
+process (core_proc) and talks to us over ZeroMQ. One asyncio task reads core outputs and routes them
+into per-request streams; `generate()` is an async iterator of delta RequestOutputs."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator
+
+from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.engine.core import EngineStats
+from tokenmill.engine.core_client import CoreClient, EngineDeadError
+from tokenmill.engine.input_processor import InputProcessor, eos_token_ids, load_tokenizer
+from tokenmill.engine.messages import (AbortRequests, AddRequest, CoreDead, CoreOutputs, FinishRequests,
+                                       UtilityCall, UtilityResult)
+from tokenmill.engine.metrics import ServerMetrics
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.models.loader import load_hf_config
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenmill")
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than --max-waiting-requests allows; the client should retry later."""
+
+
+class _RequestStream:
+    """Holds at most one pending delta: a slow consumer gets the merged deltas, so memory per request
+    stays bounded by its own output, never by how far the engine ran ahead."""
+
+    def __init__(self):
+        self.pending: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self.event = asyncio.Event()
+        self.last_token_time: float | None = None
+
+    def put(self, out: RequestOutput) -> None:
+        self.pending = out if self.pending is None else _merge(self.pending, out)
+        self.event.set()
+
+    def fail(self, err: BaseException) -> None:
+        self.error = err
+        self.event.set()
+
+    async def get(self) -> RequestOutput:
+        await self.event.wait()
+        self.event.clear()
+        if self.pending is None and self.error is not None:
+            raise self.error
+        out, self.pending = self.pending, None
+        return out
+
+
+def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    for ca, cb in zip(a.outputs, b.outputs):
+        ca.text += cb.text
+        ca.token_ids = ca.token_ids + cb.token_ids
+        if ca.logprobs is not None and cb.logprobs is not None:
+            ca.logprobs = ca.logprobs + cb.logprobs
+        ca.cumulative_logprob = cb.cumulative_logprob
+        ca.finish_reason = ca.finish_reason or cb.finish_reason
+        ca.stop_reason = ca.stop_reason if ca.stop_reason is not None else cb.stop_reason
+    if a.prompt_logprobs is not None and b.prompt_logprobs is not None:
+        a.prompt_logprobs = a.prompt_logprobs + b.prompt_logprobs
+    a.finished, a.num_cached_tokens = b.finished, b.num_cached_tokens
+    return a
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, max_waiting_requests: int = 1024, served_model_name: str | None = None,
+                 log_requests: bool = True, log_level: int = logging.INFO):
+        self.config = config
+        model_config = ModelConfig.from_hf(load_hf_config(config.model))
+        config.resolve(model_config)  # max_model_len etc., the same values the core will compute
+        self.model_config = model_config
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
+            config.tokenizer or config.model, config.trust_remote_code)
+        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, model_config.hf_config)
+        self.input_processor = InputProcessor(self.tokenizer, model_config.vocab_size, config.max_model_len,
+                                              self.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer, delta=True)
+        self.max_waiting_requests = max_waiting_requests
+        self.log_requests = log_requests
+        self.metrics = ServerMetrics(served_model_name or config.model)
+        self.streams: dict[str, _RequestStream] = {}
+        self._pending: set[str] = set()  # child ids admitted but without a first token yet
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_id = 0
+        self.stats: EngineStats | None = None
+        self.dead: str | None = None
+        self.client = CoreClient(config, log_level)
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    async def start(self) -> None:
+        ready = await self.client.wait_ready()
+        logger.info("engine core ready (pid %d): %d KV blocks, max_model_len %d", self.client.proc.pid,
+                    ready.num_kv_blocks, ready.max_model_len)
+        self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watch_core())]
+
+    # -- requests ----------------------------------------------------------------------------------------
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.streams)
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0,
+                    arrival_time: float | None = None, strict_max_tokens: bool = False) -> tuple[str | None, list[int]]:
+        """Validate and submit. Returns (prompt text, prompt token ids). Raises ValueError (bad input),
+        QueueFullError (admission) or EngineDeadError. `strict_max_tokens`: refuse (as OpenAI does) a
+        max_tokens that cannot fit in the context instead of stopping at max_model_len."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        if request_id in self.streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, req = self.input_processor.process(request_id, prompt, params, arrival_time or time.time(), priority)
+        n_prompt = len(req.prompt_token_ids)
+        if strict_max_tokens and params.max_tokens is not None and n_prompt + params.max_tokens > self.max_model_len:
+            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                             f"requested {n_prompt + params.max_tokens} tokens ({n_prompt} in the prompt, "
+                             f"{params.max_tokens} for the completion). Please reduce 'max_tokens' or the prompt.")
+        if len(self._pending) + len(req.child_ids) > self.max_waiting_requests:
+            self.metrics.rejected.inc()
+            raise QueueFullError(f"the server is at capacity ({len(self._pending)} requests waiting); "
+                                 "retry later")
+        self.output_processor.add_request(text, req)
+        self.streams[request_id] = _RequestStream()
+        self._pending.update(req.child_ids)
+        self.client.send(AddRequest(req))
+        return text, req.prompt_token_ids
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Delta outputs of a submitted request. Closing or cancelling the iterator aborts the request."""
+        stream = self.streams[request_id]
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def generate(self, prompt, params: SamplingParams, request_id: str, priority: int = 0
+                 ) -> AsyncIterator[RequestOutput]:
+        """Submit now (bad input raises here, before any streaming); iterate for the delta outputs."""
+        self.add_request(request_id, prompt, params, priority)
+        return self.stream(request_id)
+
+    def abort(self, request_id: str) -> None:
+        st = self.output_processor.states.get(request_id)
+        children = self.output_processor.abort([request_id])
+        self.streams.pop(request_id, None)
+        if not children:
+            return
+        self._pending.difference_update(children)
+        self.client.send(AbortRequests(children))  # the core frees their KV blocks on receipt
+        if st is not None:
+            now = time.time()
+            n_gen = sum(len(c.token_ids) for c in st.completions)
+            self.metrics.observe_finished(st.metrics, len(st.prompt_token_ids), n_gen, "abort", now)
+            self._log_finished(st.request_id, len(st.prompt_token_ids), n_gen, st.metrics, "abort", now)
+
+    # -- the output loop ---------------------------------------------------------------------------------------
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                msg = await self.client.recv()
+                if isinstance(msg, CoreOutputs):
+                    self._on_outputs(msg)
+                elif isinstance(msg, UtilityResult):
+                    fut = self._calls.pop(msg.call_id, None)
+                    if fut is not None and not fut.done():
+                        if msg.error:
+                            fut.set_exception(RuntimeError(msg.error))
+                        else:
+                            fut.set_result(msg.result)
+                elif isinstance(msg, CoreDead):
+                    self._fail_all(f"engine core died: {msg.error}")
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug here must not leave clients hanging
+            logger.exception("output loop failed")
+            self._fail_all(f"output loop failed: {e}")
+
+    def _on_outputs(self, msg: CoreOutputs) -> None:
+        now = time.time()
+        op = self.output_processor
+        self.stats = msg.stats
+        self.metrics.set_engine_stats(msg.stats)
+        for cid, t in msg.first_scheduled.items():
+            parent = op.child_to_parent.get(cid)
+            if parent is not None:
+                m = op.states[parent[0]].metrics
+                m.first_scheduled_time = t if m.first_scheduled_time is None else min(m.first_scheduled_time, t)
+        for o in msg.outputs:
+            if o.new_token_ids:
+                self._pending.discard(o.request_id)
+        for cid, err in msg.errors.items():
+            parent = op.child_to_parent.get(cid)
+            if parent is not None:
+                stream = self.streams.get(parent[0])
+                self.abort(parent[0])
+                if stream is not None:
+                    stream.fail(ValueError(err))
+        outs, stopped = op.process(msg.outputs, now)
+        if stopped:
+            self.client.send(FinishRequests([c for c, _ in stopped], [s for _, s in stopped]))
+        for out in outs:
+            stream = self.streams.get(out.request_id)
+            if stream is None:
+                continue
+            if any(c.token_ids for c in out.outputs):
+                if stream.last_token_time is not None:
+                    self.metrics.observe_itl(now - stream.last_token_time)
+                stream.last_token_time = now
+            stream.put(out)
+            if out.finished:
+                del self.streams[out.request_id]
+                self._finished(out, now)
+
+    def _finished(self, out: RequestOutput, now: float) -> None:
+        m = out.metrics
+        n_gen = out.extra.get("num_generated", 0)
+        reason = ",".join(sorted({c.finish_reason or "?" for c in out.outputs if c.finish_reason})) or "stop"
+        self.metrics.observe_finished(m, len(out.prompt_token_ids), n_gen, reason, now)
+        self._log_finished(out.request_id, len(out.prompt_token_ids), n_gen, m, reason, now)
+
+    def _log_finished(self, rid: str, n_prompt: int, n_gen: int, m, reason: str, now: float) -> None:
+        if not self.log_requests:
+            return
+        ttft = f"{m.first_token_time - m.arrival_time:.3f}s" if m.first_token_time else "-"
+        logger.info("finished request %s: prompt_tokens=%d generation_tokens=%d ttft=%s latency=%.3fs "
+                    "finish_reason=%s", rid, n_prompt, n_gen, ttft, now - m.arrival_time, reason)
+
+    def _fail_all(self, why: str) -> None:
+        self.dead = why
+        logger.error(why)
+        for stream in self.streams.values():
+            stream.fail(EngineDeadError(why))
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(why))
+
+    async def _watch_core(self) -> None:
+        code = await self.client.watch_process()
+        if not self.client.closed:
+            self._fail_all(f"engine core process exited unexpectedly (exit code {code})")
+
+    # -- utilities -------------------------------------------------------------------------------------------
+    async def call_core(self, method: str, timeout: float = 10.0) -> EngineStats:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        self._call_id += 1
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[self._call_id] = fut
+        self.client.send(UtilityCall(self._call_id, method))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._calls.pop(self._call_id, None)
+
+    async def get_stats(self) -> EngineStats | None:
+        """Fresh stats from the core (it answers between steps); the last snapshot if it is slow."""
+        try:
+            self.stats = await self.call_core("stats", timeout=5.0)
+            self.metrics.set_engine_stats(self.stats)
+        except (asyncio.TimeoutError, EngineDeadError):
+            pass
+        return self.stats
+
+    async def shutdown(self) -> None:
+        for rid in list(self.streams):
+            stream = self.streams.get(rid)
+            self.abort(rid)
+            if stream is not None:
+                stream.fail(EngineDeadError("server is shutting down"))
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.client.shutdown()

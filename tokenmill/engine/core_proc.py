@@ -1,0 +1,174 @@
+"""The engine-core process: EngineCore's step loop behind two ZeroMQ sockets, no HTTP work.
+
+    API process --PUSH--> [input]  core_proc  [output] --PUSH--> API process
+
+Loop: drain every queued input message, run one step, send that step's outputs as one message.
+When there is nothing to run it blocks on the input socket (and on a pipe that reaches EOF when the
+parent dies, so an orphaned core exits instead of holding memory)."""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+import traceback
+
+import msgspec
+import zmq
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.messages import (AbortRequests, AddRequest, CoreDead, CoreInput, CoreOutputs, FinishRequests,
+                                       Ready, Shutdown, UtilityCall, UtilityResult)
+from tokenmill.engine.request import Request, RequestStatus
+
+logger = logging.getLogger("tokenmill")
+
+
+class CoreProc:
+    def __init__(self, config: EngineConfig, input_addr: str, output_addr: str, parent_alive_fd: int | None):
+        self.ctx = zmq.Context(io_threads=1)
+        self.inp = self.ctx.socket(zmq.PULL)
+        self.inp.connect(input_addr)
+        self.out = self.ctx.socket(zmq.PUSH)
+        self.out.setsockopt(zmq.LINGER, 2000)
+        self.out.connect(output_addr)
+        self.enc = msgspec.msgpack.Encoder()
+        self.dec = msgspec.msgpack.Decoder(CoreInput)
+        self.poller = zmq.Poller()
+        self.poller.register(self.inp, zmq.POLLIN)
+        self.parent_fd = parent_alive_fd
+        if parent_alive_fd is not None:
+            self.poller.register(parent_alive_fd, zmq.POLLIN)
+        try:
+            self.core = EngineCore(config)
+        except BaseException as e:
+            self.out.send(self.enc.encode(CoreDead(f"{type(e).__name__}: {e}")))
+            raise
+        # Request objects we created, until their first output: queue-time metrics need first_scheduled_time.
+        self.unreported: dict[str, Request] = {}
+        self.running = True
+        self.out.send(self.enc.encode(Ready(self.core.kv.pool.num_blocks, config.max_model_len)))
+
+    def run(self) -> None:
+        while self.running:
+            self._wait_and_drain(block=not self.core.has_unfinished())
+            if self.running and self.core.has_unfinished():
+                self._step()
+
+    def _wait_and_drain(self, block: bool) -> None:
+        if block:
+            events = dict(self.poller.poll())  # idle: sleep until a message (or parent death)
+            if self.parent_fd is not None and self.parent_fd in events:
+                logger.warning("engine core: API process is gone; exiting")
+                self.running = False
+                return
+        while self.running:
+            try:
+                frame = self.inp.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(self.dec.decode(frame.buffer))
+
+    def _handle(self, msg) -> None:
+        core = self.core
+        if isinstance(msg, AddRequest):
+            errors = {}
+            for req in msg.request.to_requests():
+                try:
+                    core.add_request(req)
+                    self.unreported[req.request_id] = req
+                except ValueError as e:
+                    errors[req.request_id] = str(e)
+            if errors:
+                self._send(CoreOutputs([], core.stats(), errors=errors))
+        elif isinstance(msg, AbortRequests):
+            core.abort(msg.child_ids)  # frees their KV blocks now
+            for cid in msg.child_ids:
+                self.unreported.pop(cid, None)
+        elif isinstance(msg, FinishRequests):
+            for cid, stop in zip(msg.child_ids, msg.stop_reasons):
+                core.finish_request(cid, RequestStatus.FINISHED_STOPPED, stop)
+                self.unreported.pop(cid, None)
+        elif isinstance(msg, UtilityCall):
+            self._send(self._call(msg))
+        elif isinstance(msg, Shutdown):
+            core.abort(list(core.scheduler.requests))
+            self.running = False
+
+    def _call(self, msg: UtilityCall) -> UtilityResult:
+        try:
+            if msg.method == "stats":
+                return UtilityResult(msg.call_id, self.core.stats())
+            if msg.method == "check_invariants":
+                self.core.check_invariants()
+            elif msg.method == "reset_prefix_cache":
+                self.core.kv.reset_prefix_cache()
+            else:
+                return UtilityResult(msg.call_id, error=f"unknown method {msg.method!r}")
+            return UtilityResult(msg.call_id, self.core.stats())
+        except Exception as e:  # an integrity failure is reported, not fatal
+            return UtilityResult(msg.call_id, error=f"{type(e).__name__}: {e}")
+
+    def _step(self) -> None:
+        outputs = self.core.step()
+        if not outputs:
+            return
+        first = {}
+        for o in outputs:
+            req = self.unreported.pop(o.request_id, None)
+            if req is not None and req.first_scheduled_time is not None:
+                first[o.request_id] = req.first_scheduled_time
+        self._send(CoreOutputs(outputs, self.core.stats(), first))
+
+    def _send(self, msg) -> None:
+        self.out.send(self.enc.encode(msg), copy=False)
+
+    def close(self) -> None:
+        self.inp.close(linger=0)
+        self.out.close()
+        self.ctx.term()
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_alive_fd: int | None = None,
+                    log_level: int = logging.INFO) -> None:
+    """`parent_alive_fd` is the read end of a pipe whose write end only the parent holds: it becomes
+    readable (EOF) when the parent dies."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(message)s")
+    # The API process owns shutdown: a signal to the whole process group (Ctrl-C, `kill -TERM -pgid`) must not
+    # kill in-flight requests; the core exits on the API's Shutdown message or when the API process is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    proc = None
+    try:
+        proc = CoreProc(config, input_addr, output_addr, parent_alive_fd)
+        proc.run()
+    except BaseException:
+        logger.error("engine core died:\n%s", traceback.format_exc())
+        if proc is not None:
+            try:
+                proc._send(CoreDead(traceback.format_exc(limit=3)))
+                time.sleep(0.1)
+            except Exception:
+                pass
+        raise
+    finally:
+        if proc is not None:
+            proc.close()
+
+
+def main() -> None:
+    """`python -m tokenmill.engine.core_proc`: the parent writes one pickled (config, input_addr,
+    output_addr, log_level) to our stdin and keeps it open; stdin's EOF means the parent died.
+    (A subprocess, not multiprocessing: spawn would re-run the parent's __main__, e.g. `python -m tokenmill`.)"""
+    import pickle
+    import struct
+
+    stdin = sys.stdin.buffer
+    (size,) = struct.unpack("<Q", stdin.read(8))
+    config, input_addr, output_addr, log_level = pickle.loads(stdin.read(size))
+    run_engine_core(config, input_addr, output_addr, sys.stdin.fileno(), log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Prompt -> validated token ids -> an EngineCoreRequest. Shared by LLMEngine (in-process) and
+AsyncLLM (API process), so both build identical requests (same child ids and seeds)."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+
+from tokenmill.engine.messages import EngineCoreRequest
+from tokenmill.sampling_params import SamplingParams
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+
+
+def eos_token_ids(model_path: str, tokenizer, hf_config) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen = os.path.join(model_path, "generation_config.json")
+    sources = []
+    if os.path.isfile(gen):
+        with open(gen) as f:
+            sources.append(json.load(f).get("eos_token_id"))
+    sources.append(getattr(hf_config, "eos_token_id", None))
+    if tokenizer is not None:
+        sources.append(tokenizer.eos_token_id)
+    for s in sources:
+        for t in (s if isinstance(s, list) else [s]):
+            if isinstance(t, int) and t not in ids:
+                ids.append(t)
+    return tuple(ids)
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_ids: tuple[int, ...]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_ids
+
+    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True was set)")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"'prompt' must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def validate(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("'prompt' must not be empty")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"'prompt' token ids must be integers in [0, {self.vocab_size})")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"'prompt' is {len(token_ids)} tokens, longer than max_model_len ({self.max_model_len})")
+
+    def process(self, request_id: str, prompt, params: SamplingParams, arrival_time: float,
+                priority: int = 0) -> tuple[str | None, EngineCoreRequest]:
+        """Returns the prompt text (if any) and the request for the core. Raises ValueError on bad input."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError("'sampling_params' must be a SamplingParams")
+        text, ids = self.tokenize_prompt(prompt)
+        self.validate(ids)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("'stop' strings need a tokenizer")
+        params = replace(params, eos_token_ids=self.eos_token_ids)
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        return text, EngineCoreRequest(request_id, child_ids, ids, params, arrival_time, priority)

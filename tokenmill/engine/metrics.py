@@ -1,0 +1,105 @@
+"""Prometheus metrics, named as vLLM's with a `tokenmill:` prefix.
+
+Request-level numbers (TTFT, ITL, latency, token counts) are observed in the API process as outputs
+arrive; engine-level numbers (queue lengths, KV usage, prefix cache, preemptions) come from the core's
+EngineStats snapshot and are exported at scrape time by a collector."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tokenmill.engine.core import EngineStats
+from tokenmill.outputs import RequestMetrics
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+
+
+class _EngineStatsCollector:
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.stats: EngineStats | None = None
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s, labels = self.stats, [self.model_name]
+        if s is None:
+            return
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
+            g.add_metric(labels, value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
+            c.add_metric(labels, value)
+            return c
+
+        yield gauge("num_requests_running", "Sequences in the running batch.", s.num_running)
+        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", s.kv_cache_usage)
+        yield gauge("num_kv_blocks_total", "KV-cache blocks in the pool.", s.num_kv_blocks)
+        yield gauge("num_kv_blocks_free", "KV-cache blocks free (cached-but-unused blocks count as free).",
+                    s.num_free_kv_blocks)
+        yield gauge("prefix_cache_hit_rate", "Prefix-cache hit rate over all prompt tokens so far.",
+                    s.prefix_cache_hit_rate)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        yield counter("num_preemptions", "Preemptions (requests evicted and later recomputed).", s.num_preemptions)
+        yield counter("engine_steps", "Engine steps run.", s.num_steps)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self.engine = _EngineStatsCollector(model_name)
+        self.registry.register(self.engine)
+        lab, r = ["model_name"], self.registry
+
+        def hist(name, doc, buckets=_LATENCY_BUCKETS):
+            return Histogram(f"tokenmill:{name}", doc, lab, buckets=buckets, registry=r).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.")
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive token outputs of a request.")
+        self.tpot = hist("request_time_per_output_token_seconds", "Per request: (latency - TTFT) / (tokens - 1).")
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.")
+        self.queue = hist("request_queue_time_seconds", "Time from arrival to first being scheduled.")
+        self.prompt_hist = hist("request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS)
+        self.gen_hist = hist("request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS)
+        self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prefill tokens processed.", lab,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("tokenmill:generation_tokens", "Generated tokens.", lab,
+                                         registry=r).labels(model_name)
+        self._success = Counter("tokenmill:request_success", "Finished requests by finish reason.",
+                                lab + ["finished_reason"], registry=r)
+        self.rejected = Counter("tokenmill:request_rejected", "Requests refused with 429 (queue full).", lab,
+                                registry=r).labels(model_name)
+        self.model_name = model_name
+
+    def set_engine_stats(self, stats: EngineStats) -> None:
+        self.engine.stats = stats
+
+    def observe_itl(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def observe_finished(self, m: RequestMetrics, num_prompt: int, num_generated: int, finish_reason: str,
+                         now: float) -> None:
+        self._success.labels(self.model_name, finish_reason).inc()
+        self.prompt_tokens.inc(num_prompt)
+        self.generation_tokens.inc(num_generated)
+        self.prompt_hist.observe(num_prompt)
+        self.gen_hist.observe(num_generated)
+        self.e2e.observe(now - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+            if num_generated > 1 and m.last_token_time is not None:
+                self.tpot.observe((m.last_token_time - m.first_token_time) / (num_generated - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

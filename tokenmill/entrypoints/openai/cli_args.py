@@ -1,0 +1,23 @@
+"""Server-only flags of `tokenmill serve` (vLLM's names). Kept free of heavy imports: the CLI builds its
+parser before it knows which command runs."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use; the first is reported in responses (default: --model)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (or set TOKENMILL_API_KEY)")
+    p.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="sequences admitted but not yet producing tokens; beyond it requests get 429")
+    p.add_argument("--max-request-body-bytes", type=int, default=8 << 20, help="larger bodies get 413")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+    p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])

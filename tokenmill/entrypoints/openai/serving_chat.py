@@ -1,0 +1,102 @@
+"""POST /v1/chat/completions: messages through the model's chat template, then the same engine path."""
+from __future__ import annotations
+
+import time
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from tokenmill.engine.core_client import EngineDeadError
+from tokenmill.entrypoints.openai.errors import APIError, error_dict
+from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from tokenmill.entrypoints.openai.serving_engine import ServingBase, usage
+from tokenmill.entrypoints.openai.streaming import SSE_DONE, SSEResponse, cancel_on_disconnect, sse
+
+
+def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> dict:
+    """The prompt as {"prompt": text, "prompt_token_ids": ids}, exactly as LLM.chat builds it."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+    convo = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
+        convo.append({"role": m.role, "content": content or ""})
+    try:
+        text = tokenizer.apply_chat_template(convo, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # jinja errors from the template (e.g. role order it rejects)
+        raise APIError(400, f"chat template failed: {e}", "messages") from None
+    # the template already carries any BOS; don't add special tokens twice
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
+class OpenAIServingChat(ServingBase):
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        if req.response_format is not None and req.response_format.type != "text":
+            raise APIError(400, f"response_format type {req.response_format.type!r} is not supported; use 'text'",
+                           "response_format")
+        if req.tools:
+            raise APIError(400, "'tools' are not supported", "tools")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        prompt = render_chat(self.tokenizer, req.messages, req.add_generation_prompt)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(req, max_tokens, logprobs)
+        rid, subs = self.submit([prompt], params, req.priority, "chatcmpl")
+        created = int(time.time())
+        if req.stream:
+            return SSEResponse(self._stream(req, rid, subs, created))
+        resp = await cancel_on_disconnect(raw, lambda: self._full(req, rid, subs, created))
+        return resp if resp is not None else Response(status_code=499)
+
+    async def _full(self, req: ChatCompletionRequest, rid: str, subs, created: int) -> Response:
+        choices, _ = await self.collect(subs, req.n)
+        top_n = req.top_logprobs or 0
+        out = [{"index": ch.index, "message": {"role": "assistant", "content": ch.text},
+                "logprobs": self.chat_logprobs(ch.logprobs, top_n) if req.logprobs else None,
+                "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason} for ch in choices]
+        body = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
+                "choices": out, "usage": usage(len(subs[0][2]), sum(c.num_tokens for c in choices))}
+        return Response(msgspec.json.encode(body), media_type="application/json")
+
+    async def _stream(self, req: ChatCompletionRequest, rid: str, subs, created: int):
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        top_n = req.top_logprobs or 0
+        sub_id, _, ids = subs[0]
+
+        def chunk(choices: list, usage_=None, final: bool = False) -> bytes:
+            c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                 "choices": choices}
+            if include_usage:
+                c["usage"] = usage_
+            return sse(c)
+
+        num_completion = 0
+        try:
+            # OpenAI opens each choice with the role, and empty content
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(req.n)])
+            try:
+                async for out in self.engine.stream(sub_id):
+                    choices = []
+                    for c in out.outputs:
+                        if not c.token_ids and c.finish_reason is None:
+                            continue
+                        num_completion += len(c.token_ids)
+                        delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+                        choices.append({"index": c.index, "delta": delta,
+                                        "logprobs": self.chat_logprobs(c.logprobs, top_n) if req.logprobs else None,
+                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                    if choices:
+                        yield chunk(choices)
+            except EngineDeadError as e:
+                yield sse(error_dict(503, str(e)))
+                yield SSE_DONE
+                return
+            if include_usage:
+                yield chunk([], usage(len(ids), num_completion))
+            yield SSE_DONE
+        finally:
+            self.abort_all(subs)

@@ -1,0 +1,165 @@
+"""What completions and chat share: model check, SamplingParams from a request, submission with error
+mapping, per-choice accumulation and logprob formatting."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+
+from tokenmill.engine.async_llm import AsyncLLM, QueueFullError
+from tokenmill.engine.core_client import EngineDeadError
+from tokenmill.entrypoints.openai.errors import APIError, bad_request
+from tokenmill.outputs import CompletionOutput, Logprob
+from tokenmill.sampling_params import SamplingParams
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass
+class Choice:
+    """One choice's accumulated output (non-streaming) or running offsets (streaming)."""
+    index: int
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, c: CompletionOutput) -> None:
+        self.text += c.text
+        self.num_tokens += len(c.token_ids)
+        if c.logprobs:
+            self.logprobs.extend(c.logprobs)
+        if c.finish_reason is not None:
+            self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+
+
+class ServingBase:
+    def __init__(self, engine: AsyncLLM, served_names: list[str], retry_after_s: int = 1):
+        self.engine = engine
+        self.served_names = served_names
+        self.retry_after_s = retry_after_s
+        self.tokenizer = engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.served_names[0]
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.served_names:
+            raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
+
+    def sampling_params(self, req, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        if req.logit_bias:
+            raise APIError(400, "'logit_bias' is not supported", "logit_bias")
+        kw = dict(n=req.n, max_tokens=max_tokens, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                  ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs,
+                  prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
+                  skip_special_tokens=req.skip_special_tokens)
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            v = getattr(req, name)
+            if v is not None:
+                kw[name] = v
+        try:
+            return SamplingParams(**kw)
+        except ValueError as e:
+            raise bad_request(e) from None
+
+    def submit(self, prompts: list, params: SamplingParams, priority: int, prefix: str
+               ) -> tuple[str, list[tuple[str, str | None, list[int]]]]:
+        """Submit every prompt or none. Returns the response id and (request id, prompt text, prompt ids)."""
+        if len(prompts) * params.n > self.engine.max_waiting_requests:
+            raise APIError(400, f"{len(prompts)} prompts x n={params.n} sequences exceed the server's queue limit "
+                           f"({self.engine.max_waiting_requests})", "n")
+        rid = random_id(prefix)
+        subs = []
+        try:
+            for i, p in enumerate(prompts):
+                sub_id = rid if len(prompts) == 1 else f"{rid}-{i}"
+                text, ids = self.engine.add_request(sub_id, p, params, priority, strict_max_tokens=True)
+                subs.append((sub_id, text, ids))
+        except BaseException as e:
+            for sub_id, _, _ in subs:
+                self.engine.abort(sub_id)
+            if isinstance(e, QueueFullError):
+                raise APIError(429, str(e), code="rate_limit_exceeded",
+                               headers={"Retry-After": str(self.retry_after_s)}) from None
+            if isinstance(e, EngineDeadError):
+                raise APIError(503, str(e)) from None
+            if isinstance(e, ValueError):
+                raise bad_request(e, "prompt" if "'prompt'" in str(e) else None) from None
+            raise
+        return rid, subs
+
+    def abort_all(self, subs) -> None:
+        for sub_id, _, _ in subs:
+            self.engine.abort(sub_id)
+
+    async def collect(self, subs, n: int) -> tuple[list[Choice], list[list]]:
+        """Non-streaming: run every sub-request to the end; choice index = prompt index * n + sample index.
+        Also returns each prompt's prompt-logprob rows (when they were asked for)."""
+        choices = [Choice(i) for i in range(len(subs) * n)]
+        prompt_rows: list[list] = [[] for _ in subs]
+
+        async def one(k: int, sub_id: str) -> None:
+            async for out in self.engine.stream(sub_id):
+                if out.prompt_logprobs:
+                    prompt_rows[k].extend(out.prompt_logprobs)
+                for c in out.outputs:
+                    choices[k * n + c.index].add(c)
+
+        try:
+            await asyncio.gather(*(one(k, s[0]) for k, s in enumerate(subs)))
+        except EngineDeadError as e:
+            raise APIError(503, str(e)) from None
+        finally:
+            self.abort_all(subs)  # no-op for finished requests; frees the rest on cancel/error
+        return choices, prompt_rows
+
+    # -- logprobs ------------------------------------------------------------------------------------------
+    def token_str(self, tok: int, lp: Logprob | None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.tokenizer.decode([tok]) if self.tokenizer is not None else f"token_id:{tok}"
+
+    def completion_logprobs(self, rows, token_ids: list[int] | None, offset: int) -> dict:
+        """Legacy format. rows[i] maps token -> Logprob, the sampled (or prompt) token first; a None row
+        (the first prompt token, which nothing predicts) needs token_ids[i]."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for i, row in enumerate(rows):
+            if row is None:
+                tok = token_ids[i]
+                s = self.token_str(tok, None)
+                out["tokens"].append(s)
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+            else:
+                tok, lp = next(iter(row.items()))
+                s = self.token_str(tok, lp)
+                out["tokens"].append(s)
+                out["token_logprobs"].append(lp.logprob)
+                out["top_logprobs"].append({self.token_str(t, v): v.logprob for t, v in row.items()})
+            out["text_offset"].append(offset)
+            offset += len(s)
+        return out
+
+    def chat_logprobs(self, rows, top_n: int) -> dict:
+        content = []
+        for row in rows:
+            items = list(row.items())
+            tok, lp = items[0]
+            s = self.token_str(tok, lp)
+            top = sorted(items, key=lambda kv: kv[1].rank if kv[1].rank is not None else 0)[:top_n] if top_n else []
+            content.append({"token": s, "logprob": lp.logprob, "bytes": list(s.encode()),
+                            "top_logprobs": [{"token": (ts := self.token_str(t, v)), "logprob": v.logprob,
+                                              "bytes": list(ts.encode())} for t, v in top]})
+        return {"content": content}
+
+
+def usage(num_prompt: int, num_completion: int) -> dict:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion}
