@@ -13,10 +13,20 @@ from conftest import make_llm, random_prompts
     (dict(presence_penalty=3), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
     (dict(logprobs=-1), "logprobs"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
     (dict(stop=[""]), "stop"), (dict(seed="x"), "seed"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_k=2**70), "top_k"), (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(seed=2**80), "seed"), (dict(max_tokens=2**40), "max_tokens"),
 ])
 def test_invalid_sampling_values(kw, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kw)
+
+
+def test_extreme_but_valid_values_do_not_crash(llama_dir):
+    llm = make_llm(llama_dir)
+    sp = SamplingParams(n=2, temperature=1.0, seed=2**64 - 1, top_k=2**31 - 1, max_tokens=3, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": random_prompts([4])[0]}, sp, use_tqdm=False)[0]
+    assert [len(c.token_ids) for c in out.outputs] == [3, 3]
+    llm.llm_engine.check_invariants()
 
 
 def test_bad_prompts_leave_engine_serving(llama_dir):

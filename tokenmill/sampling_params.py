@@ -1,6 +1,7 @@
 """Per-request sampling settings, named as in vLLM."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -48,7 +49,7 @@ class SamplingParams:
             raise bad("temperature", f"must be >= 0, got {self.temperature!r}")
         if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
             raise bad("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
@@ -58,14 +59,15 @@ class SamplingParams:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty!r}")
         if not _is_num(self.frequency_penalty) or not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens < 2**31):
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -2**63 <= self.seed < 2**64):
+            raise bad("seed", f"must be a 64-bit integer, got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0 or v > 20):
@@ -89,4 +91,5 @@ class SamplingParams:
 
 
 def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+    """A finite real number (NaN and infinities are rejected)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -27,7 +27,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
         reqs, leader = [], None
         p = self.params
         for i, cid in enumerate(self.child_ids):
-            cp = p if p.seed is None or i == 0 else replace(p, seed=p.seed + i)
+            cp = p if p.seed is None or i == 0 else replace(p, seed=(p.seed + i) % 2**64)
             req = Request(cid, self.prompt_token_ids, cp, arrival_time=self.arrival_time,
                           priority=self.priority, prefix_leader=leader)
             leader = leader or req

@@ -49,7 +49,8 @@ class ModelRunner:
             return None
         g = self.generators.get(seq.request_id)
         if g is None:
-            g = self.generators[seq.request_id] = torch.Generator().manual_seed(seed)
+            # any 64-bit seed (n > 1 children use seed + i) maps onto the generator's unsigned range
+            g = self.generators[seq.request_id] = torch.Generator().manual_seed(seed % 2**64)
         return g
 
     def prepare(self, seqs: list[ScheduledSeq]):
