@@ -12,7 +12,7 @@ from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.core import EngineStats
 from tokenmill.engine.core_client import CoreClient, EngineDeadError
 from tokenmill.engine.input_processor import InputProcessor, eos_token_ids, load_tokenizer
-from tokenmill.engine.messages import (AbortRequests, AddRequest, CoreDead, CoreOutputs, FinishRequests,
+from tokenmill.engine.messages import (INTERNAL_ERROR_PREFIX, AbortRequests, AddRequest, CoreDead, CoreOutputs, FinishRequests,
                                        UtilityCall, UtilityResult)
 from tokenmill.engine.metrics import ServerMetrics
 from tokenmill.engine.output_processor import OutputProcessor
@@ -213,7 +213,8 @@ class AsyncLLM:
                 stream = self.streams.get(parent[0])
                 self.abort(parent[0])
                 if stream is not None:
-                    stream.fail(ValueError(err))
+                    internal = err.startswith(INTERNAL_ERROR_PREFIX)
+                    stream.fail(RuntimeError(err) if internal else ValueError(err))
         outs, stopped = op.process(msg.outputs, now)
         if stopped:
             self.client.send(FinishRequests([c for c, _ in stopped], [s for _, s in stopped]))

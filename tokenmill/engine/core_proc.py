@@ -18,7 +18,7 @@ import zmq
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.messages import (AbortRequests, AddRequest, CoreDead, CoreInput, CoreOutputs, FinishRequests,
+from tokenmill.engine.messages import (INTERNAL_ERROR_PREFIX, AbortRequests, AddRequest, CoreDead, CoreInput, CoreOutputs, FinishRequests,
                                        Ready, Shutdown, UtilityCall, UtilityResult)
 from tokenmill.engine.request import Request, RequestStatus
 
@@ -111,7 +111,17 @@ class CoreProc:
             return UtilityResult(msg.call_id, error=f"{type(e).__name__}: {e}")
 
     def _step(self) -> None:
-        outputs = self.core.step()
+        try:
+            outputs = self.core.step()
+        except Exception as e:  # a bug must not take the server down: fail what was in flight, keep serving
+            logger.error("engine step failed; aborting in-flight requests:\n%s", traceback.format_exc())
+            ids = list(self.core.scheduler.requests)
+            self.core.abort(ids)
+            for rid in ids:
+                self.unreported.pop(rid, None)
+            msg = f"{INTERNAL_ERROR_PREFIX}{type(e).__name__}: {e}"
+            self._send(CoreOutputs([], self.core.stats(), errors={rid: msg for rid in ids}))
+            return
         if not outputs:
             return
         first = {}

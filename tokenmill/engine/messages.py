@@ -13,6 +13,9 @@ from tokenmill.engine.core import EngineCoreOutput, EngineStats
 from tokenmill.engine.request import Request
 from tokenmill.sampling_params import SamplingParams
 
+# CoreOutputs.errors messages with this prefix are engine faults (HTTP 500), not bad input (400).
+INTERNAL_ERROR_PREFIX = "internal error: "
+
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str

@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_server_args(s)
     s.set_defaults(func=cmd_serve)
+
+    from tokenmill.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
