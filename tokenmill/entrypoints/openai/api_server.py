@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import tokenmill
-from tokenmill.config import EngineConfig
+from tokenmill.config import DEFAULT_MODEL, EngineConfig
 from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.entrypoints.openai.errors import APIError, error_response
 from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -219,7 +219,9 @@ async def serve(args) -> int:
     from tokenmill.entrypoints.cli import engine_kwargs
 
     config = EngineConfig(**engine_kwargs(args))
-    names = args.served_model_name or [args.model]
+    # like vLLM, the model argument is the default name; the shipped model gets its short name
+    default = os.path.basename(DEFAULT_MODEL) if os.path.abspath(args.model) == DEFAULT_MODEL else args.model
+    names = args.served_model_name or [default]
     engine = AsyncLLM(config, max_waiting_requests=args.max_waiting_requests, served_model_name=names[0],
                       log_requests=not args.disable_log_requests)
     try:
