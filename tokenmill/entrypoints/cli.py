@@ -27,6 +27,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("baseline modes (for measuring what each optimization buys)")
+    g.add_argument("--batching", default="continuous", choices=["continuous", "static"])
+    g.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
+    g.add_argument("--attention-impl", default="fused", choices=["fused", "eager"])
+    g.add_argument("--cpu-linear-kernel", default="auto", choices=["auto", "onednn", "torch"])
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -37,7 +42,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 pipeline_parallel_size=args.pipeline_parallel_size, quantization=args.quantization,
                 load_format=args.load_format, enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
-                seed=args.seed)
+                seed=args.seed, batching=args.batching, kv_layout=args.kv_layout, attention_impl=args.attention_impl,
+                cpu_linear_kernel=args.cpu_linear_kernel)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
