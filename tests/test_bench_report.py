@@ -1,0 +1,69 @@
+"""`bench report` renders Markdown + PNGs: CDFs, a request-rate sweep, side by side, and a ladder."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tokenmill.bench.metrics import RequestResult, compute_metrics, per_request_fields
+from tokenmill.bench.report import LADDER_KIND, ladder_rung, render_report, validate_ladder
+
+
+def _result(label: str, rate, scale: float) -> dict:
+    reqs = [RequestResult(success=True, prompt_len=16, output_tokens=4, ttft=0.1 * scale * (i + 1),
+                          itl=[0.02 * scale] * 3, latency=0.1 * scale * (i + 1) + 0.06 * scale, start_time=0.1 * i,
+                          output_tokens_source="usage") for i in range(5)]
+    d = {"kind": "serve", "label": label, "backend": "openai", "request_rate": rate, "max_concurrency": None}
+    d.update(compute_metrics(reqs, 2.0 / scale, [50, 90, 99]))
+    d.update(per_request_fields(reqs))
+    return d
+
+
+@pytest.fixture
+def files(tmp_path):
+    paths = []
+    for label, scale in (("tokenmill", 1.0), ("hf", 3.0)):
+        for rate in (1.0, 4.0, "inf"):
+            p = tmp_path / f"{label}-{rate}.json"
+            p.write_text(json.dumps(_result(label, rate, scale if rate != "inf" else scale * 2)))
+            paths.append(str(p))
+    offline = {**_result("offline", "inf", 0.5), "kind": "offline", "peak_rss_mb": 900.0, "cpu_utilization": 80.0}
+    rungs = [ladder_rung("static", "unoptimized baseline", offline),
+             ladder_rung("+ continuous batching", "iteration-level scheduling",
+                         {**offline, "output_throughput": 2 * offline["output_throughput"]})]
+    lad = tmp_path / "ladder.json"
+    lad.write_text(json.dumps({"kind": LADDER_KIND, "version": 1, "model": "tiny", "device": "cpu", "rungs": rungs}))
+    return paths, str(lad)
+
+
+def test_render_everything(files, tmp_path):
+    paths, lad = files
+    out = tmp_path / "report"
+    md = render_report(paths + [lad], str(out), title="T")
+    text = open(md).read()
+    for png in ("latency_cdf.png", "throughput_vs_rate.png", "side_by_side.png", "ladder_ladder.png"):
+        assert f"({png})" in text and (out / png).stat().st_size > 5000, png
+    assert "tokenmill @ 4 req/s" in text and "hf @ inf req/s" in text  # same label, several rates: named apart
+    assert "| static | unoptimized baseline |" in text and "throughput 2.00x" in text
+    assert "900" in text  # peak memory in the ladder table
+
+
+def test_single_result_and_cli(files, tmp_path):
+    paths, _ = files
+    out = tmp_path / "one"
+    proc = subprocess.run([sys.executable, "-m", "tokenmill", "bench", "report", paths[0], "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = (out / "report.md").read_text()
+    assert "latency_cdf.png" in text and "side_by_side.png" not in text  # one file: nothing to compare
+
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(ValueError, match="rungs"):
+        validate_ladder({"kind": LADDER_KIND, "rungs": []})
+    with pytest.raises(ValueError, match="lacks"):
+        validate_ladder({"kind": LADDER_KIND, "rungs": [{"name": "x"}]})
+    p = tmp_path / "x.json"
+    p.write_text(json.dumps({"hello": 1}))
+    with pytest.raises(ValueError, match="neither"):
+        render_report([str(p)], str(tmp_path / "o"))

@@ -1,0 +1,139 @@
+"""`tokenmill bench offline`: throughput and latency of the in-process engine, same result format as serve.
+
+We drive `LLMEngine.add_request` / `step` ourselves: each request is added at its arrival time (request
+rate inf: all at t=0, a pure throughput run), and every step's outputs are timed as a streaming client
+would see them — TTFT when a request's first token appears, ITL between steps that gave it tokens,
+latency at its last token. A request's clock starts at its scheduled arrival, so time spent waiting
+behind a running step counts, as it would in a server's queue.
+
+`run_offline(requests, engine_kwargs, ...)` takes the engine's keyword arguments (or a built engine), so a
+ladder can send one workload through several configurations.
+"""
+from __future__ import annotations
+
+import math
+import time
+from datetime import datetime
+
+from tqdm.auto import tqdm
+
+from tokenmill.bench.arrivals import arrival_times
+from tokenmill.bench.datasets import SampleRequest
+from tokenmill.bench.metrics import RequestResult, compute_metrics, per_request_fields
+from tokenmill.bench.resources import ResourceMonitor
+
+
+def build_engine(engine_kwargs: dict):
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(**engine_kwargs))
+
+
+def _params(req: SampleRequest, sampling: dict, ignore_eos: bool):
+    from tokenmill.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=req.expected_output_len, ignore_eos=ignore_eos,
+                          **{k: v for k, v in sampling.items() if v is not None})
+
+
+def _drain(engine, ids: set[str]) -> None:
+    while ids:
+        for out in engine.step():
+            if out.finished:
+                ids.discard(out.request_id)
+
+
+def run_offline(requests: list[SampleRequest], engine_kwargs: dict | None = None, *, engine=None,
+                request_rate: float = math.inf, burstiness: float = 1.0, seed: int = 0, ignore_eos: bool = False,
+                sampling: dict | None = None, num_warmups: int = 1, percentiles=(50, 90, 99),
+                goodput_slos_ms: dict | None = None, disable_tqdm: bool = False) -> dict:
+    """Run the workload through one engine and return the result dict (aggregates + per-request samples)."""
+    if engine is None:
+        engine = build_engine(engine_kwargs or {})
+    sampling = sampling or {}
+    params = [_params(r, sampling, ignore_eos) for r in requests]
+    # warm-up: one-off costs (allocator, kernel selection, first-call paths) stay out of the measurement
+    if num_warmups and requests:
+        warm = {engine.add_request(f"warmup-{i}", requests[0].prompt, params[0]) for i in range(num_warmups)}
+        _drain(engine, warm)
+
+    n = len(requests)
+    offsets = arrival_times(n, request_rate, burstiness, seed)
+    order = sorted(range(n), key=lambda i: offsets[i])
+    results = [RequestResult(prompt_len=r.prompt_len, start_time=offsets[i], output_tokens_source="engine")
+               for i, r in enumerate(requests)]
+    index: dict[str, int] = {}
+    seen = [0] * n
+    last = [0.0] * n
+    done = nxt = 0
+    bar = tqdm(total=n, disable=disable_tqdm, desc="bench offline", dynamic_ncols=True)
+    device = getattr(getattr(engine, "config", None), "device", "cpu")
+    with ResourceMonitor(device=device) as mon:
+        t0 = time.perf_counter()
+        while done < n:
+            now = time.perf_counter() - t0
+            while nxt < n and offsets[order[nxt]] <= now:
+                i = order[nxt]
+                nxt += 1
+                rid = requests[i].request_id or f"bench-{i}"
+                try:
+                    engine.add_request(rid, requests[i].prompt, params[i],
+                                       arrival_time=time.time() - (now - offsets[i]))
+                    index[rid] = i
+                except ValueError as e:  # e.g. prompt longer than max_model_len: a failed request
+                    results[i].error = str(e)
+                    done += 1
+                    bar.update(1)
+            if not engine.has_unfinished_requests():
+                if nxt >= n:  # nothing queued or running, yet some request never finished: don't spin
+                    for r in results:
+                        if not r.success and not r.error:
+                            r.error = "the engine dropped the request"
+                    break
+                time.sleep(max(0.0, offsets[order[nxt]] - (time.perf_counter() - t0)))
+                continue
+            outs = engine.step()
+            t = time.perf_counter() - t0
+            for out in outs:
+                i = index.get(out.request_id)
+                if i is None:
+                    continue
+                r, c = results[i], out.outputs[0]
+                k = len(c.token_ids)
+                if k > seen[i]:
+                    if seen[i] == 0:
+                        r.ttft = t - r.start_time
+                    else:
+                        r.itl.append(t - last[i])
+                    last[i], seen[i] = t, k
+                if out.finished:
+                    r.output_tokens, r.generated_text = k, c.text
+                    r.success = k > 0 and c.finish_reason != "abort"
+                    r.latency = last[i] - r.start_time if k else t - r.start_time
+                    if not r.success:
+                        r.error = f"finished with {k} tokens, finish_reason={c.finish_reason}"
+                    done += 1
+                    bar.update(1)
+        duration = time.perf_counter() - t0
+    bar.close()
+    cfg = getattr(engine, "config", None)
+    result = {
+        "kind": "offline",
+        "date": datetime.now().isoformat(timespec="seconds"),
+        "backend": "tokenmill-offline",
+        "model_id": getattr(cfg, "model", None),
+        "engine_kwargs": {k: v for k, v in (engine_kwargs or {}).items() if _jsonable(v)},
+        "request_rate": request_rate if math.isfinite(request_rate) else "inf",
+        "burstiness": burstiness, "max_concurrency": None, "num_prompts": n,
+        "ignore_eos": ignore_eos, "sampling": sampling,
+        "percentiles": list(percentiles), "goodput_slos_ms": goodput_slos_ms or None,
+    }
+    result.update(compute_metrics(results, duration, list(percentiles), goodput_slos_ms))
+    result.update(mon.summary())
+    result.update(per_request_fields(results))
+    return result
+
+
+def _jsonable(v) -> bool:
+    return v is None or isinstance(v, (str, int, float, bool, list, dict))

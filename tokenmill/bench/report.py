@@ -1,0 +1,324 @@
+"""`tokenmill bench report RESULTS... --out DIR`: a Markdown report with PNG plots.
+
+Inputs are result files from `bench serve` / `bench offline` (vLLM `--save-detailed` files work too) and
+ladder files. Plots: latency CDFs (from the per-request samples), throughput against request rate (files
+sharing a label at several rates form one line), results side by side, and the ladder as bars.
+
+Ladder JSON schema (version 1) — one workload through a sequence of engine configurations:
+
+    {
+      "kind": "tokenmill-ladder", "version": 1,
+      "model": str, "device": str, "date": str, "workload": {...},      # free-form context
+      "rungs": [                                                        # in order; each adds one change
+        {
+          "name": str,                 # short, e.g. "static batching", "+ fused attention"
+          "changes": str,              # what this rung changed relative to the one before
+          "config": {...},             # engine kwargs (optional)
+          "p50_ttft_ms": float, "p99_ttft_ms": float,
+          "p50_tpot_ms": float, "p99_tpot_ms": float,
+          "output_throughput": float,  # output tokens/s
+          "request_throughput": float, # requests/s (optional)
+          "peak_memory_mb": float,     # peak RSS on CPU, peak allocated on GPU
+          "utilization_pct": float,    # CPU: process CPU time / wall / cores; GPU: NVML mean
+          "utilization_kind": "cpu" | "gpu",
+          "result_file": str           # the full bench result behind this rung (optional)
+        }, ...
+      ]
+    }
+
+`ladder_rung(name, changes, result)` builds a rung from a `run_offline` result dict.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+LADDER_KIND = "tokenmill-ladder"
+RUNG_FIELDS = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "output_throughput",
+               "peak_memory_mb", "utilization_pct")
+
+
+def ladder_rung(name: str, changes: str, result: dict, config: dict | None = None,
+                result_file: str | None = None) -> dict:
+    """One ladder rung from a bench result (offline or serve)."""
+    gpu = result.get("peak_gpu_memory_mb") is not None
+    util = result.get("gpu_utilization") if gpu else result.get("cpu_utilization")
+    return {
+        "name": name, "changes": changes, "config": config or result.get("engine_kwargs") or {},
+        "p50_ttft_ms": result.get("p50_ttft_ms", result.get("median_ttft_ms")),
+        "p99_ttft_ms": result.get("p99_ttft_ms"),
+        "p50_tpot_ms": result.get("p50_tpot_ms", result.get("median_tpot_ms")),
+        "p99_tpot_ms": result.get("p99_tpot_ms"),
+        "output_throughput": result.get("output_throughput"),
+        "request_throughput": result.get("request_throughput"),
+        "peak_memory_mb": result.get("peak_gpu_memory_mb") if gpu else result.get("peak_rss_mb"),
+        "utilization_pct": util,
+        "utilization_kind": "gpu" if gpu else "cpu",
+        "result_file": result_file,
+    }
+
+
+def validate_ladder(d: dict) -> None:
+    if d.get("kind") != LADDER_KIND or not isinstance(d.get("rungs"), list) or not d["rungs"]:
+        raise ValueError(f"not a ladder file: needs kind={LADDER_KIND!r} and a non-empty 'rungs' list")
+    for i, r in enumerate(d["rungs"]):
+        missing = [k for k in ("name", *RUNG_FIELDS) if k not in r]
+        if missing:
+            raise ValueError(f"ladder rung {i} ({r.get('name', '?')}) lacks {missing}")
+
+
+# -- loading ---------------------------------------------------------------------------------------------------
+def _rate(d: dict) -> float:
+    r = d.get("request_rate", "inf")
+    return math.inf if r in ("inf", None) else float(r)
+
+
+def load_inputs(paths: list[str]) -> tuple[list[dict], list[dict]]:
+    """(results, ladders); each dict gains '_path' and results a unique '_name'."""
+    results, ladders = [], []
+    for p in paths:
+        with open(p) as f:
+            d = json.load(f)
+        d["_path"] = str(p)
+        if d.get("kind") == LADDER_KIND or "rungs" in d:
+            validate_ladder(d)
+            ladders.append(d)
+        elif "completed" in d and "request_throughput" in d:
+            results.append(d)
+        else:
+            raise ValueError(f"{p}: neither a bench result nor a ladder file")
+    labels = [r.get("label") or r.get("backend") or Path(r["_path"]).stem for r in results]
+    for r, lab in zip(results, labels):
+        dup = labels.count(lab) > 1
+        r["_name"] = f"{lab} @ {_fmt_rate(_rate(r))} req/s" if dup else lab
+    names = [r["_name"] for r in results]
+    for r in results:  # still ambiguous (same label and rate): fall back to the file name
+        if names.count(r["_name"]) > 1:
+            r["_name"] = f"{r['_name']} ({Path(r['_path']).stem})"
+    return results, ladders
+
+
+def _fmt_rate(r: float) -> str:
+    return "inf" if math.isinf(r) else f"{r:g}"
+
+
+def _samples(d: dict) -> dict[str, list[float]] | None:
+    """Per-request samples in ms, as the metric definitions compute them (successful requests only)."""
+    if "latencies" not in d:
+        return None
+    n = len(d["latencies"])
+    ok = d.get("successes") or [not e for e in d.get("errors", [""] * n)]
+    s = {"ttft": [], "tpot": [], "itl": [], "e2el": []}
+    for i in range(n):
+        if not ok[i]:
+            continue
+        ttft, lat, k = d["ttfts"][i], d["latencies"][i], d["output_lens"][i]
+        s["ttft"].append(ttft * 1000)
+        s["e2el"].append(lat * 1000)
+        s["itl"] += [g * 1000 for g in d["itls"][i]]
+        if k > 1:
+            s["tpot"].append((lat - ttft) / (k - 1) * 1000)
+    return s
+
+
+# -- plots -----------------------------------------------------------------------------------------------------
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_cdfs(results: list[dict], out: Path) -> str | None:
+    have = [(r["_name"], s) for r in results if (s := _samples(r))]
+    if not have:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for ax, (m, title) in zip(axes.flat, [("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL")]):
+        for name, s in have:
+            v = np.sort(np.asarray(s[m]))
+            if len(v):
+                ax.step(v, np.arange(1, len(v) + 1) / len(v), where="post", label=name)
+        ax.set_title(f"{title} CDF")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of samples")
+        ax.grid(alpha=0.3)
+        for q in (0.5, 0.99):
+            ax.axhline(q, color="grey", lw=0.6, ls=":")
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "latency_cdf.png", dpi=110)
+    plt.close(fig)
+    return "latency_cdf.png"
+
+
+def plot_rate_sweep(results: list[dict], out: Path) -> str | None:
+    series: dict[str, list[dict]] = {}
+    for r in results:
+        series.setdefault(r.get("label") or r.get("backend") or "run", []).append(r)
+    series = {k: v for k, v in series.items() if len({_rate(r) for r in v}) >= 2}
+    if not series:
+        return None
+    finite = [_rate(r) for v in series.values() for r in v if not math.isinf(_rate(r))]
+    inf_x = (max(finite) * 1.5) if finite else 1.0  # where "inf" sits on the x axis
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for name, runs in series.items():
+        runs = sorted(runs, key=_rate)
+        xs = [inf_x if math.isinf(_rate(r)) else _rate(r) for r in runs]
+        axes[0].plot(xs, [r["output_throughput"] for r in runs], "o-", label=name)
+        axes[1].plot(xs, [r.get("p99_ttft_ms", r.get("median_ttft_ms")) for r in runs], "o-", label=name)
+        axes[2].plot(xs, [r.get("p99_tpot_ms", r.get("median_tpot_ms")) for r in runs], "o-", label=name)
+    for ax, t in zip(axes, ["output tokens/s", "P99 TTFT (ms)", "P99 TPOT (ms)"]):
+        ax.set_xlabel("request rate (req/s); rightmost = inf" if any(
+            math.isinf(_rate(r)) for v in series.values() for r in v) else "request rate (req/s)")
+        ax.set_title(t)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "throughput_vs_rate.png", dpi=110)
+    plt.close(fig)
+    return "throughput_vs_rate.png"
+
+
+def _bars(ax, names: list[str], values: list, title: str) -> None:
+    vals = [v if isinstance(v, (int, float)) and v is not None else 0.0 for v in values]
+    bars = ax.bar(range(len(names)), vals, color=[f"C{i % 10}" for i in range(len(names))])
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    for b, v in zip(bars, values):
+        if isinstance(v, (int, float)):
+            ax.annotate(f"{v:.3g}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
+                        va="bottom", fontsize=7)
+
+
+def plot_side_by_side(results: list[dict], out: Path) -> str | None:
+    if len(results) < 2:
+        return None
+    plt = _plt()
+    names = [r["_name"] for r in results]
+    panels = [("output_throughput", "output tokens/s"), ("request_throughput", "requests/s"),
+              ("p99_ttft_ms", "P99 TTFT (ms)"), ("p99_tpot_ms", "P99 TPOT (ms)"),
+              ("p99_itl_ms", "P99 ITL (ms)"), ("p99_e2el_ms", "P99 E2EL (ms)")]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for ax, (k, t) in zip(axes.flat, panels):
+        _bars(ax, names, [r.get(k) for r in results], t)
+    fig.tight_layout()
+    fig.savefig(out / "side_by_side.png", dpi=110)
+    plt.close(fig)
+    return "side_by_side.png"
+
+
+def plot_ladder(ladder: dict, out: Path, stem: str) -> str:
+    plt = _plt()
+    rungs = ladder["rungs"]
+    names = [r["name"] for r in rungs]
+    kind = rungs[-1].get("utilization_kind", "cpu").upper()
+    panels = [(("p50_ttft_ms", "p99_ttft_ms"), "TTFT (ms): P50 / P99"),
+              (("p50_tpot_ms", "p99_tpot_ms"), "TPOT (ms): P50 / P99"),
+              (("output_throughput",), "output tokens/s"),
+              (("peak_memory_mb",), "peak memory (MiB)"),
+              (("utilization_pct",), f"{kind} utilization (%)")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.5))
+    x = np.arange(len(rungs))
+    for ax, (keys, title) in zip(axes, panels):
+        w = 0.8 / len(keys)
+        for j, k in enumerate(keys):
+            vals = [r.get(k) or 0.0 for r in rungs]
+            grouped = len(keys) > 1
+            label = k.split("_")[0].upper() if grouped else None
+            ax.bar(x + (j - (len(keys) - 1) / 2) * w, vals, w, label=label,
+                   color=f"C{j}" if grouped else [f"C{i % 10}" for i in range(len(rungs))])
+        ax.set_xticks(x)
+        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+        if len(keys) > 1:
+            ax.legend(fontsize=7)
+    fig.suptitle(f"ladder: {ladder.get('model', '')} {ladder.get('device', '')}".strip())
+    fig.tight_layout()
+    name = f"ladder_{stem}.png"
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
+# -- markdown --------------------------------------------------------------------------------------------------
+def _f(v, digits: int = 1) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def _results_table(results: list[dict]) -> list[str]:
+    cols = [("run", lambda r: r["_name"]), ("kind", lambda r: r.get("kind", "serve")),
+            ("rate", lambda r: _fmt_rate(_rate(r))), ("conc.", lambda r: _f(r.get("max_concurrency"))),
+            ("ok/failed", lambda r: f"{r['completed']}/{r['failed']}"),
+            ("req/s", lambda r: _f(r["request_throughput"], 2)), ("out tok/s", lambda r: _f(r["output_throughput"])),
+            ("goodput req/s", lambda r: _f(r.get("request_goodput"), 2)),
+            ("TTFT p50/p99 ms", lambda r: f"{_f(r.get('median_ttft_ms'))} / {_f(r.get('p99_ttft_ms'))}"),
+            ("TPOT p50/p99 ms", lambda r: f"{_f(r.get('median_tpot_ms'))} / {_f(r.get('p99_tpot_ms'))}"),
+            ("ITL p99 ms", lambda r: _f(r.get("p99_itl_ms"))), ("E2EL p99 ms", lambda r: _f(r.get("p99_e2el_ms"))),
+            ("peak RSS MiB", lambda r: _f(r.get("peak_rss_mb"), 0)), ("CPU %", lambda r: _f(r.get("cpu_utilization")))]
+    lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(fn(r)) for _, fn in cols) + " |" for r in results]
+    return lines
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}x" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else "–"
+
+
+def _ladder_table(ladder: dict) -> list[str]:
+    lines = ["| rung | changes | TTFT p50/p99 ms | TPOT p50/p99 ms | out tok/s | vs previous | peak MiB | util % |",
+             "|---|---|---|---|---|---|---|---|"]
+    prev = None
+    for r in ladder["rungs"]:
+        vs = "–" if prev is None else (f"throughput {_ratio(r['output_throughput'], prev['output_throughput'])}, "
+                                       f"P99 TTFT {_ratio(r['p99_ttft_ms'], prev['p99_ttft_ms'])}")
+        lines.append(f"| {r['name']} | {r.get('changes', '')} | {_f(r['p50_ttft_ms'])} / {_f(r['p99_ttft_ms'])} | "
+                     f"{_f(r['p50_tpot_ms'])} / {_f(r['p99_tpot_ms'])} | {_f(r['output_throughput'])} | {vs} | "
+                     f"{_f(r['peak_memory_mb'], 0)} | {_f(r['utilization_pct'])} "
+                     f"({r.get('utilization_kind', 'cpu')}) |")
+        prev = r
+    return lines
+
+
+def render_report(paths: list[str], out_dir: str, title: str = "tokenmill benchmark report") -> str:
+    """Write report.md and its PNGs into out_dir; return the Markdown path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results, ladders = load_inputs(paths)
+    md = [f"# {title}", ""]
+    if results:
+        md += ["## Results", "", *_results_table(results), ""]
+        md += ["Files: " + ", ".join(f"`{r['_path']}`" for r in results), ""]
+        for heading, fn in (("Side by side", plot_side_by_side), ("Latency CDFs", plot_cdfs),
+                            ("Throughput against request rate", plot_rate_sweep)):
+            png = fn(results, out)
+            if png:
+                md += [f"## {heading}", "", f"![{heading}]({png})", ""]
+    for i, lad in enumerate(ladders):
+        stem = Path(lad["_path"]).stem or str(i)
+        md += [f"## Ladder: {Path(str(lad.get('model') or stem)).name}", ""]
+        ctx = {k: lad[k] for k in ("device", "date", "workload") if k in lad}
+        if ctx:
+            md += ["```", json.dumps(ctx, indent=1, default=str), "```", ""]
+        md += [*_ladder_table(lad), ""]
+        pending = lad.get("pending") or []
+        if pending:  # rungs the ladder could not run yet, and why
+            md += ["Not yet on the ladder: " + "; ".join(f"**{p['name']}** ({p.get('why', '')})" for p in pending), ""]
+        md += [f"![ladder]({plot_ladder(lad, out, stem)})", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(md))
+    return str(path)
