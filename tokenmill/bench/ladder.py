@@ -46,9 +46,9 @@ def ladder_configs(base: dict) -> list[tuple[str, str, dict]]:
     return out
 
 
-def _run_rung(engine_kwargs: dict, workload: dict, out_path: str) -> dict:
+def _run_rung(name: str, engine_kwargs: dict, workload: dict, out_path: str) -> dict:
     """Run one rung in a child process (this module's --rung-worker entry) and read its result."""
-    job = {"engine_kwargs": engine_kwargs, "workload": workload, "out": out_path}
+    job = {"name": name, "engine_kwargs": engine_kwargs, "workload": workload, "out": out_path}
     subprocess.run([sys.executable, "-m", "tokenmill.bench.ladder", "--rung-worker", json.dumps(job)], check=True)
     with open(out_path) as f:
         return json.load(f)
@@ -64,6 +64,7 @@ def _rung_worker(job: dict) -> None:
     reqs = sample_requests(ds, w["num_prompts"], tok, seed=w["seed"])
     res = run_offline(reqs, job["engine_kwargs"], request_rate=w["request_rate"], seed=w["seed"], ignore_eos=True,
                       disable_tqdm=True)
+    res["label"] = job["name"]
     with open(job["out"], "w") as f:
         json.dump(res, f)
 
@@ -86,7 +87,7 @@ def run_ladder(model: str, out: str, num_prompts: int = 64, request_rate: float 
     for i, (name, changes, cfg) in enumerate(ladder_configs(base)):
         path = os.path.join(outdir, f"{stem}.rung{i}.json")
         print(f"[ladder] rung {i}: {name}", flush=True)
-        res = _run_rung(cfg, workload, path)
+        res = _run_rung(name, cfg, workload, path)
         rung = ladder_rung(name, changes, res, config=cfg, result_file=os.path.basename(path))
         rung["failed_requests"] = res.get("failed")
         rungs.append(rung)
