@@ -106,7 +106,8 @@ class EngineConfig:
     revision: str | None = None
     trust_remote_code: bool = False
     num_threads: int | None = None
-    cpu_linear_kernel: str = "auto"  # "auto" | "onednn" (packed weights) | "torch" (F.linear)
+    # "auto" | "onednn" (packed weights) | "onednn+gemv" (plus a batch-1 bf16 GEMV kernel) | "torch" (F.linear)
+    cpu_linear_kernel: str = "auto"
     # Baseline modes, for the optimization ladder (`tokenmill bench ladder`): each turns one
     # optimization off, so its effect can be measured in the same engine.
     batching: str = "continuous"  # "static": a batch fills, runs to completion, then the next starts
@@ -124,8 +125,9 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
-        if self.cpu_linear_kernel not in ("auto", "onednn", "torch"):
-            raise ValueError(f"cpu_linear_kernel must be 'auto', 'onednn' or 'torch', got {self.cpu_linear_kernel!r}")
+        if self.cpu_linear_kernel not in ("auto", "onednn", "onednn+gemv", "torch"):
+            raise ValueError("cpu_linear_kernel must be 'auto', 'onednn', 'onednn+gemv' or 'torch', "
+                             f"got {self.cpu_linear_kernel!r}")
         for name, allowed in (("batching", ("continuous", "static")), ("kv_layout", ("paged", "contiguous")),
                               ("attention_impl", ("fused", "eager"))):
             if getattr(self, name) not in allowed:

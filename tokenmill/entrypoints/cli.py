@@ -31,7 +31,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batching", default="continuous", choices=["continuous", "static"])
     g.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
     g.add_argument("--attention-impl", default="fused", choices=["fused", "eager"])
-    g.add_argument("--cpu-linear-kernel", default="auto", choices=["auto", "onednn", "torch"])
+    g.add_argument("--cpu-linear-kernel", default="auto", choices=["auto", "onednn", "onednn+gemv", "torch"])
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

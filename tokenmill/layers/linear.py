@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.ops import cpu_gemv
+
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
     if param.shape != loaded.shape:
@@ -26,15 +28,21 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
+        self.gemv_packed: torch.Tensor | None = None  # batch-1 decode kernel's layout (ops/cpu_gemv.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv_packed is not None and x.shape[0] == 1:
+            return cpu_gemv.gemv(x, self.gemv_packed, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
-    def pack_for_cpu(self) -> None:
-        """Replace the plain weight with a oneDNN-packed copy (done once, after loading). A weight
-        shared with another module (tied embeddings) stays alive through that module."""
+    def pack_for_cpu(self, with_gemv: bool = False) -> None:
+        """Replace the plain weight with a oneDNN-packed copy (done once, after loading), plus, with
+        `with_gemv`, a second copy in the batch-1 GEMV kernel's layout. A weight shared with another
+        module (tied embeddings) stays alive through that module."""
+        if with_gemv and cpu_gemv.supports(self.weight):
+            self.gemv_packed = cpu_gemv.pack(self.weight)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
         self.weight = None
 

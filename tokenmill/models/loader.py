@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.layers.linear import Linear, onednn_linear_available
+from tokenmill.ops import cpu_gemv
 from tokenmill.models.registry import model_class
 
 logger = logging.getLogger("tokenmill")
@@ -76,19 +77,39 @@ def load_model(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device:
         missing = {n for n, _ in model.named_parameters()} - loaded
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(sorted(missing)[:5])}")
-    if cpu_linear_kernel(cfg, device) == "onednn":
+    kind = cpu_linear_kernel(cfg, device, model, dtype)
+    if kind != "torch":
         for m in model.modules():
             if isinstance(m, Linear):
-                m.pack_for_cpu()
+                m.pack_for_cpu(with_gemv=kind == "onednn+gemv")
     return model.eval()
 
 
-def cpu_linear_kernel(cfg: EngineConfig, device: str) -> str:
+def cpu_linear_kernel(cfg: EngineConfig, device: str, model: torch.nn.Module, dtype: torch.dtype) -> str:
+    """Which CPU GEMM path to prepare. The batch-1 GEMV kernel keeps a second copy of every linear
+    weight, so "auto" takes it only for bfloat16 when that copy fits comfortably in free memory."""
     kind = cfg.cpu_linear_kernel
     if device != "cpu":
         return "torch"
+    if kind != "torch" and not onednn_linear_available():
+        if kind == "auto":
+            return "torch"
+        raise ValueError(f"cpu_linear_kernel={kind!r} needs a PyTorch build with oneDNN (mkldnn)")
+    if kind == "onednn+gemv" and not (dtype == torch.bfloat16 and cpu_gemv.available()):
+        raise ValueError("cpu_linear_kernel='onednn+gemv' needs bfloat16 weights, an AVX512-BF16 CPU and gcc")
     if kind == "auto":
-        return "onednn" if onednn_linear_available() else "torch"
-    if kind == "onednn" and not onednn_linear_available():
-        raise ValueError("cpu_linear_kernel='onednn' needs a PyTorch build with oneDNN (mkldnn)")
+        extra = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, Linear))
+        use_gemv = dtype == torch.bfloat16 and extra < 0.25 * _available_memory() and cpu_gemv.available()
+        return "onednn+gemv" if use_gemv else "onednn"
     return kind
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -1,0 +1,87 @@
+"""A bfloat16 GEMV kernel for batch-1 decoding on CPUs with AVX512-BF16.
+
+oneDNN's and `F.linear`'s kernels reach about half of the memory bandwidth for a single row (see
+BENCHMARKS.md); a weight repacked into VNNI pairs and read as one stream gets much closer. The C
+source sits beside this file and is compiled once with the system's gcc into a cache directory;
+without gcc or without AVX512-BF16, `available()` is False and the caller keeps its other path.
+The pure-torch twin (the oracle in tests) is `F.linear`.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("tokenmill")
+_SRC = Path(__file__).with_name("cpu_gemv.c")
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any("avx512_bf16" in line for line in f if line.startswith("flags"))
+    except OSError:
+        return False
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
+    return Path(base) / "ops"
+
+
+@lru_cache(maxsize=1)
+def _library():
+    if os.environ.get("TOKENMILL_DISABLE_CPU_GEMV") or not _cpu_has_avx512_bf16() or not shutil.which("gcc"):
+        return None
+    src = _SRC.read_bytes()
+    out = _cache_dir() / f"libtm_gemv_{hashlib.sha256(src).hexdigest()[:16]}.so"
+    try:
+        if not out.is_file():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+                tmp_out = Path(tmp) / out.name
+                subprocess.run(["gcc", "-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp", "-shared",
+                                "-fPIC", str(_SRC), "-o", str(tmp_out)], check=True, capture_output=True)
+                os.replace(tmp_out, out)  # atomic: concurrent processes never load a half-written file
+        lib = ctypes.CDLL(str(out))  # torch already loaded libgomp, so both share one OpenMP runtime
+    except (OSError, subprocess.CalledProcessError) as e:
+        logger.warning("CPU GEMV kernel unavailable (%s); using oneDNN for batch-1 decode", e)
+        return None
+    fn = lib.tm_gemv_bf16_vnni
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_int64, ctypes.c_int]
+    fn.restype = None
+    return fn
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def supports(weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and n % 16 == 0 and k % 2 == 0
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/16, K/2, 16, 2] (see cpu_gemv.c)."""
+    n, k = weight.shape
+    return weight.detach().view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def gemv(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [1, K] bfloat16 -> [1, N] bfloat16."""
+    nb, k2, _, _ = packed.shape
+    x = x.contiguous()
+    y = torch.empty(1, nb * 16, dtype=torch.bfloat16)
+    _library()(packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+               nb * 16, k2 * 2, torch.get_num_threads())
+    return y
