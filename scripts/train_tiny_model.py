@@ -58,9 +58,10 @@ CHAT_TEMPLATE = (
     "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
-# head_dim 64 for both models; GQA (kv heads < heads) in both.
+# head_dim 64 for both models; GQA (kv heads < heads) in both. 6 layers rather than 8: at
+# this tiny token budget the shallower model learned faster per token and runs ~25% faster.
 ARCH = {
-    "target": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=8,
+    "target": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=6,
                    num_attention_heads=4, num_key_value_heads=2),
     "draft": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1),
@@ -247,11 +248,11 @@ def stage_train(kind: str, steps: int, lr: float, args) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        if (step + 1) % 10 == 0 or step == 0:
+        if (step + 1) % 50 == 0 or step == 0:
             el = time.time() - t0
-            msg = (f"{kind} step {step + 1}/{steps} loss {sum(losses[-10:]) / len(losses[-10:]):.3f} "
+            msg = (f"{kind} step {step + 1}/{steps} loss {sum(losses[-50:]) / len(losses[-50:]):.3f} "
                    f"lr {lr_at(step):.2e} {el / (step + 1):.2f}s/step eta {el / (step + 1) * (steps - step - 1) / 60:.1f}min")
-            if (step + 1) % 100 == 0 or step + 1 == steps:
+            if (step + 1) % 500 == 0 or step + 1 == steps:
                 model.eval()
                 with torch.no_grad():
                     msg += f" | val loss {model(input_ids=monitor, labels=monitor).loss.item():.3f}"
@@ -449,13 +450,15 @@ def write_card(kind, stats, s, samples, chat_sample, config) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", choices=["all", "data", "target", "draft", "eval"], default="all")
-    # Step counts sized from a throughput probe (~3.4 s/step target, ~0.5 s/step draft on
-    # one EPYC core) to fit the whole run in ~50 minutes.
-    ap.add_argument("--target-steps", type=int, default=680)
-    ap.add_argument("--draft-steps", type=int, default=800)
-    ap.add_argument("--target-lr", type=float, default=2e-3)
-    ap.add_argument("--draft-lr", type=float, default=3e-3)
-    ap.add_argument("--batch-size", type=int, default=8)
+    # Short probes (400K tokens each) on one EPYC core: for a fixed token budget, small
+    # batches won clearly (val loss 5.24 / 5.05 / 4.92 at batch 8 / 4 / 2 x 512 tokens) at
+    # equal CPU cost per token, and lr 1e-3 beat 5e-4, 2e-3 and 4e-3 for the target. Step
+    # counts are sized from the measured ~0.6 s/step (target) so the run fits in ~50 min.
+    ap.add_argument("--target-steps", type=int, default=3600)
+    ap.add_argument("--draft-steps", type=int, default=4500)
+    ap.add_argument("--target-lr", type=float, default=1e-3)
+    ap.add_argument("--draft-lr", type=float, default=2e-3)
+    ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
