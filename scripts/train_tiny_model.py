@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -411,7 +410,7 @@ def write_card(kind, stats, s, samples, chat_sample, config) -> None:
         f"| tokens seen | {stats['tokens_seen']:,} ({stats['epochs']:.2f} epochs) |",
         f"| optimizer | AdamW, betas {tuple(stats['betas'])}, weight decay {stats['weight_decay']} (not on norms), grad clip {stats['grad_clip']} |",
         f"| LR schedule | linear warmup {stats['warmup']} steps to {stats['lr']:g}, cosine to {stats['min_lr']:g} |",
-        f"| precision | float32 |", f"| seed | {stats['seed']} |",
+        "| precision | float32 |", f"| seed | {stats['seed']} |",
         f"| training time | {stats['train_seconds'] / 60:.1f} min on 1 CPU thread (AMD EPYC) |",
         f"| final train loss | {stats['final_train_loss']:.3f} (mean of last 50 steps) |", "",
         "## Evaluation", "",
@@ -422,6 +421,8 @@ def write_card(kind, stats, s, samples, chat_sample, config) -> None:
         "| | NLL (nats/token) | perplexity | scored tokens |", "|---|---|---|---|",
         f"| **{name}** | {r['nll']:.4f} | **{r['ppl']:.2f}** | {r['tokens']} |",
         f"| unigram baseline (add-one train-split token frequencies) | {u['nll']:.4f} | {u['ppl']:.2f} | {u['tokens']} |",
+        *([f"| {other} (the target, for reference) | {s['target']['nll']:.4f} | {s['target']['ppl']:.2f} | "
+           f"{s['target']['tokens']} |"] if kind == "draft" else []),
         "", f"Greedy next-token accuracy on the validation text: "
         f"{s['target_top1' if kind == 'target' else 'draft_top1']:.1%}.", "",
     ]
