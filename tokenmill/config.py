@@ -143,7 +143,9 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.device = "cpu"  # the GPU path (Triton kernels, device-side sampling) has not landed yet
+        if self.device != "cpu":
+            raise ValueError(f"device={self.device!r} is not supported yet; tokenmill runs on CPU for now")
         if not os.path.isdir(self.model):
             raise ValueError(f"model directory not found: {self.model!r} (models load from local directories only)")
 
