@@ -83,17 +83,7 @@ class ServerProcess:
                                      env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
 
     def wait_ready(self, timeout: float = 180) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise TimeoutError(f"server not ready after {timeout}s:\n{self.logs()}")
+        wait_until_up(self.proc, self.url + "/health", self.logs, timeout)
 
     def logs(self) -> str:
         self._log.flush()
@@ -113,3 +103,18 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def wait_until_up(proc, url: str, logs, timeout: float) -> None:
+    """Poll `url` until it answers 200; fail fast, with the server's log, if the process exits."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{logs()}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"server not ready after {timeout}s:\n{logs()}")

@@ -8,7 +8,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -18,6 +17,7 @@ from tokenmill.bench.datasets import RandomDataset, get_tokenizer, sample_reques
 from tokenmill.bench.report import render_report
 from tokenmill.bench.serve_client import run_benchmark
 from tokenmill.config import DEFAULT_MODEL
+from server_fixtures import wait_until_up
 
 
 @pytest.fixture(scope="module")
@@ -50,18 +50,11 @@ class _Server:
         self.log = log
         self.proc = subprocess.Popen([sys.executable, "-m", *args, "--host", "127.0.0.1", "--port", str(self.port)],
                                      stdout=open(log, "w"), stderr=subprocess.STDOUT)
-        deadline = time.time() + 90
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"server did not come up:\n{log.read_text()[-3000:]}")
+        try:
+            wait_until_up(self.proc, self.url + "/v1/models", lambda: log.read_text()[-3000:], 90)
+        except (RuntimeError, TimeoutError):
+            self.stop()
+            raise
 
     def stop(self):
         if self.proc.poll() is None:

@@ -3,7 +3,6 @@ import pytest
 
 from tokenmill import SamplingParams
 from tokenmill.engine.request import Request
-from tokenmill.kv.block_pool import BlockPool
 from tokenmill.kv.hashing import hash_block
 from tokenmill.kv.manager import KVCacheManager
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from tqdm.auto import tqdm
 
 from tokenmill.config import DEFAULT_MODEL, EngineConfig
+from tokenmill.engine.input_processor import chat_prompt
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -39,12 +40,7 @@ class LLM:
         """One conversation (a list of {"role", "content"}) or a list of them."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
-        prompts = []
-        for conv in convs:
-            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           chat_template=chat_template)
-            # the template already carries any BOS; don't add special tokens twice
-            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        prompts = [chat_prompt(tok, conv, add_generation_prompt, chat_template) for conv in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

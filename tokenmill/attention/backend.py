@@ -30,6 +30,8 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     # Prefill-only rows whose whole context is new (no cached prefix): plain causal attention.
     fresh_prefill: list[bool]
+    # per prefill row with a cached prefix: bool [new, seq_len] causal mask offset by the prefix
+    prefill_masks: dict[int, torch.Tensor] | None = None
     decode_mask: torch.Tensor | None = None  # float bias [num_decodes, 1, 1, max_len]: 0 or -inf, built once per step
 
 

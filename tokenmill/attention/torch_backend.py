@@ -42,6 +42,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 class TorchAttentionBackend(AttentionBackend):
     def build_step_state(self, meta: AttentionMetadata) -> None:
         nd = meta.num_decodes
+        qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
+        # query j of a chunk sits at absolute position L - n + j and sees keys 0 .. L - n + j
+        meta.prefill_masks = {
+            i: torch.ones(qsl[i + 1] - qsl[i], lens[i], dtype=torch.bool).tril_(diagonal=lens[i] - (qsl[i + 1] - qsl[i]))
+            for i in range(nd, len(lens)) if not meta.fresh_prefill[i]}
         if nd > 1:
             lens = meta.seq_lens[:nd]
             max_len = int(max(meta.seq_lens_host[:nd]))
@@ -63,12 +68,10 @@ class TorchAttentionBackend(AttentionBackend):
                 ki, vi = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
                 o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                L, n = lens[i], e - s
-                ki = gather_kv(key_cache, meta.block_tables[i], L)
-                vi = gather_kv(value_cache, meta.block_tables[i], L)
-                # query j sits at absolute position L - n + j and sees keys 0 .. L - n + j
-                mask = torch.ones(n, L, dtype=torch.bool).tril_(diagonal=L - n)
-                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+                ki = gather_kv(key_cache, meta.block_tables[i], lens[i])
+                vi = gather_kv(value_cache, meta.block_tables[i], lens[i])
+                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=meta.prefill_masks[i], scale=scale,
+                                                   enable_gqa=True)
             out[s:e] = o.transpose(0, 1)
         return out
 

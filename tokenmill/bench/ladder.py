@@ -13,7 +13,6 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
 from datetime import datetime
 
 from tokenmill.bench.report import LADDER_KIND, ladder_rung

@@ -11,7 +11,7 @@ from typing import AsyncIterator
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.core import EngineStats
 from tokenmill.engine.core_client import CoreClient, EngineDeadError
-from tokenmill.engine.input_processor import InputProcessor, eos_token_ids, load_tokenizer
+from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.messages import (INTERNAL_ERROR_PREFIX, AbortRequests, AddRequest, CoreDead, CoreOutputs, FinishRequests,
                                        UtilityCall, UtilityResult)
 from tokenmill.engine.metrics import ServerMetrics
@@ -76,11 +76,8 @@ class AsyncLLM:
         model_config = ModelConfig.from_hf(load_hf_config(config.model))
         config.resolve(model_config)  # max_model_len etc., the same values the core will compute
         self.model_config = model_config
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
-            config.tokenizer or config.model, config.trust_remote_code)
-        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, model_config.hf_config)
-        self.input_processor = InputProcessor(self.tokenizer, model_config.vocab_size, config.max_model_len,
-                                              self.eos_token_ids)
+        self.input_processor = InputProcessor.from_config(config, model_config)
+        self.tokenizer = self.input_processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer, delta=True)
         self.max_waiting_requests = max_waiting_requests
         self.log_requests = log_requests

@@ -33,12 +33,29 @@ def eos_token_ids(model_path: str, tokenizer, hf_config) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def chat_prompt(tokenizer, conversation: list[dict], add_generation_prompt: bool = True,
+                chat_template: str | None = None) -> dict:
+    """A conversation as {"prompt": text, "prompt_token_ids": ids} through the model's chat template."""
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         chat_template=chat_template)
+    # the template already carries any BOS; don't add special tokens twice
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_ids: tuple[int, ...]):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_ids
+
+    @classmethod
+    def from_config(cls, config, model_config) -> "InputProcessor":
+        """Load the tokenizer and EOS ids for a resolved EngineConfig (the same in every process)."""
+        tok = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model,
+                                                                    config.trust_remote_code)
+        return cls(tok, model_config.vocab_size, config.max_model_len,
+                   eos_token_ids(config.model, tok, model_config.hf_config))
 
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

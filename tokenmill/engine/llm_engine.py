@@ -10,30 +10,23 @@ import time
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore, EngineStats
-from tokenmill.engine.input_processor import InputProcessor, eos_token_ids, load_tokenizer  # noqa: F401
-from tokenmill.engine.output_processor import OutputProcessor, _Completion, _RequestState  # noqa: F401
+from tokenmill.engine.input_processor import InputProcessor
+from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import RequestStatus
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill")
 
-PromptType = "str | list[int] | dict"
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.core = EngineCore(config)
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
-            config.tokenizer or config.model, config.trust_remote_code)
-        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, self.core.model_config.hf_config)
-        self.vocab_size = self.core.model_config.vocab_size
-        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, config.max_model_len,
-                                              self.eos_token_ids)
+        self.input_processor = InputProcessor.from_config(config, self.core.model_config)
+        self.tokenizer = self.input_processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.states = self.output_processor.states
-        self._child_to_parent = self.output_processor.child_to_parent
         self._counter = 0
 
     @property
@@ -41,12 +34,6 @@ class LLMEngine:
         return self.config.max_model_len
 
     # -- input ---------------------------------------------------------------------------------------------
-    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
-        return self.input_processor.tokenize_prompt(prompt)
-
-    def validate(self, token_ids: list[int]) -> None:
-        self.input_processor.validate(token_ids)
-
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> str:
         params = params or SamplingParams()

@@ -8,6 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenmill.engine.core_client import EngineDeadError
+from tokenmill.engine.input_processor import chat_prompt
 from tokenmill.entrypoints.openai.errors import APIError, error_dict
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.entrypoints.openai.serving_engine import ServingBase, usage
@@ -23,11 +24,9 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
         content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
         convo.append({"role": m.role, "content": content or ""})
     try:
-        text = tokenizer.apply_chat_template(convo, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return chat_prompt(tokenizer, convo, add_generation_prompt)
     except Exception as e:  # jinja errors from the template (e.g. role order it rejects)
         raise APIError(400, f"chat template failed: {e}", "messages") from None
-    # the template already carries any BOS; don't add special tokens twice
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
 class OpenAIServingChat(ServingBase):
