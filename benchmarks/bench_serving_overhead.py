@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import platform
+import resource
 import signal
 import socket
 import statistics
@@ -23,12 +24,19 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tokenmill.bench.serve_client import _sse_events  # noqa: E402
 from tokenmill.config import DEFAULT_MODEL  # noqa: E402
+
+try:
+    from uvloop import run as _run
+except ImportError:
+    _run = asyncio.run
 
 
 def free_port() -> int:
@@ -56,22 +64,24 @@ def run_offline(llm, prompts, output_len: int) -> dict:
 
 
 async def _serve_once(url: str, prompts, output_len: int, stream: bool) -> dict:
-    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as c:
+    """The load generator: aiohttp (as `vllm bench serve` uses), parsing only the usage chunk, so that as
+    little of the shared CPUs as possible goes to the client instead of the server under test."""
+    conn = aiohttp.TCPConnector(limit=len(prompts) + 8)
+    async with aiohttp.ClientSession(base_url=url, connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as c:
         async def one(p):
             body = {"model": "bench", "prompt": p, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
                     "stream": stream}
             if not stream:
-                r = await c.post("/v1/completions", json=body)
-                r.raise_for_status()
-                return r.json()["usage"]["completion_tokens"]
+                async with c.post("/v1/completions", json=body) as r:
+                    r.raise_for_status()
+                    return (await r.json())["usage"]["completion_tokens"]
             body["stream_options"] = {"include_usage": True}
             n = 0
-            async with c.stream("POST", "/v1/completions", json=body) as r:
+            async with c.post("/v1/completions", json=body) as r:
                 r.raise_for_status()
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {") and '"usage":{' in line:
-                        n = json.loads(line[6:])["usage"]["completion_tokens"]
+                async for data in _sse_events(r):
+                    if data.startswith("{") and '"usage":{' in data:
+                        n = json.loads(data)["usage"]["completion_tokens"]
             return n
 
         t = time.perf_counter()
@@ -79,6 +89,15 @@ async def _serve_once(url: str, prompts, output_len: int, stream: bool) -> dict:
         dt = time.perf_counter() - t
     toks = sum(counts)
     return {"seconds": dt, "output_tokens": toks, "output_tok_per_s": toks / dt}
+
+
+def run_client(url: str, prompts, output_len: int, stream: bool) -> dict:
+    """One saturation run, with the client's own CPU time (it shares the machine with the server)."""
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    out = _run(_serve_once(url, prompts, output_len, stream))
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    out["client_cpu_s"] = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
+    return out
 
 
 def main() -> None:
@@ -116,12 +135,12 @@ def main() -> None:
                 time.sleep(0.5)
         # warm-up both paths
         run_offline(llm, prompts[:8], 8)
-        asyncio.run(_serve_once(url, prompts[:8], 8, True))
+        run_client(url, prompts[:8], 8, True)
         rows = []
         for r in range(args.repeats):
             off = run_offline(llm, prompts, args.output_len)
-            st = asyncio.run(_serve_once(url, prompts, args.output_len, True))
-            ns = asyncio.run(_serve_once(url, prompts, args.output_len, False))
+            st = run_client(url, prompts, args.output_len, True)
+            ns = run_client(url, prompts, args.output_len, False)
             rows.append({"offline": off, "serve_stream": st, "serve_nonstream": ns,
                          "ratio_stream": st["output_tok_per_s"] / off["output_tok_per_s"],
                          "ratio_nonstream": ns["output_tok_per_s"] / off["output_tok_per_s"]})

@@ -36,10 +36,12 @@ class _RequestStream:
         self.error: BaseException | None = None
         self.event = asyncio.Event()
         self.last_token_time: float | None = None
+        self.final_only = False  # a non-streaming consumer is woken once, at the end, not every step
 
     def put(self, out: RequestOutput) -> None:
         self.pending = out if self.pending is None else _merge(self.pending, out)
-        self.event.set()
+        if out.finished or not self.final_only:
+            self.event.set()
 
     def fail(self, err: BaseException) -> None:
         self.error = err
@@ -135,9 +137,11 @@ class AsyncLLM:
         self.client.send(AddRequest(req))
         return text, req.prompt_token_ids
 
-    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        """Delta outputs of a submitted request. Closing or cancelling the iterator aborts the request."""
+    async def stream(self, request_id: str, final_only: bool = False) -> AsyncIterator[RequestOutput]:
+        """Delta outputs of a submitted request. Closing or cancelling the iterator aborts the request.
+        `final_only`: yield one merged output when the request finishes."""
         stream = self.streams[request_id]
+        stream.final_only = final_only
         finished = False
         try:
             while not finished:

@@ -76,7 +76,7 @@ class InputProcessor:
     def validate(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("'prompt' must not be empty")
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in token_ids):
+        if not all(type(t) is int for t in token_ids) or min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             raise ValueError(f"'prompt' token ids must be integers in [0, {self.vocab_size})")
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"'prompt' is {len(token_ids)} tokens, longer than max_model_len ({self.max_model_len})")

@@ -75,29 +75,12 @@ class OpenAIServingCompletion(ServingBase):
     async def _stream(self, req: CompletionRequest, rid: str, subs, created: int):
         n = req.n
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(k: int, sub_id: str) -> None:
-            try:
-                async for out in self.engine.stream(sub_id):
-                    queue.put_nowait((k, out))
-            except Exception as e:
-                queue.put_nowait((k, e))
-            finally:
-                queue.put_nowait((k, None))
-
-        # one task per prompt feeds a single queue, so several prompts stream interleaved
-        tasks = [asyncio.ensure_future(pump(k, s[0])) for k, s in enumerate(subs)]
         offsets = [0] * (len(subs) * n)
         started = [False] * (len(subs) * n)
         prompt_rows: list[list] = [[] for _ in subs]
-        num_completion, live, failed = 0, len(subs), False
+        num_completion, failed = 0, False
         try:
-            while live:
-                k, item = await queue.get()
-                if item is None:
-                    live -= 1
-                    continue
+            async for k, item in self._interleaved(subs):
                 if isinstance(item, Exception):
                     code = 503 if isinstance(item, EngineDeadError) else 500
                     yield sse(error_dict(code, str(item)))
@@ -134,6 +117,38 @@ class OpenAIServingCompletion(ServingBase):
                            "choices": [], "usage": usage(num_prompt, num_completion)})
             yield SSE_DONE
         finally:
+            self.abort_all(subs)
+
+    async def _interleaved(self, subs):
+        """(prompt index, delta output or the exception that ended it) as they arrive. One prompt is read
+        directly; several are pumped by one task each into a single queue."""
+        if len(subs) == 1:
+            try:
+                async for out in self.engine.stream(subs[0][0]):
+                    yield 0, out
+            except Exception as e:
+                yield 0, e
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(k: int, sub_id: str) -> None:
+            try:
+                async for out in self.engine.stream(sub_id):
+                    queue.put_nowait((k, out))
+            except Exception as e:
+                queue.put_nowait((k, e))
+            finally:
+                queue.put_nowait((k, None))
+
+        tasks = [asyncio.ensure_future(pump(k, s[0])) for k, s in enumerate(subs)]
+        live = len(subs)
+        try:
+            while live:
+                k, item = await queue.get()
+                if item is None:
+                    live -= 1
+                    continue
+                yield k, item
+        finally:
             for t in tasks:
                 t.cancel()
-            self.abort_all(subs)

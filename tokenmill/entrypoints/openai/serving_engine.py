@@ -106,7 +106,7 @@ class ServingBase:
         prompt_rows: list[list] = [[] for _ in subs]
 
         async def one(k: int, sub_id: str) -> None:
-            async for out in self.engine.stream(sub_id):
+            async for out in self.engine.stream(sub_id, final_only=True):
                 if out.prompt_logprobs:
                     prompt_rows[k].extend(out.prompt_logprobs)
                 for c in out.outputs:
