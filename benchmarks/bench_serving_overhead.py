@@ -29,6 +29,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from tokenmill.bench.serve_client import _sse_events  # noqa: E402
 from tokenmill.config import DEFAULT_MODEL  # noqa: E402
@@ -37,6 +38,20 @@ try:
     from uvloop import run as _run
 except ImportError:
     _run = asyncio.run
+
+
+def qwen_shape_with_shipped_tokenizer() -> str:
+    """Qwen2.5-0.5B's layers (dummy weights) with the shipped tokenizer's 4096-token vocabulary, so text
+    streams and detokenizes as it would for a real model whose engine step, not the API, dominates."""
+    import shutil
+
+    from common import QWEN25_05B, dummy_model_dir
+
+    shape = dict(QWEN25_05B, vocab_size=4096, bos_token_id=None, eos_token_id=None)
+    path = dummy_model_dir(shape, "qwen2.5-0.5b-layers-vocab4096")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(DEFAULT_MODEL, f), path)
+    return path
 
 
 def free_port() -> int:
@@ -103,28 +118,35 @@ def run_client(url: str, prompts, output_len: int, stream: bool) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--qwen-shape", action="store_true",
+                    help="Qwen2.5-0.5B layers with dummy weights and the shipped tokenizer, instead of --model")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--num-requests", type=int, default=128)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--stream-interval", type=int, default=1, help="passed to `tokenmill serve`")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serving_overhead.json"))
     args = ap.parse_args()
 
     from tokenmill import LLM
 
+    load_format = "auto"
+    if args.qwen_shape:
+        args.model, load_format = qwen_shape_with_shipped_tokenizer(), "dummy"
     eng = dict(dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16, max_num_seqs=args.max_num_seqs,
-               seed=0)
+               seed=0, load_format=load_format)
     llm = LLM(model=args.model, **eng)
     prompts = make_prompts(llm.get_tokenizer(), args.num_requests, args.input_len)
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "tokenmill", "serve", "--model", args.model, "--port", str(port),
-           "--served-model-name", "bench", "--dtype", args.dtype, "--max-model-len", str(eng["max_model_len"]),
+           "--served-model-name", "bench", "--dtype", args.dtype, "--load-format", load_format,
+           "--max-model-len", str(eng["max_model_len"]),
            "--max-num-seqs", str(args.max_num_seqs), "--disable-log-requests", "--disable-uvicorn-access-log",
-           "--uvicorn-log-level", "warning"]
+           "--uvicorn-log-level", "warning", "--stream-interval", str(args.stream_interval)]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         for _ in range(600):
@@ -154,12 +176,13 @@ def main() -> None:
     med_s = statistics.median(r["ratio_stream"] for r in rows)
     med_n = statistics.median(r["ratio_nonstream"] for r in rows)
     result = {
-        "benchmark": "serving_overhead", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "benchmark": "serving_overhead", "qwen_shape": args.qwen_shape, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "python": platform.python_version()},
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "workload": {"model": args.model, "dtype": args.dtype, "num_requests": args.num_requests,
                      "input_len": args.input_len, "output_len": args.output_len, "max_num_seqs": args.max_num_seqs,
+                     "stream_interval": args.stream_interval,
                      "arrival": "all at once (saturation)", "sampling": "greedy, ignore_eos"},
         "runs": rows,
         "median_ratio_stream": med_s, "median_ratio_nonstream": med_n,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 
@@ -62,3 +63,31 @@ def test_sigterm_drains_and_exits_zero(server):
     assert '"finish_reason":"length"' in lines[-2]
     assert server.proc.wait(60) == 0
     assert "draining" in server.logs()
+
+
+@pytest.fixture(scope="module")
+def interval_server(tiny_model_dir, tmp_path_factory):  # noqa: F811
+    srv = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("server") / "server.log", "--stream-interval", "4")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.terminate()
+
+
+def test_stream_interval_groups_tokens_per_chunk(interval_server):
+    body = {"model": "tiny", "prompt": "To be, or not to be", "max_tokens": 10, "ignore_eos": True,
+            "temperature": 0, "logprobs": 0}
+    full = httpx.post(interval_server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    per_chunk, text = [], ""
+    with httpx.stream("POST", interval_server.url + "/v1/completions", json={**body, "stream": True},
+                      timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                if choice["logprobs"] is not None and choice["logprobs"]["tokens"]:
+                    per_chunk.append(len(choice["logprobs"]["tokens"]))
+                text += choice["text"]
+    assert sum(per_chunk) == 10
+    assert all(n >= 4 for n in per_chunk[:-1]) and len(per_chunk) <= 3, per_chunk
+    assert text == full["text"]

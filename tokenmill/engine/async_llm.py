@@ -36,11 +36,14 @@ class _RequestStream:
         self.error: BaseException | None = None
         self.event = asyncio.Event()
         self.last_token_time: float | None = None
-        self.final_only = False  # a non-streaming consumer is woken once, at the end, not every step
+        # wake the consumer once this many new tokens are pending (0: only when the request finishes)
+        self.wake_every = 1
+        self.pending_tokens = 0
 
     def put(self, out: RequestOutput) -> None:
         self.pending = out if self.pending is None else _merge(self.pending, out)
-        if out.finished or not self.final_only:
+        self.pending_tokens += sum(len(c.token_ids) for c in out.outputs)
+        if out.finished or (self.wake_every and self.pending_tokens >= self.wake_every):
             self.event.set()
 
     def fail(self, err: BaseException) -> None:
@@ -52,7 +55,7 @@ class _RequestStream:
         self.event.clear()
         if self.pending is None and self.error is not None:
             raise self.error
-        out, self.pending = self.pending, None
+        out, self.pending, self.pending_tokens = self.pending, None, 0
         return out
 
 
@@ -73,8 +76,11 @@ def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, max_waiting_requests: int = 1024, served_model_name: str | None = None,
-                 log_requests: bool = True, log_level: int = logging.INFO):
+                 log_requests: bool = True, log_level: int = logging.INFO, stream_interval: int = 1):
+        if stream_interval < 1:
+            raise ValueError(f"'stream_interval' must be >= 1, got {stream_interval}")
         self.config = config
+        self.stream_interval = stream_interval
         model_config = ModelConfig.from_hf(load_hf_config(config.model))
         config.resolve(model_config)  # max_model_len etc., the same values the core will compute
         self.model_config = model_config
@@ -138,10 +144,11 @@ class AsyncLLM:
         return text, req.prompt_token_ids
 
     async def stream(self, request_id: str, final_only: bool = False) -> AsyncIterator[RequestOutput]:
-        """Delta outputs of a submitted request. Closing or cancelling the iterator aborts the request.
-        `final_only`: yield one merged output when the request finishes."""
+        """Delta outputs of a submitted request, merged `stream_interval` tokens at a time (the last delta
+        may be shorter). Closing or cancelling the iterator aborts the request. `final_only`: yield one
+        merged output when the request finishes."""
         stream = self.streams[request_id]
-        stream.final_only = final_only
+        stream.wake_every = 0 if final_only else self.stream_interval
         finished = False
         try:
             while not finished:

@@ -223,7 +223,7 @@ async def serve(args) -> int:
     default = os.path.basename(DEFAULT_MODEL) if os.path.abspath(args.model) == DEFAULT_MODEL else args.model
     names = args.served_model_name or [default]
     engine = AsyncLLM(config, max_waiting_requests=args.max_waiting_requests, served_model_name=names[0],
-                      log_requests=not args.disable_log_requests)
+                      log_requests=not args.disable_log_requests, stream_interval=args.stream_interval)
     try:
         await engine.start()
         state = ServerState(engine, names)
