@@ -68,6 +68,32 @@ def run_hf(model, reqs):
     return {"seconds": dt, "output_tokens": useful, "output_tok_s": useful / dt}
 
 
+def useful_gflop(reqs, cfg: dict = QWEN25_05B) -> float:
+    """Linear-layer work a perfect engine must do: every prompt and output token passes through the decoder
+    layers once (the last output token is never fed back), and each output token needs one LM-head row.
+    Attention is left out (under 2 % here). Padding, which transformers' static batches add, is not useful."""
+    h, i, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    kv = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * i  # qkv, o, gate/up, down
+    passes = sum(len(p) + n - 1 for p, n in reqs)
+    outputs = sum(n for _, n in reqs)
+    return 2 * (passes * L * per_layer + outputs * h * cfg["vocab_size"]) / 1e9
+
+
+def gemm_peak_gflops(dtype: torch.dtype) -> float:
+    """Best GFLOP/s of oneDNN's packed GEMM on a prefill-sized problem (2048 x 896 x 9728), the ceiling
+    any engine's linear layers can reach on this machine at the current thread count."""
+    w = torch.randn(9728, 896, dtype=dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+    x = torch.randn(2048, 896, dtype=dtype)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        best = min(best, time.perf_counter() - t)
+    return 2 * 2048 * 896 * 9728 / best / 1e9
+
+
 def weight_bytes(path: str, dtype: torch.dtype) -> int:
     """Bytes read per decoded token: every weight once (a tied embedding once, as the LM head).
     Counted on a meta-device copy of the architecture, so nothing is allocated."""
@@ -108,9 +134,10 @@ def main():
         if not args.skip_hf:
             hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype).eval()
             run_hf(hf, [(wl["a_batch1_decode"][0][0][:16], 4)])
+        peak = result.setdefault("gemm_peak_gflops", {})[dname] = gemm_peak_gflops(dtype)
         for name in names:
             reqs = wl[name]
-            entry = {"tokenmill": run_tokenmill(llm, reqs)}
+            entry = {"tokenmill": run_tokenmill(llm, reqs), "useful_gflop": useful_gflop(reqs)}
             print(dname, name, "tokenmill", f"{entry['tokenmill']['output_tok_s']:.1f} tok/s", flush=True)
             if hf is not None:
                 entry["transformers"] = run_hf(hf, reqs)
@@ -129,6 +156,15 @@ def main():
                 entry["fraction_of_roofline"] = decode_tok_s / entry["roofline_tok_s"]
                 print(f"  decode {decode_tok_s:.1f} tok/s = {entry['fraction_of_roofline']:.0%} of the "
                       f"{entry['roofline_tok_s']:.1f} tok/s roofline ({bw:.1f} GB/s)", flush=True)
+            for side in ("tokenmill", "transformers"):
+                if side in entry:
+                    entry[side]["useful_gflops"] = entry["useful_gflop"] / entry[side]["seconds"]
+                    entry[side]["fraction_of_gemm_peak"] = entry[side]["useful_gflops"] / peak
+            if "transformers" in entry:  # what 3x transformers would need, against the GEMM ceiling
+                entry["gflops_needed_for_3x"] = 3 * entry["transformers"]["useful_gflops"]
+                print(f"  useful GFLOP/s: tokenmill {entry['tokenmill']['useful_gflops']:.0f}, transformers "
+                      f"{entry['transformers']['useful_gflops']:.0f}; 3x would need "
+                      f"{entry['gflops_needed_for_3x']:.0f}; GEMM peak {peak:.0f}", flush=True)
             result["runs"][f"{dname}/{name}"] = entry
         del llm, hf
     result["read_bandwidth_gbs_after"] = read_bandwidth_gbs(args.threads)
