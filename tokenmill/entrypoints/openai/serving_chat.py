@@ -72,13 +72,16 @@ class OpenAIServingChat(ServingBase):
                 c["usage"] = usage_
             return sse(c)
 
-        num_completion = 0
+        num_completion, opened = 0, False
         try:
-            # OpenAI opens each choice with the role, and empty content
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for i in range(req.n)])
             try:
                 async for out in self.engine.stream(sub_id):
+                    if not opened:
+                        # OpenAI opens each choice with the role and empty content; like vLLM, send it with
+                        # the first tokens, so clients that time the first chunk measure a real TTFT
+                        opened = True
+                        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                      "finish_reason": None} for i in range(req.n)])
                     choices = []
                     for c in out.outputs:
                         if not c.token_ids and c.finish_reason is None:

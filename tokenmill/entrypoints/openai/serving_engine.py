@@ -116,6 +116,8 @@ class ServingBase:
             await asyncio.gather(*(one(k, s[0]) for k, s in enumerate(subs)))
         except EngineDeadError as e:
             raise APIError(503, str(e)) from None
+        except RuntimeError as e:  # the core failed this request's step (and kept serving)
+            raise APIError(500, str(e)) from None
         finally:
             self.abort_all(subs)  # no-op for finished requests; frees the rest on cancel/error
         return choices, prompt_rows

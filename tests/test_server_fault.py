@@ -1,0 +1,72 @@
+"""A failing engine step takes nothing down: the requests in flight get a 500 error, their KV blocks are
+freed, and the server keeps serving. The fault is injected from outside the package: a sitecustomize on
+the server's PYTHONPATH (it loads in the engine-core process too) makes ModelRunner.execute raise when a
+scheduled sequence carries a marker token sequence."""
+from __future__ import annotations
+
+import os
+import time
+
+import httpx
+import pytest
+
+from server_fixtures import ServerProcess, tiny_model_dir  # noqa: F401  (fixture)
+
+MARKER = [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7]
+
+SITECUSTOMIZE = f'''
+from tokenmill.worker import model_runner
+
+_marker = {MARKER!r}
+_execute = model_runner.ModelRunner.execute
+
+
+def execute(self, sched):
+    if any(list(s.prompt_token_ids[:len(_marker)]) == _marker for s in sched.seqs):
+        raise RuntimeError("injected fault")
+    return _execute(self, sched)
+
+
+model_runner.ModelRunner.execute = execute
+'''
+
+
+@pytest.fixture(scope="module")
+def faulty_server(tiny_model_dir, tmp_path_factory):  # noqa: F811
+    hook_dir = tmp_path_factory.mktemp("fault")
+    (hook_dir / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    pythonpath = os.pathsep.join(p for p in (str(hook_dir), os.environ.get("PYTHONPATH")) if p)
+    srv = ServerProcess(tiny_model_dir, hook_dir / "server.log", env={"PYTHONPATH": pythonpath})
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.terminate()
+
+
+def _stats(server) -> dict:
+    return httpx.get(server.url + "/debug/engine_stats", timeout=30).json()
+
+
+def test_failing_step_fails_in_flight_requests_and_serving_continues(faulty_server):
+    url = faulty_server.url + "/v1/completions"
+    good = {"model": "tiny", "prompt": "To be", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+    before = httpx.post(url, json=good, timeout=60)
+    assert before.status_code == 200
+
+    bad = httpx.post(url, json={**good, "prompt": MARKER}, timeout=60)
+    assert bad.status_code == 500, bad.text
+    assert bad.json()["error"]["code"] == 500 and "injected fault" in bad.json()["error"]["message"]
+
+    with httpx.stream("POST", url, json={**good, "prompt": MARKER, "stream": True}, timeout=60) as r:
+        lines = [l for l in r.iter_lines() if l.startswith("data: ")]
+    assert "injected fault" in lines[0] and lines[-1] == "data: [DONE]"
+
+    deadline = time.time() + 30
+    while (s := _stats(faulty_server))["num_free_kv_blocks"] != s["num_kv_blocks"] and time.time() < deadline:
+        time.sleep(0.1)
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"] and s["num_unfinished_requests"] == 0, s
+    after = httpx.post(url, json=good, timeout=60)
+    assert after.status_code == 200
+    assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
+    assert "engine step failed" in faulty_server.logs()
