@@ -11,22 +11,28 @@ needs_gemv = pytest.mark.skipif(not cpu_gemv.available(), reason="needs an AVX51
 
 
 @needs_gemv
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,k,bias", [(16, 2, False), (64, 70, True), (4864, 896, False), (1152, 896, True)])
-def test_gemv_matches_linear(n, k, bias):
+def test_gemv_matches_linear(n, k, bias, dtype):
     g = torch.Generator().manual_seed(n + k)
-    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-    x = torch.randn(1, k, generator=g).to(torch.bfloat16)
-    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
     y = cpu_gemv.gemv(x, cpu_gemv.pack(w), b)
-    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
-    # float32 accumulation, one bfloat16 rounding at the end
-    torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=1e-3)
+    assert y.dtype == dtype and y.shape == (1, n)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    if dtype == torch.bfloat16:  # float32 accumulation, one bfloat16 rounding at the end
+        torch.testing.assert_close(y.double(), ref, rtol=8e-3, atol=1e-3)
+    else:
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
 
 
 def test_gemv_refuses_shapes_it_cannot_pack():
     assert not cpu_gemv.supports(torch.zeros(17, 8, dtype=torch.bfloat16))
     assert not cpu_gemv.supports(torch.zeros(16, 7, dtype=torch.bfloat16))
-    assert not cpu_gemv.supports(torch.zeros(16, 8, dtype=torch.float32))
+    assert not cpu_gemv.supports(torch.zeros(17, 8, dtype=torch.float32))
+    assert not cpu_gemv.supports(torch.zeros(16, 8, dtype=torch.float16))
+    assert cpu_gemv.supports(torch.zeros(16, 7, dtype=torch.float32))  # no k pairs in float32
 
 
 @pytest.mark.parametrize("kernel", ["onednn", "torch"] + (["onednn+gemv"] if cpu_gemv.available() else []))
@@ -44,3 +50,16 @@ def test_linear_kernels_give_the_same_greedy_tokens(model_dirs, kernel):
     for r, o in zip(ref, out):
         assert r.outputs[0].token_ids[:4] == o.outputs[0].token_ids[:4]
     assert sum(agree) >= 0.75 * 12 * len(prompts)
+
+
+@needs_gemv
+def test_float32_gemv_gives_the_same_greedy_tokens(model_dirs):
+    path, _ = model_dirs["qwen2"]
+    prompts = random_prompts([1, 9, 30], seed=41)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = make_llm(path, dtype="float32", cpu_linear_kernel="torch").generate(
+        [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    llm = make_llm(path, dtype="float32", cpu_linear_kernel="onednn+gemv")
+    assert any(m.gemv_packed is not None for m in llm.llm_engine.core.runner.model.modules() if hasattr(m, "gemv_packed"))
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [r.outputs[0].token_ids for r in ref]

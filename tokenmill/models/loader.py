@@ -87,7 +87,7 @@ def load_model(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device:
 
 def cpu_linear_kernel(cfg: EngineConfig, device: str, model: torch.nn.Module, dtype: torch.dtype) -> str:
     """Which CPU GEMM path to prepare. The batch-1 GEMV kernel keeps a second copy of every linear
-    weight, so "auto" takes it only for bfloat16 when that copy fits comfortably in free memory."""
+    weight, so "auto" takes it only when that copy fits comfortably in free memory."""
     kind = cfg.cpu_linear_kernel
     if device != "cpu":
         return "torch"
@@ -95,11 +95,12 @@ def cpu_linear_kernel(cfg: EngineConfig, device: str, model: torch.nn.Module, dt
         if kind == "auto":
             return "torch"
         raise ValueError(f"cpu_linear_kernel={kind!r} needs a PyTorch build with oneDNN (mkldnn)")
-    if kind == "onednn+gemv" and not (dtype == torch.bfloat16 and cpu_gemv.available()):
-        raise ValueError("cpu_linear_kernel='onednn+gemv' needs bfloat16 weights, an AVX512-BF16 CPU and gcc")
+    if kind == "onednn+gemv" and not (dtype in cpu_gemv.DTYPES and cpu_gemv.available()):
+        raise ValueError("cpu_linear_kernel='onednn+gemv' needs bfloat16 or float32 weights, an AVX512-BF16 CPU "
+                         "and gcc")
     if kind == "auto":
         extra = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, Linear))
-        use_gemv = dtype == torch.bfloat16 and extra < 0.25 * _available_memory() and cpu_gemv.available()
+        use_gemv = dtype in cpu_gemv.DTYPES and extra < 0.25 * _available_memory() and cpu_gemv.available()
         return "onednn+gemv" if use_gemv else "onednn"
     return kind
 

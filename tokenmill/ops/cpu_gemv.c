@@ -1,4 +1,4 @@
-/* Batch-1 GEMV for bfloat16 weights on AVX512-BF16 CPUs: y[N] = W[N,K] x[K] (+ bias).
+/* Batch-1 GEMVs on AVX-512 CPUs: y[N] = W[N,K] x[K] (+ bias), for bfloat16 and float32 weights.
  *
  * W is repacked once into "VNNI" pairs so the whole matrix is read as one sequential stream and
  * every 64-byte load feeds one vdpbf16ps (16 rows x 2 k):
@@ -49,5 +49,31 @@ void tm_gemv_bf16_vnni(const uint16_t *P, const uint16_t *x, const uint16_t *bia
             if (bias) v += bf16_to_f32(bias[b * 16 + r]);
             y[b * 16 + r] = f32_to_bf16(v);
         }
+    }
+}
+
+/* float32: W is repacked into 16-row panels, so each 64-byte load feeds one FMA and the matrix is
+ * read as one sequential stream:
+ *
+ *     P[N/16][K][16]      P[b][k][r] = W[16 b + r][k]
+ */
+void tm_gemv_f32(const float *P, const float *x, const float *bias, float *y, int64_t N, int64_t K, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < N / 16; b++) {
+        const float *blk = P + b * K * 16;
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k + 4 <= K; k += 4) {
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(blk + (k + 0) * 16), _mm512_set1_ps(x[k + 0]), a0);
+            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(blk + (k + 1) * 16), _mm512_set1_ps(x[k + 1]), a1);
+            a2 = _mm512_fmadd_ps(_mm512_loadu_ps(blk + (k + 2) * 16), _mm512_set1_ps(x[k + 2]), a2);
+            a3 = _mm512_fmadd_ps(_mm512_loadu_ps(blk + (k + 3) * 16), _mm512_set1_ps(x[k + 3]), a3);
+        }
+        for (; k < K; k++)
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(blk + k * 16), _mm512_set1_ps(x[k]), a0);
+        __m512 acc = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+        if (bias)
+            acc = _mm512_add_ps(acc, _mm512_loadu_ps(bias + b * 16));
+        _mm512_storeu_ps(y + b * 16, acc);
     }
 }

@@ -1,4 +1,4 @@
-"""A bfloat16 GEMV kernel for batch-1 decoding on CPUs with AVX512-BF16.
+"""GEMV kernels for batch-1 decoding (bfloat16 and float32 weights) on CPUs with AVX512-BF16.
 
 oneDNN's and `F.linear`'s kernels reach about half of the memory bandwidth for a single row (see
 BENCHMARKS.md); a weight repacked into VNNI pairs and read as one stream gets much closer. The C
@@ -55,33 +55,42 @@ def _library():
     except (OSError, subprocess.CalledProcessError) as e:
         logger.warning("CPU GEMV kernel unavailable (%s); using oneDNN for batch-1 decode", e)
         return None
-    fn = lib.tm_gemv_bf16_vnni
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                   ctypes.c_int64, ctypes.c_int]
-    fn.restype = None
-    return fn
+    fns = {torch.bfloat16: lib.tm_gemv_bf16_vnni, torch.float32: lib.tm_gemv_f32}
+    for fn in fns.values():
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                       ctypes.c_int64, ctypes.c_int]
+        fn.restype = None
+    return fns
 
 
 def available() -> bool:
     return _library() is not None
 
 
+DTYPES = (torch.bfloat16, torch.float32)
+
+
 def supports(weight: torch.Tensor) -> bool:
     n, k = weight.shape
-    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and n % 16 == 0 and k % 2 == 0
+    pairs_ok = k % 2 == 0 or weight.dtype == torch.float32
+    return weight.dtype in DTYPES and weight.device.type == "cpu" and n % 16 == 0 and pairs_ok
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [N/16, K/2, 16, 2] (see cpu_gemv.c)."""
+    """bfloat16 [N, K] -> [N/16, K/2, 16, 2]; float32 [N, K] -> [N/16, K, 16] (see cpu_gemv.c)."""
     n, k = weight.shape
-    return weight.detach().view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    w = weight.detach()
+    if w.dtype == torch.float32:
+        return w.view(n // 16, 16, k).transpose(1, 2).contiguous()
+    return w.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def gemv(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [1, K] bfloat16 -> [1, N] bfloat16."""
-    nb, k2, _, _ = packed.shape
+    """x [1, K] -> [1, N], in the packed weight's dtype."""
+    n = packed.shape[0] * 16
+    k = packed.shape[1] * (2 if packed.dtype == torch.bfloat16 else 1)
     x = x.contiguous()
-    y = torch.empty(1, nb * 16, dtype=torch.bfloat16)
-    _library()(packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-               nb * 16, k2 * 2, torch.get_num_threads())
+    y = torch.empty(1, n, dtype=packed.dtype)
+    _library()[packed.dtype](packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                             y.data_ptr(), n, k, torch.get_num_threads())
     return y
