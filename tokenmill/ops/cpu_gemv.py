@@ -2,58 +2,24 @@
 
 oneDNN's and `F.linear`'s kernels reach about half of the memory bandwidth for a single row (see
 BENCHMARKS.md); a weight repacked into VNNI pairs and read as one stream gets much closer. The C
-source sits beside this file and is compiled once with the system's gcc into a cache directory;
-without gcc or without AVX512-BF16, `available()` is False and the caller keeps its other path.
+source sits beside this file and is built by `ops/native.py`; without gcc or without AVX512-BF16,
+`available()` is False and the caller keeps its other path.
 The pure-torch twin (the oracle in tests) is `F.linear`.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger("tokenmill")
-_SRC = Path(__file__).with_name("cpu_gemv.c")
-
-
-def _cpu_has_avx512_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any("avx512_bf16" in line for line in f if line.startswith("flags"))
-    except OSError:
-        return False
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
-    return Path(base) / "ops"
+from tokenmill.ops import native
 
 
 @lru_cache(maxsize=1)
 def _library():
-    if os.environ.get("TOKENMILL_DISABLE_CPU_GEMV") or not _cpu_has_avx512_bf16() or not shutil.which("gcc"):
-        return None
-    src = _SRC.read_bytes()
-    out = _cache_dir() / f"libtm_gemv_{hashlib.sha256(src).hexdigest()[:16]}.so"
-    try:
-        if not out.is_file():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-                tmp_out = Path(tmp) / out.name
-                subprocess.run(["gcc", "-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp", "-shared",
-                                "-fPIC", str(_SRC), "-o", str(tmp_out)], check=True, capture_output=True)
-                os.replace(tmp_out, out)  # atomic: concurrent processes never load a half-written file
-        lib = ctypes.CDLL(str(out))  # torch already loaded libgomp, so both share one OpenMP runtime
-    except (OSError, subprocess.CalledProcessError) as e:
-        logger.warning("CPU GEMV kernel unavailable (%s); using oneDNN for batch-1 decode", e)
+    lib = native.load("cpu_gemv.c", "TOKENMILL_DISABLE_CPU_GEMV")
+    if lib is None:
         return None
     fns = {torch.bfloat16: lib.tm_gemv_bf16_vnni, torch.float32: lib.tm_gemv_f32}
     for fn in fns.values():
