@@ -106,7 +106,7 @@ class EngineConfig:
     revision: str | None = None
     trust_remote_code: bool = False
     num_threads: int | None = None
-    # "auto" | "onednn" (packed weights) | "onednn+gemv" (plus a batch-1 bf16 GEMV kernel) | "torch" (F.linear)
+    # "auto" | "onednn" (packed weights) | "onednn+gemv" (plus a batch-1 bf16/fp32 GEMV kernel) | "torch" (F.linear)
     cpu_linear_kernel: str = "auto"
     # Baseline modes, for the optimization ladder (`tokenmill bench ladder`): each turns one
     # optimization off, so its effect can be measured in the same engine.
