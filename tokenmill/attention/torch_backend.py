@@ -68,8 +68,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float):
         write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
         nd = meta.num_decodes
+        if nd == len(meta.seq_lens_host):  # decodes only: no output buffer to assemble
+            return self._decode(q, key_cache, value_cache, meta, scale)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if nd:
             out[:nd] = self._decode(q[:nd], key_cache, value_cache, meta, scale)
         qsl, lens = meta.query_start_loc_host, meta.seq_lens_host

@@ -25,10 +25,11 @@ class Attention(nn.Module):
         self.scale = self.hd ** -0.5
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.nh, self.hd), cos, sin)
-        k = apply_rotary(k.view(-1, self.nkv, self.hd), cos, sin)
-        v = v.view(-1, self.nkv, self.hd)
+        qkv = self.qkv_proj(x)
+        # rotate the query and key heads in one pass: [T, nh + nkv, hd]
+        qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(-1, self.nh + self.nkv, self.hd), cos, sin)
+        q, k = qk[:, :self.nh], qk[:, self.nh:]
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.nkv, self.hd)
         o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
