@@ -26,6 +26,12 @@ def test_cli_reports_bad_input_without_traceback(llama_dir):
     assert res.returncode == 2 and "temperature" in res.stderr and "Traceback" not in res.stderr
 
 
+def test_serve_rejects_a_bad_stream_interval_before_loading(llama_dir):
+    res = subprocess.run([sys.executable, "-m", "tokenmill", "serve", "--model", llama_dir, "--stream-interval", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "--stream-interval" in res.stderr and "Traceback" not in res.stderr
+
+
 def test_chat_applies_template(llama_dir):
     llm = make_llm(llama_dir)
     tok = llm.get_tokenizer()

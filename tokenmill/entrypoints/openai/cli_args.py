@@ -5,6 +5,13 @@ from __future__ import annotations
 import argparse
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     p.add_argument("--port", type=int, default=8000)
@@ -17,7 +24,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-body-bytes", type=int, default=8 << 20, help="larger bodies get 413")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
-    p.add_argument("--stream-interval", type=int, default=1,
+    p.add_argument("--stream-interval", type=_positive_int, default=1,
                    help="tokens per streamed chunk (the last may have fewer); more tokens per chunk cost the API "
                         "process less CPU per token at the price of burstier streams")
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
