@@ -1,9 +1,10 @@
 """A failing engine step takes nothing down: the requests in flight get a 500 error, their KV blocks are
 freed, and the server keeps serving. The fault is injected from outside the package: a sitecustomize on
 the server's PYTHONPATH (it loads in the engine-core process too) makes ModelRunner.execute raise when a
-scheduled sequence carries a marker token sequence."""
+scheduled sequence carries a marker token sequence (or, for the late marker, once it has output tokens)."""
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -12,18 +13,21 @@ import pytest
 
 from server_fixtures import ServerProcess, tiny_model_dir  # noqa: F401  (fixture)
 
-MARKER = [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7]
+MARKER = [7] * 13  # fails on its first step
+LATE_MARKER = [8] * 13  # fails once it has generated 5 tokens
 
 SITECUSTOMIZE = f'''
 from tokenmill.worker import model_runner
 
-_marker = {MARKER!r}
+_marker, _late = {MARKER!r}, {LATE_MARKER!r}
 _execute = model_runner.ModelRunner.execute
 
 
 def execute(self, sched):
-    if any(list(s.prompt_token_ids[:len(_marker)]) == _marker for s in sched.seqs):
-        raise RuntimeError("injected fault")
+    for s in sched.seqs:
+        head = list(s.prompt_token_ids[:len(_marker)])
+        if head == _marker or (head == _late and len(s.output_token_ids) >= 5):
+            raise RuntimeError("injected fault")
     return _execute(self, sched)
 
 
@@ -70,3 +74,26 @@ def test_failing_step_fails_in_flight_requests_and_serving_continues(faulty_serv
     assert after.status_code == 200
     assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
     assert "engine step failed" in faulty_server.logs()
+
+
+def test_failure_after_output_reaches_waiting_and_streaming_clients(faulty_server):
+    """A request that already holds undelivered tokens (non-streaming ones are woken only at the end) must
+    still get its error, and so must a chat stream that merely shared the failed step."""
+    url = faulty_server.url
+    late = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": LATE_MARKER, "max_tokens": 50,
+                                                      "ignore_eos": True}, timeout=60)
+    assert late.status_code == 500 and "injected fault" in late.json()["error"]["message"]
+
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Speak"}], "max_tokens": 200, "stream": True}
+    events = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**chat, "ignore_eos": True}, timeout=60) as r:
+        it = (l for l in r.iter_lines() if l.startswith("data: "))
+        events.append(next(it))  # the chat is generating; now another request's step fails under it
+        httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": LATE_MARKER, "max_tokens": 50,
+                                                  "ignore_eos": True}, timeout=60)
+        events.extend(it)
+    assert events[-1] == "data: [DONE]"
+    errors = [json.loads(e[6:]) for e in events[:-1] if '"error"' in e]
+    assert errors and errors[0]["error"]["code"] == 500 and "injected fault" in errors[0]["error"]["message"]
+    assert httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "To be", "max_tokens": 2},
+                      timeout=60).status_code == 200

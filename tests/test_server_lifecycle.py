@@ -89,5 +89,6 @@ def test_stream_interval_groups_tokens_per_chunk(interval_server):
                     per_chunk.append(len(choice["logprobs"]["tokens"]))
                 text += choice["text"]
     assert sum(per_chunk) == 10
-    assert all(n >= 4 for n in per_chunk[:-1]) and len(per_chunk) <= 3, per_chunk
+    # the first token goes out at once; after it, chunks of at least 4 (the last may be shorter)
+    assert all(n >= 4 for n in per_chunk[1:-1]) and len(per_chunk) <= 4, per_chunk
     assert text == full["text"]

@@ -39,11 +39,14 @@ class _RequestStream:
         # wake the consumer once this many new tokens are pending (0: only when the request finishes)
         self.wake_every = 1
         self.pending_tokens = 0
+        self.delivered = False
 
     def put(self, out: RequestOutput) -> None:
         self.pending = out if self.pending is None else _merge(self.pending, out)
         self.pending_tokens += sum(len(c.token_ids) for c in out.outputs)
-        if out.finished or (self.wake_every and self.pending_tokens >= self.wake_every):
+        # the first tokens go out at once (time to first token); later ones every `wake_every` tokens
+        due = self.pending_tokens >= self.wake_every or not self.delivered
+        if out.finished or (self.wake_every and due):
             self.event.set()
 
     def fail(self, err: BaseException) -> None:
@@ -52,10 +55,11 @@ class _RequestStream:
 
     async def get(self) -> RequestOutput:
         await self.event.wait()
-        self.event.clear()
+        if self.error is None:
+            self.event.clear()  # after a failure it stays set: the next get() raises
         if self.pending is None and self.error is not None:
             raise self.error
-        out, self.pending, self.pending_tokens = self.pending, None, 0
+        out, self.pending, self.pending_tokens, self.delivered = self.pending, None, 0, True
         return out
 
 

@@ -93,8 +93,8 @@ class OpenAIServingChat(ServingBase):
                                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
                     if choices:
                         yield chunk(choices)
-            except EngineDeadError as e:
-                yield sse(error_dict(503, str(e)))
+            except Exception as e:  # the engine died (503) or failed this request's step (500)
+                yield sse(error_dict(503 if isinstance(e, EngineDeadError) else 500, str(e)))
                 yield SSE_DONE
                 return
             if include_usage:
