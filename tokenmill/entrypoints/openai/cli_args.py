@@ -25,7 +25,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
     p.add_argument("--stream-interval", type=_positive_int, default=1,
-                   help="tokens per streamed chunk (the last may have fewer); more tokens per chunk cost the API "
+                   help="tokens per streamed chunk (the first tokens go out at once, the last chunk may have fewer); more tokens per chunk cost the API "
                         "process less CPU per token at the price of burstier streams")
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
