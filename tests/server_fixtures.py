@@ -105,6 +105,10 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def engine_stats(server) -> dict:
+    return httpx.get(server.url + "/debug/engine_stats", timeout=30).json()
+
+
 def wait_until_up(proc, url: str, logs, timeout: float) -> None:
     """Poll `url` until it answers 200; fail fast, with the server's log, if the process exits."""
     deadline = time.time() + timeout

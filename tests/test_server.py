@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from server_fixtures import ServerProcess, tiny_model_dir  # noqa: F401  (fixture)
+from server_fixtures import ServerProcess, engine_stats, tiny_model_dir  # noqa: F401  (fixture)
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -44,10 +44,6 @@ def offline(tiny_model_dir):  # noqa: F811
 
 def post(server, path, body=None, headers=None, **kw):
     return httpx.post(server.url + path, json=body, headers={**server.headers, **(headers or {})}, timeout=60, **kw)
-
-
-def engine_stats(server) -> dict:
-    return httpx.get(server.url + "/debug/engine_stats", timeout=30).json()
 
 
 # -- basics ---------------------------------------------------------------------------------------------

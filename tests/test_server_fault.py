@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from server_fixtures import ServerProcess, tiny_model_dir  # noqa: F401  (fixture)
+from server_fixtures import ServerProcess, engine_stats, tiny_model_dir  # noqa: F401  (fixture)
 
 MARKER = [7] * 13  # fails on its first step
 LATE_MARKER = [8] * 13  # fails once it has generated 5 tokens
@@ -48,10 +48,6 @@ def faulty_server(tiny_model_dir, tmp_path_factory):  # noqa: F811
         srv.terminate()
 
 
-def _stats(server) -> dict:
-    return httpx.get(server.url + "/debug/engine_stats", timeout=30).json()
-
-
 def test_failing_step_fails_in_flight_requests_and_serving_continues(faulty_server):
     url = faulty_server.url + "/v1/completions"
     good = {"model": "tiny", "prompt": "To be", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
@@ -67,7 +63,7 @@ def test_failing_step_fails_in_flight_requests_and_serving_continues(faulty_serv
     assert "injected fault" in lines[0] and lines[-1] == "data: [DONE]"
 
     deadline = time.time() + 30
-    while (s := _stats(faulty_server))["num_free_kv_blocks"] != s["num_kv_blocks"] and time.time() < deadline:
+    while (s := engine_stats(faulty_server))["num_free_kv_blocks"] != s["num_kv_blocks"] and time.time() < deadline:
         time.sleep(0.1)
     assert s["num_free_kv_blocks"] == s["num_kv_blocks"] and s["num_unfinished_requests"] == 0, s
     after = httpx.post(url, json=good, timeout=60)

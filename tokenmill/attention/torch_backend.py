@@ -55,8 +55,8 @@ class TorchAttentionBackend(AttentionBackend):
     """Decodes go through the C paged-attention kernel where it runs (`use_kernel`), else through the
     gather + matmul path below, which is also the kernel's test oracle."""
 
-    def __init__(self, use_kernel: bool = True):
-        self.use_kernel = use_kernel
+    def __init__(self, use_kernel: bool | None = None):
+        self.use_kernel = use_kernel  # None: decided by the first decode (dtype and head shapes never change)
 
     def build_step_state(self, meta: AttentionMetadata) -> None:
         nd = meta.num_decodes
@@ -90,7 +90,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(self, q, key_cache, value_cache, meta: AttentionMetadata, scale: float):
         nd = q.shape[0]
-        if self.use_kernel and cpu_attention.supports(q, key_cache):
+        if self.use_kernel is None:
+            self.use_kernel = cpu_attention.supports(q, key_cache)
+        if self.use_kernel:
             # reads the cache in place; 2-7x faster than gathering a padded float32 copy (BENCHMARKS.md)
             return cpu_attention.paged_decode_attention(q, key_cache, value_cache, meta.block_tables[:nd],
                                                         meta.seq_lens[:nd], scale)

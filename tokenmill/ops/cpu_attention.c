@@ -1,6 +1,6 @@
 /* Paged decode attention on AVX-512 CPUs: one query token per sequence, over its cached keys/values.
  *
- *   q            [B][Hq][D]                 bfloat16 or float32 (the cache's dtype)
+ *   q            [B][Hq][D]                 bfloat16 or float32 (the cache's dtype); rows q_stride apart
  *   key/value    [num_blocks][bs][Hkv][D]   the paged cache, read in place through the block table
  *   block_tables int32 [B][table_stride]    token t of sequence b is in block tables[b][t / bs], slot t % bs
  *   seq_lens     int32 [B]                  keys 0 .. seq_lens[b]-1 are attended
@@ -52,7 +52,7 @@ static inline void scale_add(float *acc, float c, float p, const float *v, int64
         _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(vp, _mm512_loadu_ps(v + i), _mm512_mul_ps(vc, _mm512_loadu_ps(acc + i))));
 }
 
-void tm_paged_decode_attention(const void *q, const void *key_cache, const void *value_cache,
+void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_cache, const void *value_cache,
                                const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                                void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
                                float scale, int bf16, int nthreads) {
@@ -65,7 +65,7 @@ void tm_paged_decode_attention(const void *q, const void *key_cache, const void 
             const int32_t *table = block_tables + b * table_stride;
             const int64_t L = seq_lens[b];
             for (int64_t j = 0; j < g; j++) {
-                row_to_f32(q, (b * Hq + h * g + j) * D, bf16, qf + j * D, D);
+                row_to_f32(q, b * q_stride + (h * g + j) * D, bf16, qf + j * D, D);
                 for (int64_t i = 0; i < D; i++) qf[j * D + i] *= scale;
                 m[j] = -INFINITY;
                 l[j] = 0.0f;

@@ -20,7 +20,8 @@ def _kernel():
     if lib is None:
         return None
     fn = lib.tm_paged_decode_attention
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p,
+                                                                              ctypes.c_void_p] + \
         [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     fn.restype = None
     return fn
@@ -45,12 +46,13 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     seq_lens int32 [B] -> [B, Hq, D]."""
     B, hq, d = q.shape
     nb, bs, hkv, _ = key_cache.shape
-    q = q.contiguous()
+    if q.stride(2) != 1 or q.stride(1) != d:  # rows may be strided (q sliced out of a fused qkv), heads not
+        q = q.contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     assert key_cache.is_contiguous() and value_cache.is_contiguous() and tables.shape[0] >= B
-    out = torch.empty_like(q)
-    _kernel()(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+    out = torch.empty(B, hq, d, dtype=q.dtype)
+    _kernel()(q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
               lens.data_ptr(), out.data_ptr(), B, hq, hkv, d, bs, float(scale), int(q.dtype == torch.bfloat16),
               torch.get_num_threads())
     return out
