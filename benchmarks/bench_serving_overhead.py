@@ -24,14 +24,12 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import aiohttp
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from tokenmill.bench.serve_client import _sse_events  # noqa: E402
 from tokenmill.config import DEFAULT_MODEL  # noqa: E402
 
 try:
@@ -78,40 +76,82 @@ def run_offline(llm, prompts, output_len: int) -> dict:
     return {"seconds": dt, "output_tokens": toks, "output_tok_per_s": toks / dt}
 
 
-async def _serve_once(url: str, prompts, output_len: int, stream: bool) -> dict:
-    """The load generator: aiohttp (as `vllm bench serve` uses), parsing only the usage chunk, so that as
-    little of the shared CPUs as possible goes to the client instead of the server under test."""
-    conn = aiohttp.TCPConnector(limit=len(prompts) + 8)
-    async with aiohttp.ClientSession(base_url=url, connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as c:
-        async def one(p):
-            body = {"model": "bench", "prompt": p, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
-                    "stream": stream}
-            if not stream:
-                async with c.post("/v1/completions", json=body) as r:
-                    r.raise_for_status()
-                    return (await r.json())["usage"]["completion_tokens"]
-            body["stream_options"] = {"include_usage": True}
-            n = 0
-            async with c.post("/v1/completions", json=body) as r:
-                r.raise_for_status()
-                async for data in _sse_events(r):
-                    if data.startswith("{") and '"usage":{' in data:
-                        n = json.loads(data)["usage"]["completion_tokens"]
-            return n
+class _RawResponse(asyncio.Protocol):
+    """One request over its own connection (`Connection: close`); the body is only collected while it
+    arrives and parsed once at the end, so the load generator spends as little as possible of the CPUs
+    it shares with the server under test (aiohttp parsed every SSE event: ~25 us of CPU per chunk)."""
 
-        t = time.perf_counter()
-        counts = await asyncio.gather(*(one(p) for p in prompts))
-        dt = time.perf_counter() - t
+    def __init__(self, request: bytes):
+        self.request, self.parts = request, []
+        self.done = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport) -> None:
+        transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        self.parts.append(data)
+
+    def connection_lost(self, exc) -> None:
+        if not self.done.done():
+            self.done.set_result(b"".join(self.parts))
+
+
+def completion_tokens(raw: bytes, stream: bool) -> int:
+    """usage.completion_tokens from a whole HTTP/1.1 response (for a stream: its usage event)."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status = head.split(b" ", 2)[1] if head else b"?"
+    if status != b"200":
+        raise RuntimeError(f"server answered {status.decode()}: {body[:200]!r}")
+    if not stream:
+        if b"transfer-encoding: chunked" in head.lower():
+            raise RuntimeError("unexpected chunked non-streaming response")
+        return json.loads(body)["usage"]["completion_tokens"]
+    i = body.rfind(b'data: {"id"')  # the usage event is the last JSON event, before [DONE]
+    if i < 0 or b"data: [DONE]" not in body:
+        raise RuntimeError(f"incomplete stream: {body[-200:]!r}")
+    event = body[i + 6:body.index(b"\n\n", i)]
+    return json.loads(event)["usage"]["completion_tokens"]
+
+
+async def _serve_once(host: str, port: int, prompts, output_len: int, stream: bool) -> dict:
+    loop = asyncio.get_running_loop()
+
+    async def one(p):
+        body = {"model": "bench", "prompt": p, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+                "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        data = json.dumps(body).encode()
+        req = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode() + data
+        _, proto = await loop.create_connection(lambda: _RawResponse(req), host, port)
+        return completion_tokens(await proto.done, stream)
+
+    t = time.perf_counter()
+    counts = await asyncio.gather(*(one(p) for p in prompts))
+    dt = time.perf_counter() - t
     toks = sum(counts)
     return {"seconds": dt, "output_tokens": toks, "output_tok_per_s": toks / dt}
 
 
-def run_client(url: str, prompts, output_len: int, stream: bool) -> dict:
-    """One saturation run, with the client's own CPU time (it shares the machine with the server)."""
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_client(port: int, server_pid: int, prompts, output_len: int, stream: bool) -> dict:
+    """One saturation run, with the CPU time of the client (it shares the machine with the server), of the
+    API server process and of the engine core process."""
+    core_pid = int(Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()[0])
     r0 = resource.getrusage(resource.RUSAGE_SELF)
-    out = _run(_serve_once(url, prompts, output_len, stream))
+    a0, c0 = process_cpu_s(server_pid), process_cpu_s(core_pid)
+    out = _run(_serve_once("127.0.0.1", port, prompts, output_len, stream))
+    a1, c1 = process_cpu_s(server_pid), process_cpu_s(core_pid)
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     out["client_cpu_s"] = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
+    out["api_cpu_s"], out["core_cpu_s"] = a1 - a0, c1 - c0
+    out["api_cpu_us_per_token"] = 1e6 * (a1 - a0) / out["output_tokens"]
     return out
 
 
@@ -157,18 +197,20 @@ def main() -> None:
                 time.sleep(0.5)
         # warm-up both paths
         run_offline(llm, prompts[:8], 8)
-        run_client(url, prompts[:8], 8, True)
+        run_client(port, server.pid, prompts[:8], 8, True)
         rows = []
         for r in range(args.repeats):
             off = run_offline(llm, prompts, args.output_len)
-            st = run_client(url, prompts, args.output_len, True)
-            ns = run_client(url, prompts, args.output_len, False)
+            st = run_client(port, server.pid, prompts, args.output_len, True)
+            ns = run_client(port, server.pid, prompts, args.output_len, False)
             rows.append({"offline": off, "serve_stream": st, "serve_nonstream": ns,
                          "ratio_stream": st["output_tok_per_s"] / off["output_tok_per_s"],
                          "ratio_nonstream": ns["output_tok_per_s"] / off["output_tok_per_s"]})
             print(f"repeat {r}: offline {off['output_tok_per_s']:.0f} tok/s | serve (stream) "
                   f"{st['output_tok_per_s']:.0f} tok/s ({rows[-1]['ratio_stream']:.3f}x) | serve (non-stream) "
-                  f"{ns['output_tok_per_s']:.0f} tok/s ({rows[-1]['ratio_nonstream']:.3f}x)", flush=True)
+                  f"{ns['output_tok_per_s']:.0f} tok/s ({rows[-1]['ratio_nonstream']:.3f}x) | API CPU us/token stream "
+                  f"{st['api_cpu_us_per_token']:.1f}, non-stream {ns['api_cpu_us_per_token']:.1f} | client CPU s "
+                  f"{st['client_cpu_s']:.2f} / {ns['client_cpu_s']:.2f}", flush=True)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)

@@ -120,6 +120,7 @@ class AsyncLLM:
 
     @property
     def num_unfinished(self) -> int:
+        """Requests whose outputs have not all been read yet."""
         return len(self.streams)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0,
@@ -158,6 +159,8 @@ class AsyncLLM:
             while not finished:
                 out = await stream.get()
                 finished = out.finished
+                if finished:
+                    del self.streams[request_id]
                 yield out
         finally:
             if not finished:
@@ -239,8 +242,7 @@ class AsyncLLM:
                     self.metrics.observe_itl(now - stream.last_token_time)
                 stream.last_token_time = now
             stream.put(out)
-            if out.finished:
-                del self.streams[out.request_id]
+            if out.finished:  # the stream stays until its reader takes the last output (or aborts)
                 self._finished(out, now)
 
     def _finished(self, out: RequestOutput, now: float) -> None:

@@ -12,7 +12,7 @@ from tokenmill.engine.input_processor import chat_prompt
 from tokenmill.entrypoints.openai.errors import APIError, error_dict
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.entrypoints.openai.serving_engine import ServingBase, usage
-from tokenmill.entrypoints.openai.streaming import SSE_DONE, SSEResponse, cancel_on_disconnect, sse
+from tokenmill.entrypoints.openai.streaming import SSE_DONE, sse
 
 
 def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> dict:
@@ -45,10 +45,8 @@ class OpenAIServingChat(ServingBase):
         params = self.sampling_params(req, max_tokens, logprobs)
         rid, subs = self.submit([prompt], params, req.priority, "chatcmpl")
         created = int(time.time())
-        if req.stream:
-            return SSEResponse(self._stream(req, rid, subs, created))
-        resp = await cancel_on_disconnect(raw, lambda: self._full(req, rid, subs, created))
-        return resp if resp is not None else Response(status_code=499)
+        stream = self._stream(req, rid, subs, created) if req.stream else None
+        return await self.respond(raw, subs, stream, lambda: self._full(req, rid, subs, created))
 
     async def _full(self, req: ChatCompletionRequest, rid: str, subs, created: int) -> Response:
         choices, _ = await self.collect(subs, req.n)

@@ -12,7 +12,7 @@ from tokenmill.engine.core_client import EngineDeadError
 from tokenmill.entrypoints.openai.errors import APIError, error_dict
 from tokenmill.entrypoints.openai.protocol import CompletionRequest
 from tokenmill.entrypoints.openai.serving_engine import ServingBase, usage
-from tokenmill.entrypoints.openai.streaming import SSE_DONE, SSEResponse, cancel_on_disconnect, sse
+from tokenmill.entrypoints.openai.streaming import SSE_DONE, sse
 
 
 def _prompts(p) -> list:
@@ -38,10 +38,8 @@ class OpenAIServingCompletion(ServingBase):
         params = self.sampling_params(req, req.max_tokens, req.logprobs, want_prompt_lp)
         rid, subs = self.submit(prompts, params, req.priority, "cmpl")
         created = int(time.time())
-        if req.stream:
-            return SSEResponse(self._stream(req, rid, subs, created))
-        resp = await cancel_on_disconnect(raw, lambda: self._full(req, rid, subs, created))
-        return resp if resp is not None else Response(status_code=499)  # client is gone; nobody reads this
+        stream = self._stream(req, rid, subs, created) if req.stream else None
+        return await self.respond(raw, subs, stream, lambda: self._full(req, rid, subs, created))
 
     def _echo_text(self, text: str | None, ids: list[int]) -> str:
         return text if text is not None else (self.tokenizer.decode(ids) if self.tokenizer else "")

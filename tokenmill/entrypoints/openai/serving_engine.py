@@ -5,10 +5,15 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import Response
 
 from tokenmill.engine.async_llm import AsyncLLM, QueueFullError
 from tokenmill.engine.core_client import EngineDeadError
 from tokenmill.entrypoints.openai.errors import APIError, bad_request
+from tokenmill.entrypoints.openai.streaming import SSEResponse, cancel_on_disconnect
 from tokenmill.outputs import CompletionOutput, Logprob
 from tokenmill.sampling_params import SamplingParams
 
@@ -98,6 +103,19 @@ class ServingBase:
     def abort_all(self, subs) -> None:
         for sub_id, _, _ in subs:
             self.engine.abort(sub_id)
+
+    async def respond(self, raw: Request, subs, stream: AsyncIterator[bytes] | None,
+                      full: Callable[[], Awaitable[Response]]) -> Response:
+        """The SSE response for `stream`, or `full()`'s response unless the client goes away first. Either
+        way the sub-requests are aborted at the end: a no-op for finished ones; for the rest it frees their
+        KV blocks even if the client left before anything read their outputs."""
+        if stream is not None:
+            return SSEResponse(stream, on_close=lambda: self.abort_all(subs))
+        try:
+            resp = await cancel_on_disconnect(raw, full)
+        finally:
+            self.abort_all(subs)
+        return resp if resp is not None else Response(status_code=499)  # client is gone; nobody reads this
 
     async def collect(self, subs, n: int) -> tuple[list[Choice], list[list]]:
         """Non-streaming: run every sub-request to the end; choice index = prompt index * n + sample index.

@@ -22,12 +22,14 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 class SSEResponse(StreamingResponse):
-    """Streams `body_iterator` while listening for http.disconnect (whatever the ASGI spec version), and
-    always closes the iterator, so its `finally` (which aborts the engine requests) runs at once."""
+    """Streams `body_iterator` while listening for http.disconnect (whatever the ASGI spec version), then
+    closes the iterator and calls `on_close` (which aborts the engine requests) at once, even when the
+    client left before the first chunk and the iterator never started."""
 
-    def __init__(self, content: AsyncIterator[bytes], headers: dict | None = None):
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None] | None = None):
         super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -41,7 +43,11 @@ class SSEResponse(StreamingResponse):
         except OSError:
             pass  # client went away mid-write
         finally:
-            await self.body_iterator.aclose()
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                if self.on_close is not None:
+                    self.on_close()
 
 
 async def cancel_on_disconnect(request: Request, handler: Callable[[], Awaitable]):

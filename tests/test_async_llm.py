@@ -1,0 +1,72 @@
+"""AsyncLLM (the API process's engine) without HTTP: outputs reach a reader that arrives late, and a
+request nobody reads is freed by abort."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from tokenmill.config import DEFAULT_MODEL, EngineConfig
+from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+async def _until(cond, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def _read_all(engine: AsyncLLM, rid: str) -> tuple[str, list[int]]:
+    text, ids = "", []
+    async for out in engine.stream(rid):
+        text += out.outputs[0].text
+        ids += out.outputs[0].token_ids
+    return text, ids
+
+
+async def _scenario() -> None:
+    engine = AsyncLLM(EngineConfig(model=DEFAULT_MODEL, dtype="float32", max_model_len=128, max_num_seqs=8),
+                      log_requests=False)
+    await engine.start()
+    try:
+        # the reference: a request read as it runs
+        engine.add_request("read-now", "ROMEO:", GREEDY)
+        expected = await _read_all(engine, "read-now")
+        assert len(expected[1]) == 8
+
+        # a request that finishes before its reader starts (a loaded server can get there) still
+        # delivers everything, and its stream is gone once read
+        engine.add_request("read-late", "ROMEO:", GREEDY)
+        await _until(lambda: "read-late" not in engine.output_processor.states)
+        assert await _read_all(engine, "read-late") == expected
+        assert "read-late" not in engine.streams
+
+        # a request nobody ever reads (the client left before its handler read anything) is freed by abort,
+        # finished or not
+        engine.add_request("never-read-done", "ROMEO:", GREEDY)
+        await _until(lambda: "never-read-done" not in engine.output_processor.states)
+        engine.add_request("never-read-running", "ROMEO:", SamplingParams(temperature=0, max_tokens=100,
+                                                                           ignore_eos=True))
+        engine.abort("never-read-done")
+        engine.abort("never-read-running")
+        assert engine.num_unfinished == 0
+
+        async def idle() -> bool:
+            stats = await engine.call_core("stats")
+            return stats.num_running == 0 and stats.num_waiting == 0 and \
+                stats.num_free_kv_blocks == stats.num_kv_blocks
+
+        deadline = time.monotonic() + 60
+        while not await idle():
+            assert time.monotonic() < deadline, "the aborted request's blocks were never freed"
+            await asyncio.sleep(0.05)
+        await engine.call_core("check_invariants")
+    finally:
+        await engine.shutdown()
+
+
+def test_late_reader_gets_everything_and_unread_requests_are_freed():
+    asyncio.run(_scenario())
