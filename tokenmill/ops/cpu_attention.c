@@ -7,9 +7,15 @@
  *   out          [B][Hq][D]
  *
  * Query head h reads KV head h / (Hq / Hkv). Each (sequence, KV head) pair is one task: its keys and values
- * are read once, converted to float32 a row at a time, and shared by the Hq / Hkv query heads of the group.
- * Softmax is computed online (running max and sum, FlashAttention-style) in float32, so nothing of size
- * seq_len is materialized. D must be a multiple of 16 and (Hq / Hkv) * D at most MAX_GROUP_FLOATS.
+ * are read once, 16 tokens (a tile) at a time, and shared by the Hq / Hkv query heads of the group. Softmax
+ * is computed online (running max and sum, FlashAttention-style) in float32, once per tile: 16 scores, one
+ * vector exp and one rescale of the accumulator, so nothing of size seq_len is materialized. Float32 rows
+ * are read in place; bfloat16 rows are widened into a per-tile buffer.
+ *
+ *   tile over token positions t0 .. t0+15 of sequence b, KV head h (bs = 16 shown):
+ *     pos -> block tables[b][pos / bs], slot pos % bs -> row ((block * bs + slot) * Hkv + h) * D
+ *
+ * D must be a multiple of 16 and (Hq / Hkv) * D at most MAX_GROUP_FLOATS.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -45,12 +51,26 @@ static inline float dot(const float *a, const float *b, int64_t D) {
     return _mm512_reduce_add_ps(acc);
 }
 
-/* acc = acc * c + p * v */
-static inline void scale_add(float *acc, float c, float p, const float *v, int64_t D) {
-    __m512 vc = _mm512_set1_ps(c), vp = _mm512_set1_ps(p);
-    for (int64_t i = 0; i < D; i += 16)
-        _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(vp, _mm512_loadu_ps(v + i), _mm512_mul_ps(vc, _mm512_loadu_ps(acc + i))));
+/* e^x for x <= 0, lanes at most a couple of ulp off expf: x = n ln2 + r with |r| <= ln2 / 2, a
+ * degree-7 Taylor polynomial for e^r, then scale by 2^n. Below -87 the result is clamped to ~1e-38. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
 }
+
+#define TILE 16  /* keys per online-softmax update: one AVX-512 vector of scores */
 
 void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_cache, const void *value_cache,
                                const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
@@ -60,8 +80,9 @@ void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_
     #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(nthreads)
     for (int64_t b = 0; b < B; b++) {
         for (int64_t h = 0; h < Hkv; h++) {
-            float qf[MAX_GROUP_FLOATS], acc[MAX_GROUP_FLOATS], kf[MAX_D], vf[MAX_D], m[MAX_GROUP_FLOATS / 16],
-                l[MAX_GROUP_FLOATS / 16];
+            float qf[MAX_GROUP_FLOATS], acc[MAX_GROUP_FLOATS], m[MAX_GROUP_FLOATS / 16], l[MAX_GROUP_FLOATS / 16];
+            float kbuf[TILE * MAX_D], vbuf[TILE * MAX_D], s[TILE];
+            const float *k[TILE], *v[TILE];
             const int32_t *table = block_tables + b * table_stride;
             const int64_t L = seq_lens[b];
             for (int64_t j = 0; j < g; j++) {
@@ -71,21 +92,39 @@ void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_
                 l[j] = 0.0f;
             }
             memset(acc, 0, g * D * sizeof(float));
-            for (int64_t t = 0; t < L; t++) {
-                const int64_t row = (((int64_t)table[t / bs] * bs + t % bs) * Hkv + h) * D;
-                row_to_f32(key_cache, row, bf16, kf, D);
-                row_to_f32(value_cache, row, bf16, vf, D);
-                for (int64_t j = 0; j < g; j++) {
-                    const float s = dot(qf + j * D, kf, D);
-                    if (s > m[j]) {  /* a new running max rescales what was summed so far */
-                        const float c = expf(m[j] - s);
-                        m[j] = s;
-                        l[j] = l[j] * c + 1.0f;
-                        scale_add(acc + j * D, c, 1.0f, vf, D);
+            for (int64_t t0 = 0; t0 < L; t0 += TILE) {
+                const int n = (int)(L - t0 < TILE ? L - t0 : TILE);
+                const __mmask16 valid = (__mmask16)((1u << n) - 1);
+                /* the tile's key and value rows, as float32, shared by the group's query heads */
+                for (int t = 0; t < n; t++) {
+                    const int64_t pos = t0 + t;
+                    const int64_t row = (((int64_t)table[pos / bs] * bs + pos % bs) * Hkv + h) * D;
+                    if (bf16) {
+                        row_to_f32(key_cache, row, 1, kbuf + t * D, D);
+                        row_to_f32(value_cache, row, 1, vbuf + t * D, D);
+                        k[t] = kbuf + t * D;
+                        v[t] = vbuf + t * D;
                     } else {
-                        const float p = expf(s - m[j]);
-                        l[j] += p;
-                        scale_add(acc + j * D, 1.0f, p, vf, D);
+                        k[t] = (const float *)key_cache + row;
+                        v[t] = (const float *)value_cache + row;
+                    }
+                }
+                for (int64_t j = 0; j < g; j++) {
+                    const float *qj = qf + j * D;
+                    for (int t = 0; t < n; t++) s[t] = dot(qj, k[t], D);
+                    const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, s);
+                    const float m_new = fmaxf(m[j], _mm512_reduce_max_ps(sv));
+                    const float c = expf(m[j] - m_new);  /* rescales what earlier tiles summed; 0 at the start */
+                    const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
+                    l[j] = l[j] * c + _mm512_reduce_add_ps(p);
+                    m[j] = m_new;
+                    _mm512_storeu_ps(s, p);
+                    float *aj = acc + j * D;
+                    for (int64_t i = 0; i < D; i += 16) {
+                        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(aj + i), _mm512_set1_ps(c));
+                        for (int t = 0; t < n; t++)
+                            a = _mm512_fmadd_ps(_mm512_set1_ps(s[t]), _mm512_loadu_ps(v[t] + i), a);
+                        _mm512_storeu_ps(aj + i, a);
                     }
                 }
             }
@@ -93,9 +132,9 @@ void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_
                 const float inv = 1.0f / l[j];
                 const int64_t o = (b * Hq + h * g + j) * D;
                 for (int64_t i = 0; i < D; i++) {
-                    const float v = acc[j * D + i] * inv;
-                    if (bf16) ((uint16_t *)out)[o + i] = f32_to_bf16_rne(v);
-                    else ((float *)out)[o + i] = v;
+                    const float val = acc[j * D + i] * inv;
+                    if (bf16) ((uint16_t *)out)[o + i] = f32_to_bf16_rne(val);
+                    else ((float *)out)[o + i] = val;
                 }
             }
         }

@@ -1,0 +1,124 @@
+"""Paged decode attention, one layer's call, at Qwen2.5-0.5B's head shape (14 query heads over 2 KV heads,
+head dim 64): the C kernel (ops/cpu_attention.c) against the torch path it replaces (gather a padded
+float32 copy through the block tables, two batched matmuls), timed in the same run. `--compare-source`
+also builds and times another version of the C file (e.g. the previous commit's) for a before/after.
+
+    python benchmarks/bench_attention_kernel.py [--compare-source OLD.c] [--out FILE]
+
+Each case checks the kernel's output against the torch path before timing it. Writes JSON."""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import QWEN25_05B, machine, read_bandwidth_gbs, write_json  # noqa: E402
+
+from tokenmill.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from tokenmill.ops import cpu_attention, native  # noqa: E402
+
+
+def build(source: str):
+    """Compile another version of cpu_attention.c the way ops/native.py does; same C signature."""
+    out = Path(tempfile.mkdtemp()) / "libcompare.so"
+    subprocess.run(["gcc", *native.FLAGS, source, "-o", str(out)], check=True)
+    fn = ctypes.CDLL(str(out)).tm_paged_decode_attention
+    fn.argtypes = cpu_attention._kernel().argtypes
+    return fn
+
+
+def case(batch: int, max_len: int, dtype: torch.dtype, bs: int = 16, seed: int = 0):
+    """Sequence lengths uniform in [max_len / 2, max_len], blocks scattered over the pool."""
+    g = torch.Generator().manual_seed(seed)
+    hq = QWEN25_05B["num_attention_heads"]
+    hkv = QWEN25_05B["num_key_value_heads"]
+    d = QWEN25_05B["hidden_size"] // hq
+    lens = torch.randint(max_len // 2, max_len + 1, (batch,), generator=g, dtype=torch.int32)
+    per_seq = -(-max_len // bs)
+    num_blocks = batch * per_seq
+    tables = torch.randperm(num_blocks, generator=g).view(batch, per_seq).to(torch.int32)
+    key_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    value_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    q = torch.randn(batch, hq, d, generator=g).to(dtype)
+    meta = SimpleNamespace(block_tables=tables, seq_lens=lens, seq_lens_host=lens.tolist(), decode_mask=None)
+    return q, key_cache, value_cache, meta, d ** -0.5
+
+
+def timed(fn, min_seconds: float = 1.0) -> float:
+    """Median seconds per call."""
+    fn()
+    times, start = [], time.perf_counter()
+    while time.perf_counter() - start < min_seconds or len(times) < 5:
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--max-lens", type=int, nargs="+", default=[128, 512, 1024])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compare-source", help="another version of ops/cpu_attention.c to time as well")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "attention_kernel.json"))
+    args = ap.parse_args()
+    if not cpu_attention.available():
+        sys.exit("the C attention kernel does not run here (needs AVX512-BF16 and gcc)")
+    torch.set_num_threads(args.threads)
+    other = build(args.compare_source) if args.compare_source else None
+    bandwidth = read_bandwidth_gbs(args.threads)
+    rows = []
+    for dname in args.dtypes:
+        dtype = getattr(torch, dname)
+        for max_len in args.max_lens:
+            q, kc, vc, meta, scale = case(args.batch, max_len, dtype)
+            torch_path = TorchAttentionBackend(use_kernel=False)
+
+            def run_torch():
+                meta.decode_mask = None  # built once per step, by the first layer: part of the cost
+                return torch_path._decode(q, kc, vc, meta, scale)
+
+            def run_kernel():
+                return cpu_attention.paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, scale)
+
+            ref = run_torch()
+            tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+            torch.testing.assert_close(run_kernel().float(), ref.float(), **tol)
+            t_torch, t_kernel = timed(run_torch), timed(run_kernel)
+            kv_bytes = 2 * int(meta.seq_lens.sum()) * kc.shape[2] * kc.shape[3] * kc.element_size()
+            row = {"dtype": dname, "batch": args.batch, "max_len": max_len, "mean_len": float(meta.seq_lens.float().mean()),
+                   "torch_ms": 1e3 * t_torch, "kernel_ms": 1e3 * t_kernel, "kernel_speedup_vs_torch": t_torch / t_kernel,
+                   "kernel_fraction_of_read_bandwidth": kv_bytes / t_kernel / 1e9 / bandwidth}
+            if other is not None:
+                cpu_attention._kernel.cache_clear()
+                real = cpu_attention._kernel
+                cpu_attention._kernel = lambda: other
+                try:
+                    torch.testing.assert_close(run_kernel().float(), ref.float(), **tol)
+                    t_other = timed(run_kernel)
+                finally:
+                    cpu_attention._kernel = real
+                row.update(compare_ms=1e3 * t_other, kernel_speedup_vs_compare=t_other / t_kernel)
+            rows.append(row)
+            print(" | ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    write_json({"benchmark": "paged_decode_attention", "machine": machine(), "command": " ".join(sys.argv),
+                "read_bandwidth_gbs": bandwidth, "heads": "14 query / 2 KV, head dim 64 (Qwen2.5-0.5B)",
+                "rows": rows}, args.out)
+
+
+if __name__ == "__main__":
+    main()
