@@ -92,7 +92,11 @@ class _RawResponse(asyncio.Protocol):
         self.parts.append(data)
 
     def connection_lost(self, exc) -> None:
-        if not self.done.done():
+        if self.done.done():
+            return
+        if exc is not None:
+            self.done.set_exception(exc)
+        else:
             self.done.set_result(b"".join(self.parts))
 
 
@@ -106,11 +110,16 @@ def completion_tokens(raw: bytes, stream: bool) -> int:
         if b"transfer-encoding: chunked" in head.lower():
             raise RuntimeError("unexpected chunked non-streaming response")
         return json.loads(body)["usage"]["completion_tokens"]
+    err = body.find(b'data: {"error"')
+    if err >= 0:
+        raise RuntimeError(f"the stream reported an error: {body[err:err + 300]!r}")
     i = body.rfind(b'data: {"id"')  # the usage event is the last JSON event, before [DONE]
     if i < 0 or b"data: [DONE]" not in body:
         raise RuntimeError(f"incomplete stream: {body[-200:]!r}")
-    event = body[i + 6:body.index(b"\n\n", i)]
-    return json.loads(event)["usage"]["completion_tokens"]
+    usage = json.loads(body[i + 6:body.index(b"\n\n", i)]).get("usage")
+    if not usage:
+        raise RuntimeError(f"the stream has no usage event: {body[-300:]!r}")
+    return usage["completion_tokens"]
 
 
 async def _serve_once(host: str, port: int, prompts, output_len: int, stream: bool) -> dict:

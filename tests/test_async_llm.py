@@ -1,12 +1,15 @@
-"""AsyncLLM (the API process's engine) without HTTP: outputs reach a reader that arrives late, and a
-request nobody reads is freed by abort."""
+"""AsyncLLM (the API process's engine) without HTTP: outputs and errors reach a reader that arrives late,
+and a request nobody reads is freed by abort."""
 from __future__ import annotations
 
 import asyncio
 import time
 
+import pytest
+
 from tokenmill.config import DEFAULT_MODEL, EngineConfig
 from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.messages import INTERNAL_ERROR_PREFIX, CoreOutputs
 from tokenmill.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -43,6 +46,15 @@ async def _scenario() -> None:
         await _until(lambda: "read-late" not in engine.output_processor.states)
         assert await _read_all(engine, "read-late") == expected
         assert "read-late" not in engine.streams
+
+        # a request the core fails before anyone reads it: its reader gets the error, not a KeyError
+        engine.add_request("fails-before-read", "ROMEO:", SamplingParams(temperature=0, max_tokens=100,
+                                                                          ignore_eos=True))
+        engine._on_outputs(CoreOutputs([], engine.stats, errors={
+            "fails-before-read": f"{INTERNAL_ERROR_PREFIX}injected step failure"}))
+        with pytest.raises(RuntimeError, match="injected step failure"):
+            await _read_all(engine, "fails-before-read")
+        assert "fails-before-read" not in engine.streams
 
         # a request nobody ever reads (the client left before its handler read anything) is freed by abort,
         # finished or not

@@ -81,16 +81,20 @@ def _torch_paged_decode(q, key_cache, value_cache, tables, lens, scale):
 
 @needs_attention_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (4, 2, 16), (8, 8, 32)])
-def test_paged_decode_attention_matches_torch(dtype, hq, hkv, d):
-    g = torch.Generator().manual_seed(hq * d)
-    num_blocks, bs = 40, 16
-    lens = torch.tensor([1, 16, 17, 100, 250, 33], dtype=torch.int32)
+@pytest.mark.parametrize("hq,hkv,d,bs", [(14, 2, 64, 16), (4, 2, 16, 16), (8, 8, 32, 16), (14, 2, 64, 8),
+                                         (4, 2, 16, 32), (4, 2, 16, 1)])
+def test_paged_decode_attention_matches_torch(dtype, hq, hkv, d, bs):
+    """The kernel works in 16-key tiles: lengths around tile edges, and block sizes whose blocks a tile
+    spans (8, 1) or splits (32)."""
+    g = torch.Generator().manual_seed(hq * d + bs)
+    lens = torch.tensor([1, 16, 17, 100, 250, 33, 15], dtype=torch.int32)
+    max_blocks = -(-250 // bs)
+    num_blocks = max_blocks + 8
     key_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
     value_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
     # every sequence's blocks are scattered over the pool, as after many allocations and frees
     perm = torch.randperm(num_blocks, generator=g)
-    tables = torch.zeros(len(lens), 16, dtype=torch.int32)
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
     for b, n in enumerate(lens.tolist()):
         need = -(-n // bs)
         tables[b, :need] = perm[torch.randperm(num_blocks, generator=g)[:need]]

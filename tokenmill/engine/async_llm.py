@@ -160,7 +160,7 @@ class AsyncLLM:
                 out = await stream.get()
                 finished = out.finished
                 if finished:
-                    del self.streams[request_id]
+                    self.streams.pop(request_id, None)
                 yield out
         finally:
             if not finished:
@@ -172,10 +172,11 @@ class AsyncLLM:
         self.add_request(request_id, prompt, params, priority)
         return self.stream(request_id)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, keep_stream: bool = False) -> None:
         st = self.output_processor.states.get(request_id)
         children = self.output_processor.abort([request_id])
-        self.streams.pop(request_id, None)
+        if not keep_stream:
+            self.streams.pop(request_id, None)
         if not children:
             return
         self._pending.difference_update(children)
@@ -226,7 +227,7 @@ class AsyncLLM:
             parent = op.child_to_parent.get(cid)
             if parent is not None:
                 stream = self.streams.get(parent[0])
-                self.abort(parent[0])
+                self.abort(parent[0], keep_stream=True)  # its reader takes the error, then drops the stream
                 if stream is not None:
                     internal = err.startswith(INTERNAL_ERROR_PREFIX)
                     stream.fail(RuntimeError(err) if internal else ValueError(err))

@@ -42,7 +42,10 @@ class _RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.completions)
+        for c in self.completions:  # a plain loop: this runs several times per token
+            if c.finish_reason is None:
+                return False
+        return True
 
 
 class OutputProcessor:

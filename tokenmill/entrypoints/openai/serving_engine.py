@@ -130,13 +130,16 @@ class ServingBase:
                 for c in out.outputs:
                     choices[k * n + c.index].add(c)
 
+        tasks = [asyncio.ensure_future(one(k, s[0])) for k, s in enumerate(subs)]
         try:
-            await asyncio.gather(*(one(k, s[0]) for k, s in enumerate(subs)))
+            await asyncio.gather(*tasks)
         except EngineDeadError as e:
             raise APIError(503, str(e)) from None
         except RuntimeError as e:  # the core failed this request's step (and kept serving)
             raise APIError(500, str(e)) from None
         finally:
+            for t in tasks:  # when one sub-request fails, gather leaves the others waiting
+                t.cancel()
             self.abort_all(subs)  # no-op for finished requests; frees the rest on cancel/error
         return choices, prompt_rows
 
