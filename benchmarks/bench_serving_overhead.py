@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import platform
@@ -187,6 +188,8 @@ def main() -> None:
     eng = dict(dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16, max_num_seqs=args.max_num_seqs,
                seed=0, load_format=load_format)
     llm = LLM(model=args.model, **eng)
+    gc.collect()  # as `tokenmill serve` does in both its processes: full collections skip the startup heap
+    gc.freeze()
     prompts = make_prompts(llm.get_tokenizer(), args.num_requests, args.input_len)
 
     port = free_port()
