@@ -8,9 +8,10 @@
  *
  * Query head h reads KV head h / (Hq / Hkv). Each (sequence, KV head) pair is one task: its keys and values
  * are read once, 16 tokens (a tile) at a time, and shared by the Hq / Hkv query heads of the group. Softmax
- * is computed online (running max and sum, FlashAttention-style) in float32, once per tile: 16 scores, one
- * vector exp and one rescale of the accumulator, so nothing of size seq_len is materialized. Float32 rows
- * are read in place; bfloat16 rows are widened into a per-tile buffer.
+ * is computed online (running max and sum, FlashAttention-style) in float32, once per tile: 16 scores (from
+ * the tile's keys transposed in registers, so no horizontal sums), one vector exp and one rescale of the
+ * accumulator, so nothing of size seq_len is materialized. Float32 rows are read in place; bfloat16 rows
+ * are widened into a per-tile buffer. The next tile's rows are prefetched: they sit in scattered blocks.
  *
  *   tile over token positions t0 .. t0+15 of sequence b, KV head h (bs = 16 shown):
  *     pos -> block tables[b][pos / bs], slot pos % bs -> row ((block * bs + slot) * Hkv + h) * D
@@ -44,13 +45,6 @@ static inline uint16_t f32_to_bf16_rne(float f) {
     return (uint16_t)(u >> 16);
 }
 
-static inline float dot(const float *a, const float *b, int64_t D) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < D; i += 16)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-    return _mm512_reduce_add_ps(acc);
-}
-
 /* e^x for x <= 0, lanes at most a couple of ulp off expf: x = n ln2 + r with |r| <= ln2 / 2, a
  * degree-7 Taylor polynomial for e^r, then scale by 2^n. Below -87 the result is clamped to ~1e-38. */
 static inline __m512 exp512(__m512 x) {
@@ -72,6 +66,35 @@ static inline __m512 exp512(__m512 x) {
 
 #define TILE 16  /* keys per online-softmax update: one AVX-512 vector of scores */
 
+/* In place: r[t] holds 16 floats of key t; afterwards r[c] holds element c of keys 0..15, so that a query
+ * head's 16 scores come out of 16 FMAs with no horizontal sums. Three rounds of shuffles:
+ *   unpack 32-bit pairs, unpack 64-bit pairs -> u[m] lane L = element 4L+m of keys 4q..4q+3 (u index 4q+m),
+ *   then two rounds of 128-bit lane shuffles gather the four key groups of element c = 4L+m. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int q = 0; q < 16; q += 4) {
+        u[q] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[q]), _mm512_castps_pd(t[q + 2])));
+        u[q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[q]), _mm512_castps_pd(t[q + 2])));
+        u[q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[q + 1]), _mm512_castps_pd(t[q + 3])));
+        u[q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[q + 1]), _mm512_castps_pd(t[q + 3])));
+    }
+    for (int m = 0; m < 4; m++) {
+        const __m512 x = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x44), y = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xEE);
+        const __m512 x2 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x44);
+        const __m512 y2 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xEE);
+        r[m] = _mm512_shuffle_f32x4(x, x2, 0x88);
+        r[4 + m] = _mm512_shuffle_f32x4(x, x2, 0xDD);
+        r[8 + m] = _mm512_shuffle_f32x4(y, y2, 0x88);
+        r[12 + m] = _mm512_shuffle_f32x4(y, y2, 0xDD);
+    }
+}
+
+static const float ZERO_ROW[MAX_D];  /* stands in for the missing keys of a short tile */
+
 void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_cache, const void *value_cache,
                                const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                                void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
@@ -83,6 +106,7 @@ void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_
             float qf[MAX_GROUP_FLOATS], acc[MAX_GROUP_FLOATS], m[MAX_GROUP_FLOATS / 16], l[MAX_GROUP_FLOATS / 16];
             float kbuf[TILE * MAX_D], vbuf[TILE * MAX_D], s[TILE];
             const float *k[TILE], *v[TILE];
+            __m512 sacc[MAX_GROUP_FLOATS / 16];
             const int32_t *table = block_tables + b * table_stride;
             const int64_t L = seq_lens[b];
             for (int64_t j = 0; j < g; j++) {
@@ -109,10 +133,32 @@ void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_
                         v[t] = (const float *)value_cache + row;
                     }
                 }
+                for (int t = n; t < TILE; t++) k[t] = ZERO_ROW;
+                /* the next tile's rows are scattered over blocks: ask for them now, while this one computes */
+                for (int64_t pos = t0 + TILE; pos < t0 + 2 * TILE && pos < L; pos++) {
+                    const int64_t row = (((int64_t)table[pos / bs] * bs + pos % bs) * Hkv + h) * D;
+                    const char *kr = (const char *)key_cache + row * (bf16 ? 2 : 4);
+                    const char *vr = (const char *)value_cache + row * (bf16 ? 2 : 4);
+                    for (int64_t off = 0; off < D * (bf16 ? 2 : 4); off += 64) {
+                        _mm_prefetch(kr + off, _MM_HINT_T0);
+                        _mm_prefetch(vr + off, _MM_HINT_T0);
+                    }
+                }
+                /* scores: every head's 16 at once, from the tile transposed 16 elements at a time */
+                for (int64_t j = 0; j < g; j++) sacc[j] = _mm512_setzero_ps();
+                for (int64_t i = 0; i < D; i += 16) {
+                    __m512 col[16];
+                    for (int t = 0; t < TILE; t++) col[t] = _mm512_loadu_ps(k[t] + i);
+                    transpose16(col);
+                    for (int64_t j = 0; j < g; j++) {
+                        const float *qj = qf + j * D + i;
+                        __m512 a = sacc[j];
+                        for (int c = 0; c < 16; c++) a = _mm512_fmadd_ps(_mm512_set1_ps(qj[c]), col[c], a);
+                        sacc[j] = a;
+                    }
+                }
                 for (int64_t j = 0; j < g; j++) {
-                    const float *qj = qf + j * D;
-                    for (int t = 0; t < n; t++) s[t] = dot(qj, k[t], D);
-                    const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, s);
+                    const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sacc[j]);
                     const float m_new = fmaxf(m[j], _mm512_reduce_max_ps(sv));
                     const float c = expf(m[j] - m_new);  /* rescales what earlier tiles summed; 0 at the start */
                     const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
