@@ -11,9 +11,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,10 +29,8 @@ from tokenmill.ops import cpu_attention, native  # noqa: E402
 
 
 def build(source: str):
-    """Compile another version of cpu_attention.c the way ops/native.py does; same C signature."""
-    out = Path(tempfile.mkdtemp()) / "libcompare.so"
-    subprocess.run(["gcc", *native.FLAGS, source, "-o", str(out)], check=True)
-    fn = ctypes.CDLL(str(out)).tm_paged_decode_attention
+    """Another version of cpu_attention.c, built as ops/native.py builds the kernels; same C signature."""
+    fn = ctypes.CDLL(str(native.build(Path(source).resolve()))).tm_paged_decode_attention
     fn.argtypes = cpu_attention._kernel().argtypes
     return fn
 

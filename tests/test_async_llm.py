@@ -3,6 +3,7 @@ and a request nobody reads is freed by abort."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 
 import pytest
@@ -15,10 +16,11 @@ from tokenmill.sampling_params import SamplingParams
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
-async def _until(cond, timeout: float = 60.0) -> None:
+async def _until(cond, timeout: float = 60.0, what: str = "timed out") -> None:
+    """Poll `cond` (a function returning a bool or an awaitable bool) until it holds."""
     deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
+    while not (await ok if inspect.isawaitable(ok := cond()) else ok):
+        assert time.monotonic() < deadline, what
         await asyncio.sleep(0.01)
 
 
@@ -71,10 +73,7 @@ async def _scenario() -> None:
             return stats.num_running == 0 and stats.num_waiting == 0 and \
                 stats.num_free_kv_blocks == stats.num_kv_blocks
 
-        deadline = time.monotonic() + 60
-        while not await idle():
-            assert time.monotonic() < deadline, "the aborted request's blocks were never freed"
-            await asyncio.sleep(0.05)
+        await _until(idle, what="the aborted request's blocks were never freed")
         await engine.call_core("check_invariants")
     finally:
         await engine.shutdown()

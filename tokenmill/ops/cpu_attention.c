@@ -23,6 +23,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_D 256
 #define MAX_GROUP_FLOATS 4096
 
@@ -36,13 +38,6 @@ static inline void row_to_f32(const void *base, int64_t offset, int bf16, float 
     } else {
         memcpy(dst, (const float *)base + offset, D * sizeof(float));
     }
-}
-
-static inline uint16_t f32_to_bf16_rne(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7FFF + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
 }
 
 /* e^x for x <= 0, lanes at most a couple of ulp off expf: x = n ln2 + r with |r| <= ln2 / 2, a
@@ -93,13 +88,18 @@ static inline void transpose16(__m512 r[16]) {
     }
 }
 
+/* element offset of token `pos`'s row for KV head h: through the block table, then [bs][Hkv][D] */
+static inline int64_t cache_row(const int32_t *table, int64_t pos, int64_t bs, int64_t Hkv, int64_t h, int64_t D) {
+    return (((int64_t)table[pos / bs] * bs + pos % bs) * Hkv + h) * D;
+}
+
 static const float ZERO_ROW[MAX_D];  /* stands in for the missing keys of a short tile */
 
 void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_cache, const void *value_cache,
                                const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                                void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
                                float scale, int bf16, int nthreads) {
-    const int64_t g = Hq / Hkv;
+    const int64_t g = Hq / Hkv, elem = bf16 ? 2 : 4;
     #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(nthreads)
     for (int64_t b = 0; b < B; b++) {
         for (int64_t h = 0; h < Hkv; h++) {
@@ -121,8 +121,7 @@ void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_
                 const __mmask16 valid = (__mmask16)((1u << n) - 1);
                 /* the tile's key and value rows, as float32, shared by the group's query heads */
                 for (int t = 0; t < n; t++) {
-                    const int64_t pos = t0 + t;
-                    const int64_t row = (((int64_t)table[pos / bs] * bs + pos % bs) * Hkv + h) * D;
+                    const int64_t row = cache_row(table, t0 + t, bs, Hkv, h, D);
                     if (bf16) {
                         row_to_f32(key_cache, row, 1, kbuf + t * D, D);
                         row_to_f32(value_cache, row, 1, vbuf + t * D, D);
@@ -136,10 +135,9 @@ void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_
                 for (int t = n; t < TILE; t++) k[t] = ZERO_ROW;
                 /* the next tile's rows are scattered over blocks: ask for them now, while this one computes */
                 for (int64_t pos = t0 + TILE; pos < t0 + 2 * TILE && pos < L; pos++) {
-                    const int64_t row = (((int64_t)table[pos / bs] * bs + pos % bs) * Hkv + h) * D;
-                    const char *kr = (const char *)key_cache + row * (bf16 ? 2 : 4);
-                    const char *vr = (const char *)value_cache + row * (bf16 ? 2 : 4);
-                    for (int64_t off = 0; off < D * (bf16 ? 2 : 4); off += 64) {
+                    const int64_t row = cache_row(table, pos, bs, Hkv, h, D);
+                    const char *kr = (const char *)key_cache + row * elem, *vr = (const char *)value_cache + row * elem;
+                    for (int64_t off = 0; off < D * elem; off += 64) {
                         _mm_prefetch(kr + off, _MM_HINT_T0);
                         _mm_prefetch(vr + off, _MM_HINT_T0);
                     }
@@ -179,7 +177,7 @@ void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_
                 const int64_t o = (b * Hq + h * g + j) * D;
                 for (int64_t i = 0; i < D; i++) {
                     const float val = acc[j * D + i] * inv;
-                    if (bf16) ((uint16_t *)out)[o + i] = f32_to_bf16_rne(val);
+                    if (bf16) ((uint16_t *)out)[o + i] = f32_to_bf16(val);
                     else ((float *)out)[o + i] = val;
                 }
             }

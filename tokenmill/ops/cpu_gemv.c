@@ -10,19 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7FFF + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#include "bf16.h"
 
 void tm_gemv_bf16_vnni(const uint16_t *P, const uint16_t *x, const uint16_t *bias, uint16_t *y,
                        int64_t N, int64_t K, int nthreads) {

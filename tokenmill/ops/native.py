@@ -1,6 +1,7 @@
 """Builds and loads tokenmill's C kernels (ops/*.c): compiled once with the system's gcc into a cache
-directory keyed by the source's hash, loaded with ctypes. Every kernel needs AVX512-BF16 (Zen 4, Sapphire
-Rapids and later); without it, or without gcc, `load` returns None and callers keep their torch path."""
+directory keyed by the hash of the source and of the shared headers (ops/*.h), loaded with ctypes.
+Every kernel needs AVX512-BF16 (Zen 4, Sapphire Rapids and later); without it, or without gcc, `load`
+returns None and callers keep their torch path."""
 from __future__ import annotations
 
 import ctypes
@@ -30,22 +31,32 @@ def cache_dir() -> Path:
     return Path(base) / "ops"
 
 
+def build(src_path: Path) -> Path:
+    """Compile `src_path` against the headers in ops/ (once: the cached library is keyed by the source, those
+    headers and the flags) and return the shared library's path. Raises OSError or CalledProcessError."""
+    ops_dir = Path(__file__).parent
+    key = hashlib.sha256(src_path.read_bytes() + " ".join(FLAGS).encode())
+    for header in sorted(ops_dir.glob("*.h")):
+        key.update(header.read_bytes())
+    out = cache_dir() / f"lib{src_path.stem}_{key.hexdigest()[:16]}.so"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            tmp_out = Path(tmp) / out.name
+            subprocess.run(["gcc", *FLAGS, f"-I{ops_dir}", str(src_path), "-o", str(tmp_out)], check=True,
+                           capture_output=True)
+            os.replace(tmp_out, out)  # atomic: concurrent processes never load a half-written file
+    return out
+
+
 @lru_cache(maxsize=None)
 def load(source: str, disable_env: str) -> ctypes.CDLL | None:
     """`source`: a C file beside this module. Set `disable_env` in the environment to skip the kernel."""
     if os.environ.get(disable_env) or not cpu_has_avx512_bf16() or not shutil.which("gcc"):
         return None
-    src_path = Path(__file__).with_name(source)
-    src = src_path.read_bytes()
-    out = cache_dir() / f"lib{src_path.stem}_{hashlib.sha256(src + ' '.join(FLAGS).encode()).hexdigest()[:16]}.so"
     try:
-        if not out.is_file():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-                tmp_out = Path(tmp) / out.name
-                subprocess.run(["gcc", *FLAGS, str(src_path), "-o", str(tmp_out)], check=True, capture_output=True)
-                os.replace(tmp_out, out)  # atomic: concurrent processes never load a half-written file
-        return ctypes.CDLL(str(out))  # torch already loaded libgomp, so all share one OpenMP runtime
+        # torch already loaded libgomp, so all share one OpenMP runtime
+        return ctypes.CDLL(str(build(Path(__file__).with_name(source))))
     except (OSError, subprocess.CalledProcessError) as e:
         logger.warning("CPU kernel %s unavailable (%s); using the torch path", source, e)
         return None

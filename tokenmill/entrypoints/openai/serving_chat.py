@@ -63,7 +63,7 @@ class OpenAIServingChat(ServingBase):
         top_n = req.top_logprobs or 0
         sub_id, _, ids = subs[0]
 
-        def chunk(choices: list, usage_=None, final: bool = False) -> bytes:
+        def chunk(choices: list, usage_=None) -> bytes:
             c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
                  "choices": choices}
             if include_usage:
@@ -72,31 +72,28 @@ class OpenAIServingChat(ServingBase):
 
         num_completion, opened = 0, False
         try:
-            try:
-                async for out in self.engine.stream(sub_id):
-                    if not opened:
-                        # OpenAI opens each choice with the role and empty content; like vLLM, send it with
-                        # the first tokens, so clients that time the first chunk measure a real TTFT
-                        opened = True
-                        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                      "finish_reason": None} for i in range(req.n)])
-                    choices = []
-                    for c in out.outputs:
-                        if not c.token_ids and c.finish_reason is None:
-                            continue
-                        num_completion += len(c.token_ids)
-                        delta = {"content": c.text} if c.text or c.finish_reason is None else {}
-                        choices.append({"index": c.index, "delta": delta,
-                                        "logprobs": self.chat_logprobs(c.logprobs, top_n) if req.logprobs else None,
-                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-                    if choices:
-                        yield chunk(choices)
-            except Exception as e:  # the engine died (503) or failed this request's step (500)
-                yield sse(error_dict(503 if isinstance(e, EngineDeadError) else 500, str(e)))
-                yield SSE_DONE
-                return
-            if include_usage:
-                yield chunk([], usage(len(ids), num_completion))
+            async for out in self.engine.stream(sub_id):
+                if not opened:
+                    # OpenAI opens each choice with the role and empty content; like vLLM, send it with
+                    # the first tokens, so clients that time the first chunk measure a real TTFT
+                    opened = True
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None} for i in range(req.n)])
+                choices = []
+                for c in out.outputs:
+                    if not c.token_ids and c.finish_reason is None:
+                        continue
+                    num_completion += len(c.token_ids)
+                    delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+                    choices.append({"index": c.index, "delta": delta,
+                                    "logprobs": self.chat_logprobs(c.logprobs, top_n) if req.logprobs else None,
+                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                if choices:
+                    yield chunk(choices)
+        except Exception as e:  # the engine died (503) or failed this request's step (500)
+            yield sse(error_dict(503 if isinstance(e, EngineDeadError) else 500, str(e)))
             yield SSE_DONE
-        finally:
-            self.abort_all(subs)
+            return
+        if include_usage:
+            yield chunk([], usage(len(ids), num_completion))
+        yield SSE_DONE

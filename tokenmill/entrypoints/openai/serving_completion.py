@@ -78,47 +78,44 @@ class OpenAIServingCompletion(ServingBase):
         started = [False] * (len(subs) * n)
         prompt_rows: list[list] = [[] for _ in subs]
         num_completion, failed = 0, False
-        try:
-            # closed on every exit: a break must stop the pump tasks of several prompts now
-            async with contextlib.aclosing(self._interleaved(subs)) as items:
-                async for k, item in items:
-                    if isinstance(item, Exception):
-                        code = 503 if isinstance(item, EngineDeadError) else 500
-                        yield sse(error_dict(code, str(item)))
-                        failed = True
-                        break
-                    _, text, ids = subs[k]
-                    if item.prompt_logprobs:
-                        prompt_rows[k].extend(item.prompt_logprobs)
-                    for c in item.outputs:
-                        idx = k * n + c.index
-                        if not c.token_ids and c.finish_reason is None:
-                            continue
-                        num_completion += len(c.token_ids)
-                        piece, rows, row_ids = c.text, c.logprobs, None
-                        if req.echo and not started[idx]:
-                            piece = self._echo_text(text, ids) + piece
-                            if rows is not None:
-                                rows = self._echo_rows(prompt_rows[k], ids) + rows
-                                row_ids = ids + [0] * len(c.logprobs)
-                        started[idx] = True
-                        lp = None
-                        if req.logprobs is not None and rows is not None:
-                            lp = self.completion_logprobs(rows, row_ids, offsets[idx])
-                        offsets[idx] += len(piece)
-                        chunk = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                                 "choices": [{"index": idx, "text": piece, "logprobs": lp,
-                                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
-                        if include_usage:
-                            chunk["usage"] = None
-                        yield sse(chunk)
-            if include_usage and not failed:
-                num_prompt = sum(len(s[2]) for s in subs)
-                yield sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                           "choices": [], "usage": usage(num_prompt, num_completion)})
-            yield SSE_DONE
-        finally:
-            self.abort_all(subs)
+        # closed on every exit: a break must stop the pump tasks of several prompts now
+        async with contextlib.aclosing(self._interleaved(subs)) as items:
+            async for k, item in items:
+                if isinstance(item, Exception):
+                    code = 503 if isinstance(item, EngineDeadError) else 500
+                    yield sse(error_dict(code, str(item)))
+                    failed = True
+                    break
+                _, text, ids = subs[k]
+                if item.prompt_logprobs:
+                    prompt_rows[k].extend(item.prompt_logprobs)
+                for c in item.outputs:
+                    idx = k * n + c.index
+                    if not c.token_ids and c.finish_reason is None:
+                        continue
+                    num_completion += len(c.token_ids)
+                    piece, rows, row_ids = c.text, c.logprobs, None
+                    if req.echo and not started[idx]:
+                        piece = self._echo_text(text, ids) + piece
+                        if rows is not None:
+                            rows = self._echo_rows(prompt_rows[k], ids) + rows
+                            row_ids = ids + [0] * len(c.logprobs)
+                    started[idx] = True
+                    lp = None
+                    if req.logprobs is not None and rows is not None:
+                        lp = self.completion_logprobs(rows, row_ids, offsets[idx])
+                    offsets[idx] += len(piece)
+                    chunk = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                             "choices": [{"index": idx, "text": piece, "logprobs": lp,
+                                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield sse(chunk)
+        if include_usage and not failed:
+            num_prompt = sum(len(s[2]) for s in subs)
+            yield sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                       "choices": [], "usage": usage(num_prompt, num_completion)})
+        yield SSE_DONE
 
     async def _interleaved(self, subs):
         """(prompt index, delta output or the exception that ended it) as they arrive. One prompt is read

@@ -119,7 +119,8 @@ class ServingBase:
 
     async def collect(self, subs, n: int) -> tuple[list[Choice], list[list]]:
         """Non-streaming: run every sub-request to the end; choice index = prompt index * n + sample index.
-        Also returns each prompt's prompt-logprob rows (when they were asked for)."""
+        Also returns each prompt's prompt-logprob rows (when they were asked for). `respond` aborts what is
+        left when it ends."""
         choices = [Choice(i) for i in range(len(subs) * n)]
         prompt_rows: list[list] = [[] for _ in subs]
 
@@ -140,7 +141,6 @@ class ServingBase:
         finally:
             for t in tasks:  # when one sub-request fails, gather leaves the others waiting
                 t.cancel()
-            self.abort_all(subs)  # no-op for finished requests; frees the rest on cancel/error
         return choices, prompt_rows
 
     # -- logprobs ------------------------------------------------------------------------------------------
