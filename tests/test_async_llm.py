@@ -1,5 +1,5 @@
 """AsyncLLM (the API process's engine) without HTTP: outputs and errors reach a reader that arrives late,
-and a request nobody reads is freed by abort."""
+or a sink in the output loop; a request nobody reads is freed by abort."""
 from __future__ import annotations
 
 import asyncio
@@ -32,6 +32,23 @@ async def _read_all(engine: AsyncLLM, rid: str) -> tuple[str, list[int]]:
     return text, ids
 
 
+class _Sink:
+    """A RequestSink that records what it is handed; `explode` makes put() raise (a formatting bug)."""
+
+    def __init__(self, explode: bool = False):
+        self.text, self.ids, self.finished, self.errors, self.explode = "", [], False, [], explode
+
+    def put(self, out) -> None:
+        if self.explode:
+            raise KeyError("bug in a formatter")
+        self.text += out.outputs[0].text
+        self.ids += out.outputs[0].token_ids
+        self.finished = out.finished
+
+    def fail(self, err: BaseException) -> None:
+        self.errors.append(err)
+
+
 async def _scenario() -> None:
     engine = AsyncLLM(EngineConfig(model=DEFAULT_MODEL, dtype="float32", max_model_len=128, max_num_seqs=8),
                       log_requests=False)
@@ -57,6 +74,25 @@ async def _scenario() -> None:
         with pytest.raises(RuntimeError, match="injected step failure"):
             await _read_all(engine, "fails-before-read")
         assert "fails-before-read" not in engine.streams
+
+        # a sink gets the same outputs from the output loop, and the stream is dropped when it finishes
+        engine.add_request("sink", "ROMEO:", GREEDY)
+        engine.attach_sink("sink", sink := _Sink())
+        await _until(lambda: sink.finished)
+        assert (sink.text, sink.ids) == expected and not sink.errors
+        assert "sink" not in engine.streams
+
+        # a sink that raises fails its own request (the loop carries on); a core error reaches a sink too
+        engine.add_request("sink-bug", "ROMEO:", GREEDY)
+        engine.attach_sink("sink-bug", bug := _Sink(explode=True))
+        await _until(lambda: bug.errors)
+        await asyncio.sleep(0.2)  # more steps ran: the broken sink is not called again
+        assert len(bug.errors) == 1 and "internal error: KeyError" in str(bug.errors[0])
+        engine.abort("sink-bug")  # what the server's response does when it closes
+        engine.add_request("sink-fails", "ROMEO:", SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+        engine.attach_sink("sink-fails", failed := _Sink())
+        engine._on_outputs(CoreOutputs([], engine.stats, errors={"sink-fails": "prompt rejected"}))
+        assert isinstance(failed.errors[0], ValueError) and "sink-fails" not in engine.streams
 
         # a request nobody ever reads (the client left before its handler read anything) is freed by abort,
         # finished or not

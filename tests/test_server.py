@@ -106,6 +106,33 @@ def test_n_and_seed_reproducible(client):
     assert [parts[i] for i in range(3)] == [c.text for c in a.choices]
 
 
+def test_streaming_matches_non_streaming_for_every_choice(client):
+    """Two prompts x n=2 with echo and logprobs: each streamed choice reassembles into its non-streamed
+    twin (text, tokens, offsets), whatever order the four sub-streams interleave in."""
+    kw = dict(model=MODEL, prompt=[PROMPTS[0], PROMPTS[1]], n=2, max_tokens=6, temperature=0.8, seed=3,
+              echo=True, logprobs=1, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    text, tokens, offsets = {}, {}, {}
+    for ch in client.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            text[c.index] = text.get(c.index, "") + c.text
+            tokens.setdefault(c.index, []).extend(c.logprobs.tokens)
+            offsets.setdefault(c.index, []).extend(c.logprobs.text_offset)
+    assert sorted(text) == [0, 1, 2, 3]
+    for c in full.choices:
+        assert text[c.index] == c.text and c.text.startswith(PROMPTS[c.index // 2])
+        assert tokens[c.index] == c.logprobs.tokens and offsets[c.index] == c.logprobs.text_offset
+
+    msgs = [{"role": "user", "content": "Who art thou?"}]
+    chat = dict(model=MODEL, messages=msgs, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
+                extra_body={"ignore_eos": True})
+    want = client.chat.completions.create(**chat).choices[0].logprobs.content
+    got = [t for ch in client.chat.completions.create(stream=True, **chat) if ch.choices and ch.choices[0].logprobs
+           for t in ch.choices[0].logprobs.content]
+    assert [(t.token, t.logprob, len(t.top_logprobs)) for t in got] == \
+        [(t.token, t.logprob, len(t.top_logprobs)) for t in want]
+
+
 def test_logprobs_and_echo(client):
     resp = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=5, temperature=0, logprobs=2,
                                      extra_body={"ignore_eos": True})

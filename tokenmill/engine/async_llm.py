@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Protocol
 
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.core import EngineStats
@@ -27,9 +27,29 @@ class QueueFullError(RuntimeError):
     """More requests are waiting than --max-waiting-requests allows; the client should retry later."""
 
 
+class RequestSink(Protocol):
+    """Takes a request's outputs synchronously, inside the output loop, instead of a reader task (the
+    server's SSE streams: no task wake-up and no async-generator layers per token). Must not block."""
+
+    def put(self, out: RequestOutput) -> None: ...
+
+    def fail(self, err: BaseException) -> None: ...
+
+
+class _DiscardSink:
+    """Replaces a sink that raised: the rest of its request's outputs go nowhere until it is aborted."""
+
+    def put(self, out: RequestOutput) -> None:
+        pass
+
+    def fail(self, err: BaseException) -> None:
+        pass
+
+
 class _RequestStream:
     """Holds at most one pending delta: a slow consumer gets the merged deltas, so memory per request
-    stays bounded by its own output, never by how far the engine ran ahead."""
+    stays bounded by its own output, never by how far the engine ran ahead. Due deltas wake the reader
+    of `get()`, or go straight to `sink` when one is attached."""
 
     def __init__(self):
         self.pending: RequestOutput | None = None
@@ -40,6 +60,7 @@ class _RequestStream:
         self.wake_every = 1
         self.pending_tokens = 0
         self.delivered = False
+        self.sink: RequestSink | None = None
 
     def put(self, out: RequestOutput) -> None:
         self.pending = out if self.pending is None else _merge(self.pending, out)
@@ -47,11 +68,25 @@ class _RequestStream:
         # the first tokens go out at once (time to first token); later ones every `wake_every` tokens
         due = self.pending_tokens >= self.wake_every or not self.delivered
         if out.finished or (self.wake_every and due):
-            self.event.set()
+            if self.sink is None:
+                self.event.set()
+                return
+            try:
+                self.sink.put(self._take())
+            except Exception as e:  # a formatting bug must fail this request, not the output loop
+                logger.exception("output sink failed")
+                sink, self.sink = self.sink, _DiscardSink()
+                sink.fail(RuntimeError(f"internal error: {type(e).__name__}: {e}"))
 
     def fail(self, err: BaseException) -> None:
         self.error = err
+        if self.sink is not None:
+            self.sink.fail(err)
         self.event.set()
+
+    def _take(self) -> RequestOutput:
+        out, self.pending, self.pending_tokens, self.delivered = self.pending, None, 0, True
+        return out
 
     async def get(self) -> RequestOutput:
         await self.event.wait()
@@ -59,8 +94,7 @@ class _RequestStream:
             self.event.clear()  # after a failure it stays set: the next get() raises
         if self.pending is None and self.error is not None:
             raise self.error
-        out, self.pending, self.pending_tokens, self.delivered = self.pending, None, 0, True
-        return out
+        return self._take()
 
 
 def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
@@ -166,6 +200,13 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
+    def attach_sink(self, request_id: str, sink: RequestSink) -> None:
+        """Hand a submitted request's delta outputs (merged `stream_interval` tokens at a time) and its
+        failure to `sink` from now on, instead of `stream()`. Call it right after `add_request`, before
+        any await. Aborting the request (e.g. when its client leaves) stays the caller's job."""
+        stream = self.streams[request_id]
+        stream.sink, stream.wake_every = sink, self.stream_interval
+
     def generate(self, prompt, params: SamplingParams, request_id: str, priority: int = 0
                  ) -> AsyncIterator[RequestOutput]:
         """Submit now (bad input raises here, before any streaming); iterate for the delta outputs."""
@@ -227,7 +268,8 @@ class AsyncLLM:
             parent = op.child_to_parent.get(cid)
             if parent is not None:
                 stream = self.streams.get(parent[0])
-                self.abort(parent[0], keep_stream=True)  # its reader takes the error, then drops the stream
+                # a reader takes the error, then drops the stream; a sink takes it at once
+                self.abort(parent[0], keep_stream=stream is not None and stream.sink is None)
                 if stream is not None:
                     internal = err.startswith(INTERNAL_ERROR_PREFIX)
                     stream.fail(RuntimeError(err) if internal else ValueError(err))
@@ -243,8 +285,10 @@ class AsyncLLM:
                     self.metrics.observe_itl(now - stream.last_token_time)
                 stream.last_token_time = now
             stream.put(out)
-            if out.finished:  # the stream stays until its reader takes the last output (or aborts)
+            if out.finished:  # a stream read by get() stays until its reader takes the last output
                 self._finished(out, now)
+                if stream.sink is not None:
+                    self.streams.pop(out.request_id, None)
 
     def _finished(self, out: RequestOutput, now: float) -> None:
         m = out.metrics

@@ -7,12 +7,11 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tokenmill.engine.core_client import EngineDeadError
 from tokenmill.engine.input_processor import chat_prompt
-from tokenmill.entrypoints.openai.errors import APIError, error_dict
+from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from tokenmill.entrypoints.openai.serving_engine import ServingBase, usage
-from tokenmill.entrypoints.openai.streaming import SSE_DONE, sse
+from tokenmill.entrypoints.openai.serving_engine import ServingBase, sse_envelope, usage
+from tokenmill.entrypoints.openai.streaming import sse
 
 
 def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> dict:
@@ -45,8 +44,9 @@ class OpenAIServingChat(ServingBase):
         params = self.sampling_params(req, max_tokens, logprobs)
         rid, subs = self.submit([prompt], params, req.priority, "chatcmpl")
         created = int(time.time())
-        stream = self._stream(req, rid, subs, created) if req.stream else None
-        return await self.respond(raw, subs, stream, lambda: self._full(req, rid, subs, created))
+        if req.stream:
+            return self.stream_response(subs, _ChatEvents(self, req, rid, subs, created))
+        return await self.respond(raw, subs, lambda: self._full(req, rid, subs, created))
 
     async def _full(self, req: ChatCompletionRequest, rid: str, subs, created: int) -> Response:
         choices, _ = await self.collect(subs, req.n)
@@ -58,42 +58,45 @@ class OpenAIServingChat(ServingBase):
                 "choices": out, "usage": usage(len(subs[0][2]), sum(c.num_tokens for c in choices))}
         return Response(msgspec.json.encode(body), media_type="application/json")
 
-    async def _stream(self, req: ChatCompletionRequest, rid: str, subs, created: int):
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        top_n = req.top_logprobs or 0
-        sub_id, _, ids = subs[0]
 
-        def chunk(choices: list, usage_=None) -> bytes:
-            c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                 "choices": choices}
-            if include_usage:
-                c["usage"] = usage_
-            return sse(c)
+class _ChatEvents:
+    """SSE chunks of a streamed chat completion (StreamEvents). OpenAI opens each choice with the role and
+    empty content; like vLLM, that chunk goes out with the first tokens, so clients that time the first
+    chunk measure a real TTFT."""
 
-        num_completion, opened = 0, False
-        try:
-            async for out in self.engine.stream(sub_id):
-                if not opened:
-                    # OpenAI opens each choice with the role and empty content; like vLLM, send it with
-                    # the first tokens, so clients that time the first chunk measure a real TTFT
-                    opened = True
-                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None} for i in range(req.n)])
-                choices = []
-                for c in out.outputs:
-                    if not c.token_ids and c.finish_reason is None:
-                        continue
-                    num_completion += len(c.token_ids)
-                    delta = {"content": c.text} if c.text or c.finish_reason is None else {}
-                    choices.append({"index": c.index, "delta": delta,
-                                    "logprobs": self.chat_logprobs(c.logprobs, top_n) if req.logprobs else None,
-                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-                if choices:
-                    yield chunk(choices)
-        except Exception as e:  # the engine died (503) or failed this request's step (500)
-            yield sse(error_dict(503 if isinstance(e, EngineDeadError) else 500, str(e)))
-            yield SSE_DONE
-            return
-        if include_usage:
-            yield chunk([], usage(len(ids), num_completion))
-        yield SSE_DONE
+    def __init__(self, serving: OpenAIServingChat, req: ChatCompletionRequest, rid: str, subs, created: int):
+        self.serving, self.req = serving, req
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.head, self.tail = sse_envelope(rid, "chat.completion.chunk", created, serving.model_name,
+                                            self.include_usage)
+        self.rid, self.created = rid, created
+        self.num_prompt = len(subs[0][2])
+        self.num_completion, self.opened = 0, False
+
+    def on_output(self, k: int, out) -> bytes:
+        req, encode = self.req, msgspec.json.encode
+        events = []
+        if not self.opened:
+            self.opened = True
+            events.append(self.head + b",".join(encode({"index": i, "delta": {"role": "assistant", "content": ""},
+                                                        "logprobs": None, "finish_reason": None})
+                                                for i in range(req.n)) + self.tail)
+        choices = []
+        for c in out.outputs:
+            if not c.token_ids and c.finish_reason is None:
+                continue
+            self.num_completion += len(c.token_ids)
+            delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+            lp = self.serving.chat_logprobs(c.logprobs, req.top_logprobs or 0) if req.logprobs else None
+            choices.append(encode({"index": c.index, "delta": delta, "logprobs": lp,
+                                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}))
+        if choices:
+            events.append(self.head + b",".join(choices) + self.tail)
+        return b"".join(events)
+
+    def on_end(self) -> bytes:
+        if not self.include_usage:
+            return b""
+        return sse({"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
+                    "model": self.serving.model_name, "choices": [],
+                    "usage": usage(self.num_prompt, self.num_completion)})

@@ -1,19 +1,16 @@
 """POST /v1/completions."""
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tokenmill.engine.core_client import EngineDeadError
-from tokenmill.entrypoints.openai.errors import APIError, error_dict
+from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.protocol import CompletionRequest
-from tokenmill.entrypoints.openai.serving_engine import ServingBase, usage
-from tokenmill.entrypoints.openai.streaming import SSE_DONE, sse
+from tokenmill.entrypoints.openai.serving_engine import ServingBase, sse_envelope, usage
+from tokenmill.entrypoints.openai.streaming import sse
 
 
 def _prompts(p) -> list:
@@ -39,8 +36,9 @@ class OpenAIServingCompletion(ServingBase):
         params = self.sampling_params(req, req.max_tokens, req.logprobs, want_prompt_lp)
         rid, subs = self.submit(prompts, params, req.priority, "cmpl")
         created = int(time.time())
-        stream = self._stream(req, rid, subs, created) if req.stream else None
-        return await self.respond(raw, subs, stream, lambda: self._full(req, rid, subs, created))
+        if req.stream:
+            return self.stream_response(subs, _CompletionEvents(self, req, rid, subs, created))
+        return await self.respond(raw, subs, lambda: self._full(req, rid, subs, created))
 
     def _echo_text(self, text: str | None, ids: list[int]) -> str:
         return text if text is not None else (self.tokenizer.decode(ids) if self.tokenizer else "")
@@ -49,6 +47,20 @@ class OpenAIServingCompletion(ServingBase):
         # n > 1: every sample reports the shared prompt's rows; one copy is the prompt's
         rows = list(prompt_rows[:len(ids)])
         return rows + [None] * (len(ids) - len(rows))
+
+    def _logprobs(self, rows, offset: int, echo_text: str | None = None, prompt_rows=None, ids=None
+                  ) -> tuple[dict, int]:
+        """Legacy logprobs of generated `rows` whose first token is at text `offset` (with echo, the prompt's
+        rows come first and the generated ones start after the echoed text), and the offset after them.
+        Offsets advance by token strings, not by the text sent so far: a token that ends mid-character
+        shows as U+FFFD while the detokenizer holds its bytes back, and both modes must agree."""
+        start = offset + len(echo_text or "")
+        out = self.completion_logprobs(rows, None, start)
+        end = start + sum(len(t) for t in out["tokens"])
+        if echo_text is None:
+            return out, end
+        head = self.completion_logprobs(self._echo_rows(prompt_rows, ids), ids, offset)
+        return {key: head[key] + out[key] for key in out}, end
 
     async def _full(self, req: CompletionRequest, rid: str, subs, created: int) -> Response:
         choices, prompt_rows = await self.collect(subs, req.n)
@@ -60,93 +72,55 @@ class OpenAIServingCompletion(ServingBase):
                 prefix = self._echo_text(text, ids) if req.echo else ""
                 lp = None
                 if req.logprobs is not None:
-                    if req.echo:
-                        lp = self.completion_logprobs(self._echo_rows(prompt_rows[k], ids) + ch.logprobs,
-                                                      ids + [0] * len(ch.logprobs), 0)
-                    else:
-                        lp = self.completion_logprobs(ch.logprobs, None, 0)
+                    lp, _ = self._logprobs(ch.logprobs, 0, prefix if req.echo else None, prompt_rows[k], ids)
                 out.append({"index": ch.index, "text": prefix + ch.text, "logprobs": lp,
                             "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason})
         body = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                 "choices": out, "usage": usage(num_prompt, sum(c.num_tokens for c in choices))}
         return Response(msgspec.json.encode(body), media_type="application/json")
 
-    async def _stream(self, req: CompletionRequest, rid: str, subs, created: int):
-        n = req.n
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        offsets = [0] * (len(subs) * n)
-        started = [False] * (len(subs) * n)
-        prompt_rows: list[list] = [[] for _ in subs]
-        num_completion, failed = 0, False
-        # closed on every exit: a break must stop the pump tasks of several prompts now
-        async with contextlib.aclosing(self._interleaved(subs)) as items:
-            async for k, item in items:
-                if isinstance(item, Exception):
-                    code = 503 if isinstance(item, EngineDeadError) else 500
-                    yield sse(error_dict(code, str(item)))
-                    failed = True
-                    break
-                _, text, ids = subs[k]
-                if item.prompt_logprobs:
-                    prompt_rows[k].extend(item.prompt_logprobs)
-                for c in item.outputs:
-                    idx = k * n + c.index
-                    if not c.token_ids and c.finish_reason is None:
-                        continue
-                    num_completion += len(c.token_ids)
-                    piece, rows, row_ids = c.text, c.logprobs, None
-                    if req.echo and not started[idx]:
-                        piece = self._echo_text(text, ids) + piece
-                        if rows is not None:
-                            rows = self._echo_rows(prompt_rows[k], ids) + rows
-                            row_ids = ids + [0] * len(c.logprobs)
-                    started[idx] = True
-                    lp = None
-                    if req.logprobs is not None and rows is not None:
-                        lp = self.completion_logprobs(rows, row_ids, offsets[idx])
-                    offsets[idx] += len(piece)
-                    chunk = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                             "choices": [{"index": idx, "text": piece, "logprobs": lp,
-                                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
-                    if include_usage:
-                        chunk["usage"] = None
-                    yield sse(chunk)
-        if include_usage and not failed:
-            num_prompt = sum(len(s[2]) for s in subs)
-            yield sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                       "choices": [], "usage": usage(num_prompt, num_completion)})
-        yield SSE_DONE
 
-    async def _interleaved(self, subs):
-        """(prompt index, delta output or the exception that ended it) as they arrive. One prompt is read
-        directly; several are pumped by one task each into a single queue."""
-        if len(subs) == 1:
-            try:
-                async for out in self.engine.stream(subs[0][0]):
-                    yield 0, out
-            except Exception as e:
-                yield 0, e
-            return
-        queue: asyncio.Queue = asyncio.Queue()
+class _CompletionEvents:
+    """SSE chunks of a streamed completion (StreamEvents). Choice index = prompt index * n + sample index;
+    echo puts the prompt before a choice's first text."""
 
-        async def pump(k: int, sub_id: str) -> None:
-            try:
-                async for out in self.engine.stream(sub_id):
-                    queue.put_nowait((k, out))
-            except Exception as e:
-                queue.put_nowait((k, e))
-            finally:
-                queue.put_nowait((k, None))
+    def __init__(self, serving: OpenAIServingCompletion, req: CompletionRequest, rid: str, subs, created: int):
+        self.serving, self.req, self.subs = serving, req, subs
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.head, self.tail = sse_envelope(rid, "text_completion", created, serving.model_name, self.include_usage)
+        self.rid, self.created = rid, created
+        self.offsets = [0] * (len(subs) * req.n)
+        self.started = [False] * (len(subs) * req.n)
+        self.prompt_rows: list[list] = [[] for _ in subs]
+        self.num_completion = 0
 
-        tasks = [asyncio.ensure_future(pump(k, s[0])) for k, s in enumerate(subs)]
-        live = len(subs)
-        try:
-            while live:
-                k, item = await queue.get()
-                if item is None:
-                    live -= 1
-                    continue
-                yield k, item
-        finally:
-            for t in tasks:
-                t.cancel()
+    def on_output(self, k: int, out) -> bytes:
+        req, serving = self.req, self.serving
+        _, text, ids = self.subs[k]
+        if out.prompt_logprobs:
+            self.prompt_rows[k].extend(out.prompt_logprobs)
+        events = []
+        for c in out.outputs:
+            idx = k * req.n + c.index
+            if not c.token_ids and c.finish_reason is None:
+                continue
+            self.num_completion += len(c.token_ids)
+            piece, echo = c.text, None
+            if req.echo and not self.started[idx]:
+                echo = serving._echo_text(text, ids)
+                piece = echo + piece
+            self.started[idx] = True
+            lp = None
+            if req.logprobs is not None and c.logprobs is not None:
+                lp, self.offsets[idx] = serving._logprobs(c.logprobs, self.offsets[idx], echo, self.prompt_rows[k], ids)
+            choice = {"index": idx, "text": piece, "logprobs": lp, "finish_reason": c.finish_reason,
+                      "stop_reason": c.stop_reason}
+            events.append(self.head + msgspec.json.encode(choice) + self.tail)
+        return b"".join(events)
+
+    def on_end(self) -> bytes:
+        if not self.include_usage:
+            return b""
+        num_prompt = sum(len(s[2]) for s in self.subs)
+        return sse({"id": self.rid, "object": "text_completion", "created": self.created,
+                    "model": self.serving.model_name, "choices": [], "usage": usage(num_prompt, self.num_completion)})

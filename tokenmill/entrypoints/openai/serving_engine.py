@@ -5,16 +5,17 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Awaitable, Callable, Protocol
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenmill.engine.async_llm import AsyncLLM, QueueFullError
 from tokenmill.engine.core_client import EngineDeadError
-from tokenmill.entrypoints.openai.errors import APIError, bad_request
-from tokenmill.entrypoints.openai.streaming import SSEResponse, cancel_on_disconnect
-from tokenmill.outputs import CompletionOutput, Logprob
+from tokenmill.entrypoints.openai.errors import APIError, bad_request, error_dict
+from tokenmill.entrypoints.openai.streaming import SSE_DONE, SSEStream, cancel_on_disconnect, sse
+from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -39,6 +40,58 @@ class Choice:
             self.logprobs.extend(c.logprobs)
         if c.finish_reason is not None:
             self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+
+
+class StreamEvents(Protocol):
+    """An endpoint's SSE format: synchronous, it runs inside the engine's output loop."""
+
+    def on_output(self, k: int, out: RequestOutput) -> bytes:
+        """The events for one delta of sub-request k (b"" for none)."""
+
+    def on_end(self) -> bytes:
+        """The events after every sub-request finished (the usage chunk), before [DONE]."""
+
+
+class _JoinedSubs:
+    """One streamed response over several sub-requests (prompts): it ends after the last one finishes,
+    or at the first failure with an OpenAI-style error event (500, or 503 when the engine died)."""
+
+    def __init__(self, events: StreamEvents, response: SSEStream, num_subs: int):
+        self.events, self.response, self.live = events, response, num_subs
+
+    def put(self, k: int, out: RequestOutput) -> None:
+        data = self.events.on_output(k, out)
+        if out.finished:
+            self.live -= 1
+            if self.live == 0:
+                self.response.close(data + self.events.on_end() + SSE_DONE)
+                return
+        if data:
+            self.response.write(data)
+
+    def fail(self, err: BaseException) -> None:
+        code = 503 if isinstance(err, EngineDeadError) else 500
+        self.response.close(sse(error_dict(code, str(err))) + SSE_DONE)
+
+
+class _SubSink:
+    """The RequestSink of sub-request k."""
+
+    def __init__(self, joined: _JoinedSubs, k: int):
+        self.joined, self.k = joined, k
+
+    def put(self, out: RequestOutput) -> None:
+        self.joined.put(self.k, out)
+
+    def fail(self, err: BaseException) -> None:
+        self.joined.fail(err)
+
+
+def sse_envelope(rid: str, obj: str, created: int, model: str, null_usage: bool) -> tuple[bytes, bytes]:
+    """The bytes around a chunk's choices list, encoded once per response rather than once per token."""
+    head = (b'data: {"id":' + msgspec.json.encode(rid) + b',"object":' + msgspec.json.encode(obj) +
+            b',"created":' + str(created).encode() + b',"model":' + msgspec.json.encode(model) + b',"choices":[')
+    return head, (b'],"usage":null}\n\n' if null_usage else b']}\n\n')
 
 
 class ServingBase:
@@ -104,13 +157,19 @@ class ServingBase:
         for sub_id, _, _ in subs:
             self.engine.abort(sub_id)
 
-    async def respond(self, raw: Request, subs, stream: AsyncIterator[bytes] | None,
-                      full: Callable[[], Awaitable[Response]]) -> Response:
-        """The SSE response for `stream`, or `full()`'s response unless the client goes away first. Either
-        way the sub-requests are aborted at the end: a no-op for finished ones; for the rest it frees their
-        KV blocks even if the client left before anything read their outputs."""
-        if stream is not None:
-            return SSEResponse(stream, on_close=lambda: self.abort_all(subs))
+    def stream_response(self, subs, events: "StreamEvents") -> SSEStream:
+        """An SSE response fed by the output loop: each sub-request's deltas go through `events` (the
+        endpoint's chunk format) straight into the response. When it ends, for whatever reason, the
+        sub-requests are aborted: a no-op for finished ones; for the rest it frees their KV blocks."""
+        response = SSEStream(on_close=lambda: self.abort_all(subs))
+        joined = _JoinedSubs(events, response, len(subs))
+        for k, (sub_id, _, _) in enumerate(subs):
+            self.engine.attach_sink(sub_id, _SubSink(joined, k))
+        return response
+
+    async def respond(self, raw: Request, subs, full: Callable[[], Awaitable[Response]]) -> Response:
+        """`full()`'s response unless the client goes away first. Either way the sub-requests are aborted
+        at the end (see stream_response)."""
         try:
             resp = await cancel_on_disconnect(raw, full)
         finally:
