@@ -150,6 +150,12 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of `pid` (and the threads it starts later) onto `cpus`."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
 def run_client(port: int, server_pid: int, prompts, output_len: int, stream: bool) -> dict:
     """One saturation run, with the CPU time of the client (it shares the machine with the server), of the
     API server process and of the engine core process."""
@@ -177,8 +183,16 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--stream-interval", type=int, default=1, help="passed to `tokenmill serve`")
+    ap.add_argument("--engine-cpu", type=int, default=None,
+                    help="give the engine a core of its own, as a GPU server's engine has: the offline engine and "
+                         "the served engine core each run one thread pinned to this CPU; the API process and the "
+                         "load generator run on the other CPUs")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serving_overhead.json"))
     args = ap.parse_args()
+    engine_cpus = None if args.engine_cpu is None else {args.engine_cpu}
+    other_cpus = None if engine_cpus is None else (os.sched_getaffinity(0) - engine_cpus)
+    if other_cpus is not None and not other_cpus:
+        ap.error("--engine-cpu needs a machine with at least two CPUs")
 
     from tokenmill import LLM
 
@@ -187,7 +201,9 @@ def main() -> None:
         args.model, load_format = qwen_shape_with_shipped_tokenizer(), "dummy"
     eng = dict(dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16, max_num_seqs=args.max_num_seqs,
                seed=0, load_format=load_format)
-    llm = LLM(model=args.model, **eng)
+    if engine_cpus:
+        os.sched_setaffinity(0, engine_cpus)
+    llm = LLM(model=args.model, num_threads=1 if engine_cpus else None, **eng)
     gc.collect()  # as `tokenmill serve` does in both its processes: full collections skip the startup heap
     gc.freeze()
     prompts = make_prompts(llm.get_tokenizer(), args.num_requests, args.input_len)
@@ -199,7 +215,8 @@ def main() -> None:
            "--max-model-len", str(eng["max_model_len"]),
            "--max-num-seqs", str(args.max_num_seqs), "--disable-log-requests", "--disable-uvicorn-access-log",
            "--uvicorn-log-level", "warning", "--stream-interval", str(args.stream_interval)]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    env = dict(os.environ, OMP_NUM_THREADS="1") if engine_cpus else None
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env)
     try:
         for _ in range(600):
             try:
@@ -207,14 +224,29 @@ def main() -> None:
                     break
             except httpx.HTTPError:
                 time.sleep(0.5)
+        if engine_cpus:
+            pin_process(server.pid, other_cpus)
+            pin_process(int(Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()[0]),
+                        engine_cpus)
+
+        def offline(n, length):
+            if engine_cpus:
+                os.sched_setaffinity(0, engine_cpus)
+            return run_offline(llm, prompts[:n], length)
+
+        def served(n, length, stream):
+            if engine_cpus:
+                os.sched_setaffinity(0, other_cpus)  # the load generator stays off the engine's core
+            return run_client(port, server.pid, prompts[:n], length, stream)
+
         # warm-up both paths
-        run_offline(llm, prompts[:8], 8)
-        run_client(port, server.pid, prompts[:8], 8, True)
+        offline(8, 8)
+        served(8, 8, True)
         rows = []
         for r in range(args.repeats):
-            off = run_offline(llm, prompts, args.output_len)
-            st = run_client(port, server.pid, prompts, args.output_len, True)
-            ns = run_client(port, server.pid, prompts, args.output_len, False)
+            off = offline(len(prompts), args.output_len)
+            st = served(len(prompts), args.output_len, True)
+            ns = served(len(prompts), args.output_len, False)
             rows.append({"offline": off, "serve_stream": st, "serve_nonstream": ns,
                          "ratio_stream": st["output_tok_per_s"] / off["output_tok_per_s"],
                          "ratio_nonstream": ns["output_tok_per_s"] / off["output_tok_per_s"]})
@@ -237,11 +269,15 @@ def main() -> None:
         "workload": {"model": args.model, "dtype": args.dtype, "num_requests": args.num_requests,
                      "input_len": args.input_len, "output_len": args.output_len, "max_num_seqs": args.max_num_seqs,
                      "stream_interval": args.stream_interval,
+                     "engine_cpu": args.engine_cpu,
                      "arrival": "all at once (saturation)", "sampling": "greedy, ignore_eos"},
         "runs": rows,
         "median_ratio_stream": med_s, "median_ratio_nonstream": med_n,
         "overhead_stream_pct": 100 * (1 - med_s), "overhead_nonstream_pct": 100 * (1 - med_n),
-        "note": "the load generator shares the machine's CPUs with the server and the engine core",
+        "note": ("the load generator shares the machine's CPUs with the server and the engine core"
+                 if args.engine_cpu is None else
+                 f"engine (offline, and the served engine core) on CPU {args.engine_cpu} with one thread; "
+                 f"API process and load generator on CPUs {sorted(other_cpus)}"),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
