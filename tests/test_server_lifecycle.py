@@ -92,3 +92,15 @@ def test_stream_interval_groups_tokens_per_chunk(interval_server):
     # the first token goes out at once; after it, chunks of at least 4 (the last may be shorter)
     assert all(n >= 4 for n in per_chunk[1:-1]) and len(per_chunk) <= 4, per_chunk
     assert text == full["text"]
+
+    # n > 1: the interval counts each choice's tokens, not the request's
+    per_choice: dict[int, list[int]] = {0: [], 1: []}
+    with httpx.stream("POST", interval_server.url + "/v1/completions",
+                      json={**body, "n": 2, "temperature": 0.8, "seed": 1, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    if choice["logprobs"] is not None and choice["logprobs"]["tokens"]:
+                        per_choice[choice["index"]].append(len(choice["logprobs"]["tokens"]))
+    for counts in per_choice.values():
+        assert sum(counts) == 10 and all(n >= 4 for n in counts[1:-1]) and len(counts) <= 4, per_choice

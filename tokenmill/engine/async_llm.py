@@ -64,7 +64,8 @@ class _RequestStream:
 
     def put(self, out: RequestOutput) -> None:
         self.pending = out if self.pending is None else _merge(self.pending, out)
-        self.pending_tokens += sum(len(c.token_ids) for c in out.outputs)
+        # n > 1: the interval counts each choice's tokens (the choices step together)
+        self.pending_tokens = max((len(c.token_ids) for c in self.pending.outputs), default=0)
         # the first tokens go out at once (time to first token); later ones every `wake_every` tokens
         due = self.pending_tokens >= self.wake_every or not self.delivered
         if out.finished or (self.wake_every and due):
