@@ -9,8 +9,9 @@ import time
 import pytest
 
 from tokenmill.config import DEFAULT_MODEL, EngineConfig
-from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.async_llm import AsyncLLM, _RequestStream
 from tokenmill.engine.messages import INTERNAL_ERROR_PREFIX, CoreOutputs
+from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -117,3 +118,23 @@ async def _scenario() -> None:
 
 def test_late_reader_gets_everything_and_unread_requests_are_freed():
     asyncio.run(_scenario())
+
+
+def test_sink_gets_held_back_tokens_before_a_failure():
+    """With --stream-interval 4, tokens not yet due still reach the sink when the request fails, then the
+    error; n = 2 choices count their tokens separately."""
+    async def run() -> None:
+        stream, sink = _RequestStream(), _Sink()
+        stream.sink, stream.wake_every = sink, 4
+
+        def delta(tok: int) -> RequestOutput:
+            return RequestOutput("r", None, [1], [CompletionOutput(0, f"<{tok}>", [tok]),
+                                                  CompletionOutput(1, "", [tok + 100])], False)
+
+        for tok in range(1, 7):  # the first token goes out at once, then 4 per choice: 1, 4, and 1 held
+            stream.put(delta(tok))
+        assert sink.ids == [1, 2, 3, 4, 5] and not sink.errors
+        stream.fail(RuntimeError("step failed"))
+        assert sink.ids == [1, 2, 3, 4, 5, 6] and sink.text.endswith("<6>") and len(sink.errors) == 1
+
+    asyncio.run(run())

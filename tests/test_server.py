@@ -122,6 +122,8 @@ def test_streaming_matches_non_streaming_for_every_choice(client):
     for c in full.choices:
         assert text[c.index] == c.text and c.text.startswith(PROMPTS[c.index // 2])
         assert tokens[c.index] == c.logprobs.tokens and offsets[c.index] == c.logprobs.text_offset
+        offs = c.logprobs.text_offset  # they add up the token strings, prompt tokens first
+        assert offs == [sum(len(t) for t in c.logprobs.tokens[:i]) for i in range(len(offs))]
 
     msgs = [{"role": "user", "content": "Who art thou?"}]
     chat = dict(model=MODEL, messages=msgs, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 import httpx
@@ -93,3 +94,28 @@ def test_failure_after_output_reaches_waiting_and_streaming_clients(faulty_serve
     assert errors and errors[0]["error"]["code"] == 500 and "injected fault" in errors[0]["error"]["message"]
     assert httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "To be", "max_tokens": 2},
                       timeout=60).status_code == 200
+
+
+def test_engine_core_death_mid_stream_leaves_the_api_answering(tiny_model_dir, tmp_path):  # noqa: F811
+    """The core is killed while a stream runs: the stream ends with a 503 event and [DONE], and the API
+    process keeps answering (503 on /health and for new work) instead of blocking on a send to the dead
+    core when the stream's cleanup aborts its request."""
+    srv = ServerProcess(tiny_model_dir, tmp_path / "server.log")
+    try:
+        srv.wait_ready()
+        core_pid = int(open(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children").read().split()[0])
+        body = {"model": "tiny", "prompt": "To be", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            it = (l for l in r.iter_lines() if l.startswith("data: "))
+            events.append(next(it))
+            os.kill(core_pid, signal.SIGKILL)
+            events.extend(it)
+        assert events[-1] == "data: [DONE]"
+        assert any('"code":503' in e for e in events), events[-3:]
+        for _ in range(3):  # the stream's cleanup ran; the event loop still serves
+            assert httpx.get(srv.url + "/health", timeout=10).status_code == 503
+            r = httpx.post(srv.url + "/v1/completions", json={**body, "stream": False}, timeout=10)
+            assert r.status_code == 503 and r.json()["error"]["code"] == 503
+    finally:
+        srv.terminate()

@@ -71,17 +71,22 @@ class _RequestStream:
         if out.finished or (self.wake_every and due):
             if self.sink is None:
                 self.event.set()
-                return
-            try:
-                self.sink.put(self._take())
-            except Exception as e:  # a formatting bug must fail this request, not the output loop
-                logger.exception("output sink failed")
-                sink, self.sink = self.sink, _DiscardSink()
-                sink.fail(RuntimeError(f"internal error: {type(e).__name__}: {e}"))
+            else:
+                self._push()
+
+    def _push(self) -> None:
+        try:
+            self.sink.put(self._take())
+        except Exception as e:  # a formatting bug must fail this request, not the output loop
+            logger.exception("output sink failed")
+            sink, self.sink = self.sink, _DiscardSink()
+            sink.fail(RuntimeError(f"internal error: {type(e).__name__}: {e}"))
 
     def fail(self, err: BaseException) -> None:
         self.error = err
         if self.sink is not None:
+            if self.pending is not None:  # tokens held back by --stream-interval go out before the error
+                self._push()
             self.sink.fail(err)
         self.event.set()
 
@@ -222,7 +227,8 @@ class AsyncLLM:
         if not children:
             return
         self._pending.difference_update(children)
-        self.client.send(AbortRequests(children))  # the core frees their KV blocks on receipt
+        if self.dead is None:  # the core frees their KV blocks on receipt
+            self.client.send(AbortRequests(children))
         if st is not None:
             now = time.time()
             n_gen = sum(len(c.token_ids) for c in st.completions)

@@ -35,6 +35,7 @@ class CoreClient:
         self._sync_ctx = zmq.Context()
         self._input = self._sync_ctx.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
+        self._input.setsockopt(zmq.SNDHWM, 0)  # no queue limit: a send can only fail for want of a peer
         self._input.bind(in_addr)
         self._actx = zmq.asyncio.Context()
         self._output = self._actx.socket(zmq.PULL)
@@ -64,8 +65,15 @@ class CoreClient:
         return msg
 
     def send(self, msg) -> None:
-        if not self.closed:
-            self._input.send(self._enc.encode(msg), copy=False)
+        """Never blocks: a blocking PUSH with no core at the other end (it died) would freeze the API
+        process's event loop for good. Without a core, the message is dropped; watch_process fails the
+        requests."""
+        if self.closed:
+            return
+        try:
+            self._input.send(self._enc.encode(msg), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            logger.warning("engine core is not connected; dropped %s", type(msg).__name__)
 
     async def recv(self):
         return self._dec.decode(await self._output.recv(copy=False))

@@ -50,16 +50,19 @@ class OpenAIServingCompletion(ServingBase):
 
     def _logprobs(self, rows, offset: int, echo_text: str | None = None, prompt_rows=None, ids=None
                   ) -> tuple[dict, int]:
-        """Legacy logprobs of generated `rows` whose first token is at text `offset` (with echo, the prompt's
-        rows come first and the generated ones start after the echoed text), and the offset after them.
-        Offsets advance by token strings, not by the text sent so far: a token that ends mid-character
-        shows as U+FFFD while the detokenizer holds its bytes back, and both modes must agree."""
-        start = offset + len(echo_text or "")
-        out = self.completion_logprobs(rows, None, start)
-        end = start + sum(len(t) for t in out["tokens"])
-        if echo_text is None:
+        """Legacy logprobs of generated `rows` starting at text `offset`, with the prompt's rows first when
+        echoing, and the offset after them. Offsets add up token strings (as vLLM's do) rather than the
+        text sent so far: a token that ends mid-character shows as U+FFFD while the detokenizer holds its
+        bytes back, and a BOS token is in the tokens but not in the text; this way they only increase,
+        and streaming and non-streaming responses agree."""
+        head = None
+        if echo_text is not None:
+            head = self.completion_logprobs(self._echo_rows(prompt_rows, ids), ids, offset)
+            offset += sum(len(t) for t in head["tokens"])
+        out = self.completion_logprobs(rows, None, offset)
+        end = offset + sum(len(t) for t in out["tokens"])
+        if head is None:
             return out, end
-        head = self.completion_logprobs(self._echo_rows(prompt_rows, ids), ids, offset)
         return {key: head[key] + out[key] for key in out}, end
 
     async def _full(self, req: CompletionRequest, rid: str, subs, created: int) -> Response:

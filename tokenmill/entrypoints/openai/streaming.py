@@ -37,17 +37,19 @@ class SSEStream(Response):
     before any event."""
 
     media_type = "text/event-stream"
-    headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-               (b"x-accel-buffering", b"no")]
 
     def __init__(self, on_close: Callable[[], None] | None = None):  # a Response, so FastAPI passes it through
         self.status_code, self.background = 200, None
+        # Starlette's `headers` property reads these, so header-editing middleware still works
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                            (b"x-accel-buffering", b"no")]
         self.on_close = on_close
         self._parts: list[bytes] = []
         self._ended = False  # close() was called, or the client left: nothing more is accepted
         self._send: Send | None = None  # set once the headers are out
         self._busy = False  # a flush is scheduled or a send is in flight
-        self._done: asyncio.Future | None = None  # the last body went out (or sending failed)
+        self._done: asyncio.Future | None = None  # resolved when the last body went out or sending failed
+        self._error: BaseException | None = None  # why sending failed
 
     def write(self, data: bytes) -> None:
         if not self._ended:
@@ -75,24 +77,33 @@ class SSEStream(Response):
         except StopIteration:
             self._sent(last)
             return
-        except BaseException as e:
-            self._failed(e)
+        except Exception as e:
+            self._finish(e)
             return
         task = asyncio.ensure_future(_finish_started(coro, suspended_on))
-        task.add_done_callback(lambda t: self._failed(t.exception()) if t.exception() else self._sent(last))
+        task.add_done_callback(lambda t: self._after_send_task(t, last))
+
+    def _after_send_task(self, task: asyncio.Task, last: bool) -> None:
+        if task.cancelled():  # the loop is shutting down
+            self._finish(None)
+        elif task.exception() is not None:
+            self._finish(task.exception())
+        else:
+            self._sent(last)
 
     def _sent(self, last: bool) -> None:
         self._busy = False
         if last:
-            if not self._done.done():
-                self._done.set_result(None)
+            self._finish(None)
         elif self._parts:
             self._schedule()
 
-    def _failed(self, err: BaseException) -> None:
+    def _finish(self, err: BaseException | None) -> None:
         self._ended = True
+        if self._error is None:
+            self._error = err
         if not self._done.done():
-            self._done.set_exception(err)
+            self._done.set_result(None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def listen_for_disconnect() -> None:
@@ -102,13 +113,15 @@ class SSEStream(Response):
         self._done = asyncio.get_running_loop().create_future()
         watch = asyncio.ensure_future(listen_for_disconnect())
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             self._send = send
             if self._parts:
                 self._schedule()
             await asyncio.wait({watch, self._done}, return_when=asyncio.FIRST_COMPLETED)
-            if self._done.done() and isinstance(self._done.exception(), Exception):
-                raise self._done.exception()
+            if watch.done() and not watch.cancelled():
+                watch.exception()  # a failing receive() ends the stream as a disconnect does
+            if self._error is not None and not isinstance(self._error, OSError):
+                raise self._error
         except OSError:
             pass  # client went away mid-write
         finally:
@@ -116,6 +129,8 @@ class SSEStream(Response):
             self._ended = True
             if self.on_close is not None:
                 self.on_close()
+        if self.background is not None:
+            await self.background()
 
 
 async def _finish_started(coro, suspended_on) -> None:
