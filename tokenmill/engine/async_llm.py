@@ -104,16 +104,18 @@ class _RequestStream:
 
 
 def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Fold delta `b` into pending `a`. Lists grow in place (each delta owns fresh slices), so a request
+    read only at its end (final_only) costs O(tokens), not O(tokens^2)."""
     for ca, cb in zip(a.outputs, b.outputs):
         ca.text += cb.text
-        ca.token_ids = ca.token_ids + cb.token_ids
+        ca.token_ids.extend(cb.token_ids)
         if ca.logprobs is not None and cb.logprobs is not None:
-            ca.logprobs = ca.logprobs + cb.logprobs
+            ca.logprobs.extend(cb.logprobs)
         ca.cumulative_logprob = cb.cumulative_logprob
         ca.finish_reason = ca.finish_reason or cb.finish_reason
         ca.stop_reason = ca.stop_reason if ca.stop_reason is not None else cb.stop_reason
     if a.prompt_logprobs is not None and b.prompt_logprobs is not None:
-        a.prompt_logprobs = a.prompt_logprobs + b.prompt_logprobs
+        a.prompt_logprobs.extend(b.prompt_logprobs)
     a.finished, a.num_cached_tokens = b.finished, b.num_cached_tokens
     return a
 
