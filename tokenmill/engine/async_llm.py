@@ -58,21 +58,23 @@ class _RequestStream:
         self.last_token_time: float | None = None
         # wake the consumer once this many new tokens are pending (0: only when the request finishes)
         self.wake_every = 1
-        self.pending_tokens = 0
         self.delivered = False
         self.sink: RequestSink | None = None
 
     def put(self, out: RequestOutput) -> None:
         self.pending = out if self.pending is None else _merge(self.pending, out)
-        # n > 1: the interval counts each choice's tokens (the choices step together)
-        self.pending_tokens = max((len(c.token_ids) for c in self.pending.outputs), default=0)
-        # the first tokens go out at once (time to first token); later ones every `wake_every` tokens
-        due = self.pending_tokens >= self.wake_every or not self.delivered
-        if out.finished or (self.wake_every and due):
+        if out.finished or (self.wake_every and self._due()):
             if self.sink is None:
                 self.event.set()
             else:
                 self._push()
+
+    def _due(self) -> bool:
+        """The first tokens go out at once (time to first token); later ones every `wake_every` tokens of
+        each choice (n > 1: the choices step together)."""
+        if not self.delivered:
+            return True
+        return max((len(c.token_ids) for c in self.pending.outputs), default=0) >= self.wake_every
 
     def _push(self) -> None:
         try:
@@ -91,7 +93,7 @@ class _RequestStream:
         self.event.set()
 
     def _take(self) -> RequestOutput:
-        out, self.pending, self.pending_tokens, self.delivered = self.pending, None, 0, True
+        out, self.pending, self.delivered = self.pending, None, True
         return out
 
     async def get(self) -> RequestOutput:

@@ -10,8 +10,7 @@ from starlette.responses import Response
 from tokenmill.engine.input_processor import chat_prompt
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from tokenmill.entrypoints.openai.serving_engine import ServingBase, sse_envelope, usage
-from tokenmill.entrypoints.openai.streaming import sse
+from tokenmill.entrypoints.openai.serving_engine import ChunkEvents, ServingBase, usage
 
 
 def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> dict:
@@ -59,28 +58,23 @@ class OpenAIServingChat(ServingBase):
         return Response(msgspec.json.encode(body), media_type="application/json")
 
 
-class _ChatEvents:
+class _ChatEvents(ChunkEvents):
     """SSE chunks of a streamed chat completion (StreamEvents). OpenAI opens each choice with the role and
     empty content; like vLLM, that chunk goes out with the first tokens, so clients that time the first
     chunk measure a real TTFT."""
 
     def __init__(self, serving: OpenAIServingChat, req: ChatCompletionRequest, rid: str, subs, created: int):
-        self.serving, self.req = serving, req
-        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        self.head, self.tail = sse_envelope(rid, "chat.completion.chunk", created, serving.model_name,
-                                            self.include_usage)
-        self.rid, self.created = rid, created
+        super().__init__(serving, req, rid, "chat.completion.chunk", created)
         self.num_prompt = len(subs[0][2])
-        self.num_completion, self.opened = 0, False
+        self.opened = False
 
     def on_output(self, k: int, out) -> bytes:
         req, encode = self.req, msgspec.json.encode
         events = []
         if not self.opened:
             self.opened = True
-            events.append(self.head + b",".join(encode({"index": i, "delta": {"role": "assistant", "content": ""},
-                                                        "logprobs": None, "finish_reason": None})
-                                                for i in range(req.n)) + self.tail)
+            events.append(self.chunk([encode({"index": i, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}) for i in range(req.n)]))
         choices = []
         for c in out.outputs:
             if not c.token_ids and c.finish_reason is None:
@@ -91,12 +85,8 @@ class _ChatEvents:
             choices.append(encode({"index": c.index, "delta": delta, "logprobs": lp,
                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}))
         if choices:
-            events.append(self.head + b",".join(choices) + self.tail)
+            events.append(self.chunk(choices))
         return b"".join(events)
 
     def on_end(self) -> bytes:
-        if not self.include_usage:
-            return b""
-        return sse({"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
-                    "model": self.serving.model_name, "choices": [],
-                    "usage": usage(self.num_prompt, self.num_completion)})
+        return self.usage_event(self.num_prompt)

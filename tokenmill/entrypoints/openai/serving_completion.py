@@ -9,8 +9,7 @@ from starlette.responses import Response
 
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.protocol import CompletionRequest
-from tokenmill.entrypoints.openai.serving_engine import ServingBase, sse_envelope, usage
-from tokenmill.entrypoints.openai.streaming import sse
+from tokenmill.entrypoints.openai.serving_engine import ChunkEvents, ServingBase, usage
 
 
 def _prompts(p) -> list:
@@ -83,19 +82,16 @@ class OpenAIServingCompletion(ServingBase):
         return Response(msgspec.json.encode(body), media_type="application/json")
 
 
-class _CompletionEvents:
+class _CompletionEvents(ChunkEvents):
     """SSE chunks of a streamed completion (StreamEvents). Choice index = prompt index * n + sample index;
     echo puts the prompt before a choice's first text."""
 
     def __init__(self, serving: OpenAIServingCompletion, req: CompletionRequest, rid: str, subs, created: int):
-        self.serving, self.req, self.subs = serving, req, subs
-        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        self.head, self.tail = sse_envelope(rid, "text_completion", created, serving.model_name, self.include_usage)
-        self.rid, self.created = rid, created
+        super().__init__(serving, req, rid, "text_completion", created)
+        self.subs = subs
         self.offsets = [0] * (len(subs) * req.n)
         self.started = [False] * (len(subs) * req.n)
         self.prompt_rows: list[list] = [[] for _ in subs]
-        self.num_completion = 0
 
     def on_output(self, k: int, out) -> bytes:
         req, serving = self.req, self.serving
@@ -118,12 +114,8 @@ class _CompletionEvents:
                 lp, self.offsets[idx] = serving._logprobs(c.logprobs, self.offsets[idx], echo, self.prompt_rows[k], ids)
             choice = {"index": idx, "text": piece, "logprobs": lp, "finish_reason": c.finish_reason,
                       "stop_reason": c.stop_reason}
-            events.append(self.head + msgspec.json.encode(choice) + self.tail)
+            events.append(self.chunk([msgspec.json.encode(choice)]))
         return b"".join(events)
 
     def on_end(self) -> bytes:
-        if not self.include_usage:
-            return b""
-        num_prompt = sum(len(s[2]) for s in self.subs)
-        return sse({"id": self.rid, "object": "text_completion", "created": self.created,
-                    "model": self.serving.model_name, "choices": [], "usage": usage(num_prompt, self.num_completion)})
+        return self.usage_event(sum(len(s[2]) for s in self.subs))

@@ -87,11 +87,27 @@ class _SubSink:
         self.joined.fail(err)
 
 
-def sse_envelope(rid: str, obj: str, created: int, model: str, null_usage: bool) -> tuple[bytes, bytes]:
-    """The bytes around a chunk's choices list, encoded once per response rather than once per token."""
-    head = (b'data: {"id":' + msgspec.json.encode(rid) + b',"object":' + msgspec.json.encode(obj) +
-            b',"created":' + str(created).encode() + b',"model":' + msgspec.json.encode(model) + b',"choices":[')
-    return head, (b'],"usage":null}\n\n' if null_usage else b']}\n\n')
+class ChunkEvents:
+    """What both endpoints' StreamEvents share: the bytes around a chunk's choices list, encoded once per
+    response rather than once per token, the completion-token count, and the closing usage chunk."""
+
+    def __init__(self, serving: "ServingBase", req, rid: str, obj: str, created: int):
+        self.serving, self.req = serving, req
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.head = (b'data: {"id":' + msgspec.json.encode(rid) + b',"object":' + msgspec.json.encode(obj) +
+                     b',"created":' + str(created).encode() + b',"model":' +
+                     msgspec.json.encode(serving.model_name) + b',"choices":[')
+        self.tail = b'],"usage":null}\n\n' if self.include_usage else b']}\n\n'
+        self.num_completion = 0
+
+    def chunk(self, encoded_choices: list[bytes]) -> bytes:
+        return self.head + b",".join(encoded_choices) + self.tail
+
+    def usage_event(self, num_prompt: int) -> bytes:
+        """The last chunk before [DONE] when the client asked for usage: no choices, the token counts."""
+        if not self.include_usage:
+            return b""
+        return self.head + b'],"usage":' + msgspec.json.encode(usage(num_prompt, self.num_completion)) + b"}\n\n"
 
 
 class ServingBase:
