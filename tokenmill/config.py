@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
+
+from tokenmill.models.registry import check_architecture
 
 logger = logging.getLogger("tokenmill")
 
@@ -45,9 +47,7 @@ class ModelConfig:
         archs = getattr(hf_config, "architectures", None) or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; cannot pick a model class")
-        from tokenmill.models.registry import model_class
-
-        model_class(archs[0])  # unknown architectures fail here, naming themselves
+        check_architecture(archs[0])  # unknown architectures fail here, naming themselves
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         rope = dict(getattr(hf_config, "rope_parameters", None) or {})  # transformers >= 5
@@ -79,59 +79,68 @@ class ModelConfig:
         )
 
 
+def option(default, help: str, *, choices: tuple | None = None, aliases: tuple[str, ...] = ()):
+    """An EngineConfig field whose metadata also defines its command-line flag (engine/arg_utils.py)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
+
+
 @dataclass
 class EngineConfig:
-    """Engine settings; keyword names follow vLLM's so `LLM(...)` calls port unchanged."""
+    """Engine settings; keyword names follow vLLM's so `LLM(...)` calls port unchanged. Each field is
+    also the `--flag` of every command that builds an engine, with this help, default and choices."""
 
-    model: str = DEFAULT_MODEL
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_gb: float | None = None  # CPU: KV budget in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE)
-    num_kv_blocks: int | None = None  # override the budget with an exact block count
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"  # or "priority"
-    load_format: str = "auto"  # "auto" | "safetensors" | "dummy"
-    quantization: str | None = None
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    device: str = "auto"
-    skip_tokenizer_init: bool = False
-    revision: str | None = None
-    trust_remote_code: bool = False
-    num_threads: int | None = None
-    # "auto" | "onednn" (packed weights) | "onednn+gemv" (plus a batch-1 bf16/fp32 GEMV kernel) | "torch" (F.linear)
-    cpu_linear_kernel: str = "auto"
-    # Baseline modes, for the optimization ladder (`tokenmill bench ladder`): each turns one
-    # optimization off, so its effect can be measured in the same engine.
-    batching: str = "continuous"  # "static": a batch fills, runs to completion, then the next starts
-    kv_layout: str = "paged"  # "contiguous": each request reserves max_model_len of KV up front
-    attention_impl: str = "fused"  # "eager": materialized scores, GQA heads repeated, per sequence
-    static_batch_wait_s: float = 0.05  # static batching: how long a partial batch waits to fill
-    extra: dict = field(default_factory=dict)
+    model: str = option(DEFAULT_MODEL, "local Hugging Face model directory (default: the shipped model)")
+    tokenizer: str | None = option(None, "tokenizer directory (default: the model's)")
+    dtype: str = option("auto", "weight and activation dtype; auto: the checkpoint's (float16 becomes bfloat16 "
+                        "on CPU)", choices=("auto", *_DTYPES))
+    seed: int = option(0, "engine-wide sampling seed (and dummy-weight seed)")
+    max_model_len: int | None = option(None, "longest prompt + output in tokens (default: the model's limit)")
+    max_num_seqs: int = option(256, "most sequences in one step")
+    max_num_batched_tokens: int | None = option(None, "token budget per step; longer prompts are prefilled in "
+                                                "chunks (default: 2048, or max_model_len without chunking)")
+    block_size: int = option(16, "tokens per KV block (a power of two)")
+    gpu_memory_utilization: float = option(0.9, "GPU: fraction of device memory for weights, activations and "
+                                           "KV cache")
+    kv_cache_memory_gb: float | None = option(None, "CPU: KV cache budget in GiB (default 4; vLLM's "
+                                              "VLLM_CPU_KVCACHE_SPACE)")
+    num_kv_blocks: int | None = option(None, "exact KV block count (overrides the memory budget)")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of shared prompt prefixes")
+    enable_chunked_prefill: bool = option(True, "split long prompts across steps, sharing them with decodes")
+    scheduling_policy: str = option("fcfs", "fcfs, or priority (lower values run first)",
+                                    choices=("fcfs", "priority"))
+    load_format: str = option("auto", "dummy: random weights for any config.json (benchmarking real shapes)",
+                              choices=("auto", "safetensors", "dummy"))
+    quantization: str | None = option(None, "weight quantization method (none implemented yet)", aliases=("-q",))
+    tensor_parallel_size: int = option(1, "tensor-parallel workers (1 only, for now)", aliases=("-tp",))
+    pipeline_parallel_size: int = option(1, "pipeline-parallel stages (1 only, for now)", aliases=("-pp",))
+    device: str = option("auto", "auto or cpu (the GPU path has not landed yet)")
+    skip_tokenizer_init: bool = option(False, "load no tokenizer (token-id prompts only)")
+    revision: str | None = option(None, "accepted for vLLM compatibility; models load from local directories")
+    trust_remote_code: bool = option(False, "let transformers run the model directory's own tokenizer code")
+    num_threads: int | None = option(None, "CPU threads for torch (default: torch's choice)")
+    cpu_linear_kernel: str = option(
+        "auto", "CPU GEMMs: onednn packs weights once; onednn+gemv adds a batch-1 GEMV kernel (a second weight "
+        "copy); torch uses F.linear; auto picks onednn+gemv when the copy fits in memory",
+        choices=("auto", "onednn", "onednn+gemv", "torch"))
+    # Baseline modes, for the optimization ladder (`tokenmill bench ladder`): each turns one optimization
+    # off, so its effect can be measured in the same engine. engine/variants.py maps them to classes.
+    batching: str = option("continuous", "baseline mode static: a batch fills, runs to completion, then the "
+                           "next starts", choices=("continuous", "static"))
+    kv_layout: str = option("paged", "baseline mode contiguous: each request reserves max_model_len of KV up "
+                            "front (no prefix caching)", choices=("paged", "contiguous"))
+    attention_impl: str = option("fused", "baseline mode eager: materialized scores, repeated KV heads, one "
+                                 "sequence at a time", choices=("fused", "eager"))
+    static_batch_wait_s: float = option(0.05, "static batching: how long a partial batch waits to fill")
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        if self.load_format not in ("auto", "safetensors", "dummy"):
-            raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
-        if self.cpu_linear_kernel not in ("auto", "onednn", "onednn+gemv", "torch"):
-            raise ValueError("cpu_linear_kernel must be 'auto', 'onednn', 'onednn+gemv' or 'torch', "
-                             f"got {self.cpu_linear_kernel!r}")
-        for name, allowed in (("batching", ("continuous", "static")), ("kv_layout", ("paged", "contiguous")),
-                              ("attention_impl", ("fused", "eager"))):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
         if self.kv_layout == "contiguous":
             self.enable_prefix_caching = False  # nothing to share when every request owns a slab
         if self.batching == "static":
@@ -169,8 +178,6 @@ class EngineConfig:
 
     def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
         if self.dtype != "auto":
-            if self.dtype not in _DTYPES:
-                raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
             return _DTYPES[self.dtype]
         cfg = model_config.hf_config
         dt = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32

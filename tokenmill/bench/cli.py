@@ -94,7 +94,7 @@ def cmd_serve(args) -> int:
 def cmd_offline(args) -> int:
     from tokenmill.bench.datasets import dataset_from_args, sample_requests
     from tokenmill.bench.offline import build_engine, run_offline
-    from tokenmill.entrypoints.cli import engine_kwargs
+    from tokenmill.engine.arg_utils import engine_kwargs
 
     kwargs = engine_kwargs(args)
     engine = build_engine(kwargs)
@@ -140,7 +140,7 @@ def add_bench_parser(subparsers) -> argparse._SubParsersAction:
     _add_run_args(s)
     s.set_defaults(func=cmd_serve)
 
-    from tokenmill.entrypoints.cli import add_engine_args
+    from tokenmill.engine.arg_utils import add_engine_args
 
     o = bsub.add_parser("offline", help="throughput and latency of the in-process engine")
     add_engine_args(o)  # its --seed also seeds the workload

@@ -113,32 +113,35 @@ def _device() -> str:
 
 
 def add_ladder_parser(sub) -> None:
-    from tokenmill.config import DEFAULT_MODEL
+    from tokenmill.engine.arg_utils import add_engine_args
 
     p = sub.add_parser("ladder", help="the optimization ladder: one workload, one optimization added per rung")
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--request-rate", type=float, default=8.0, help="Poisson arrivals per second")
-    p.add_argument("--prefix-len", type=int, default=192)
-    p.add_argument("--suffix-len", type=int, default=32)
-    p.add_argument("--num-prefixes", type=int, default=4)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=512)
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--kv-blocks", type=int, default=None, help="KV budget in blocks (default: max_num_seqs "
-                   "sequences of max_model_len)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--result-file", default="ladder.json")
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-prompts", type=int, default=64)
+    w.add_argument("--request-rate", type=float, default=8.0, help="Poisson arrivals per second")
+    w.add_argument("--prefix-len", type=int, default=192)
+    w.add_argument("--suffix-len", type=int, default=32)
+    w.add_argument("--num-prefixes", type=int, default=4)
+    w.add_argument("--output-len", type=int, default=64)
+    w.add_argument("--result-file", default="ladder.json")
+    # The rungs set the baseline-mode flags (batching, kv_layout, attention_impl, cpu_linear_kernel, prefix
+    # caching) themselves; every other engine flag applies to all rungs. The KV budget defaults to
+    # max_num_seqs sequences of max_model_len, what the contiguous baseline needs for a full batch.
+    add_engine_args(p, dtype="float32", max_model_len=512, max_num_seqs=16)
     p.set_defaults(func=cmd_ladder)
 
 
+_RUN_LADDER_ARGS = {"model", "dtype", "max_model_len", "max_num_seqs", "num_kv_blocks", "seed"}
+_SET_BY_RUNGS = {"batching", "kv_layout", "attention_impl", "cpu_linear_kernel", "enable_prefix_caching"}
+
+
 def cmd_ladder(args) -> int:
-    extra = {"load_format": args.load_format} if args.load_format != "auto" else {}
+    from tokenmill.engine.arg_utils import engine_kwargs
+
+    extra = {k: v for k, v in engine_kwargs(args).items() if k not in _SET_BY_RUNGS and k not in _RUN_LADDER_ARGS}
     run_ladder(args.model, args.result_file, args.num_prompts, args.request_rate, args.prefix_len, args.suffix_len,
-               args.num_prefixes, args.output_len, args.max_model_len, args.max_num_seqs, args.kv_blocks, args.dtype,
-               args.seed, extra)
+               args.num_prefixes, args.output_len, args.max_model_len, args.max_num_seqs, args.num_kv_blocks,
+               args.dtype, args.seed, extra)
     return 0
 
 

@@ -5,45 +5,7 @@ import argparse
 import json
 import sys
 
-from tokenmill.config import DEFAULT_MODEL
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags, named as in vLLM."""
-    p.add_argument("--model", default=DEFAULT_MODEL, help="local model directory (default: the shipped model)")
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=None, help="CPU KV cache budget in GiB (default 4)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    p.add_argument("--quantization", "-q", default=None)
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    p.add_argument("--seed", type=int, default=0)
-    g = p.add_argument_group("baseline modes (for measuring what each optimization buys)")
-    g.add_argument("--batching", default="continuous", choices=["continuous", "static"])
-    g.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
-    g.add_argument("--attention-impl", default="fused", choices=["fused", "eager"])
-    g.add_argument("--cpu-linear-kernel", default="auto", choices=["auto", "onednn", "onednn+gemv", "torch"])
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-                kv_cache_memory_gb=args.kv_cache_memory_gb, tensor_parallel_size=args.tensor_parallel_size,
-                pipeline_parallel_size=args.pipeline_parallel_size, quantization=args.quantization,
-                load_format=args.load_format, enable_prefix_caching=args.enable_prefix_caching,
-                enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
-                seed=args.seed, batching=args.batching, kv_layout=args.kv_layout, attention_impl=args.attention_impl,
-                cpu_linear_kernel=args.cpu_linear_kernel)
+from tokenmill.engine.arg_utils import add_engine_args, engine_kwargs
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -91,7 +53,7 @@ def cmd_generate(args) -> int:
 def cmd_eval_ppl(args) -> int:
     from tokenmill.evaluation.engine_ppl import evaluate_perplexity
 
-    res = evaluate_perplexity(args.model, args.text, dtype=args.dtype, window=args.window)
+    res = evaluate_perplexity(text_path=args.text, window=args.window, **engine_kwargs(args))
     print(json.dumps(res, indent=2))
     return 0
 
@@ -117,10 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="evaluate a model")
     esub = e.add_subparsers(dest="eval_command", required=True)
     ppl = esub.add_parser("ppl", help="perplexity on held-out text")
-    ppl.add_argument("--model", default=DEFAULT_MODEL)
     ppl.add_argument("--text", default=None, help="text file (default: the shipped Shakespeare validation text)")
-    ppl.add_argument("--dtype", default="float32")
     ppl.add_argument("--window", type=int, default=None, help="tokens per window (default: max_position_embeddings)")
+    add_engine_args(ppl, dtype="float32")  # scores compare with the model cards' float32 figures
     ppl.set_defaults(func=cmd_eval_ppl)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

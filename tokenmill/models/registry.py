@@ -1,17 +1,23 @@
+"""Architecture name -> model class. Entries are import paths, resolved on first use, so this table can be
+read (config validation) without importing model code, which itself imports the config."""
 from __future__ import annotations
 
-from tokenmill.models.llama import LlamaForCausalLM
+import importlib
 
-MODEL_REGISTRY = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
+_MODELS = {
+    "LlamaForCausalLM": "tokenmill.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "tokenmill.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "tokenmill.models.llama:LlamaForCausalLM",
 }
 
 
-def model_class(architecture: str):
-    try:
-        return MODEL_REGISTRY[architecture]
-    except KeyError:
+def check_architecture(architecture: str) -> None:
+    if architecture not in _MODELS:
         raise ValueError(f"unsupported model architecture {architecture!r}; "
-                         f"supported: {', '.join(sorted(MODEL_REGISTRY))}") from None
+                         f"supported: {', '.join(sorted(_MODELS))}")
+
+
+def model_class(architecture: str):
+    check_architecture(architecture)
+    module, name = _MODELS[architecture].split(":")
+    return getattr(importlib.import_module(module), name)

@@ -217,7 +217,7 @@ class _Server(uvicorn.Server):
 
 
 async def serve(args) -> int:
-    from tokenmill.entrypoints.cli import engine_kwargs
+    from tokenmill.engine.arg_utils import engine_kwargs
 
     config = EngineConfig(**engine_kwargs(args))
     # like vLLM, the model argument is the default name; the shipped model gets its short name

@@ -1,0 +1,61 @@
+"""Engine flags come from EngineConfig's fields: every command that builds an engine takes every field, with
+the field's default, and what it parses is what the engine gets."""
+from dataclasses import fields
+
+import pytest
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.arg_utils import engine_kwargs
+from tokenmill.entrypoints.cli import build_parser
+
+COMMANDS = [["generate"], ["serve"], ["bench", "offline"], ["bench", "ladder"], ["eval", "ppl"]]
+
+
+def _subparser(path):
+    parser = build_parser()
+    for name in path:
+        parser = next(a for a in parser._actions if a.dest in ("command", "bench_command", "eval_command")
+                      and name in a.choices).choices[name]
+    return parser
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_every_config_field_is_a_flag(command):
+    options = {o for a in _subparser(command)._actions for o in a.option_strings}
+    missing = [f.name for f in fields(EngineConfig) if "--" + f.name.replace("_", "-") not in options]
+    assert not missing, f"{' '.join(command)} lacks flags for {missing}"
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_parsed_defaults_are_the_config_defaults(command):
+    args = build_parser().parse_args(command)
+    overridden = {"eval": {"dtype"}, "bench ladder": {"dtype", "max_model_len", "max_num_seqs"}}
+    skip = overridden.get(" ".join(command), overridden.get(command[0], set()))
+    kwargs = engine_kwargs(args)
+    assert set(kwargs) == {f.name for f in fields(EngineConfig)}
+    for f in fields(EngineConfig):
+        if f.name not in skip:
+            assert kwargs[f.name] == f.default, f.name
+
+
+def test_flags_reach_the_config():
+    args = build_parser().parse_args(["serve", "--max-num-seqs", "7", "--no-enable-prefix-caching", "-tp", "1",
+                                      "--kv-cache-memory-gb", "0.5", "--scheduling-policy", "priority",
+                                      "--static-batch-wait-s", "0.2", "--tokenizer", "tok"])
+    kw = engine_kwargs(args)
+    assert (kw["max_num_seqs"], kw["enable_prefix_caching"], kw["tensor_parallel_size"]) == (7, False, 1)
+    assert (kw["kv_cache_memory_gb"], kw["scheduling_policy"], kw["static_batch_wait_s"]) == (0.5, "priority", 0.2)
+    assert kw["tokenizer"] == "tok"
+
+
+def test_choices_come_from_the_field(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--kv-layout", "sparse"])
+    assert "paged" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="kv_layout must be one of paged, contiguous"):
+        EngineConfig(kv_layout="sparse")
+
+
+def test_help_comes_from_the_field():
+    text = _subparser(["generate"]).format_help()
+    assert "most sequences in one step (default: 256)" in " ".join(text.split())
