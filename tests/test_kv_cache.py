@@ -15,7 +15,7 @@ def test_chained_hash_depends_on_prefix_and_extra_key():
     a = hash_block(None, [1, 2, 3, 4])
     assert hash_block(None, [1, 2, 3, 4]) == a
     assert hash_block(a, [5, 6, 7, 8]) != hash_block(hash_block(None, [0, 2, 3, 4]), [5, 6, 7, 8])
-    assert hash_block(None, [1, 2, 3, 4], "salt") != a
+    assert hash_block(None, [1, 2, 3, 4], ("salt",)) != a
 
 
 def test_allocate_and_free_return_every_block():

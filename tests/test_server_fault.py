@@ -26,8 +26,9 @@ _execute = model_runner.ModelRunner.execute
 
 def execute(self, sched):
     for s in sched.seqs:
-        head = list(s.prompt_token_ids[:len(_marker)])
-        if head == _marker or (head == _late and len(s.output_token_ids) >= 5):
+        state = s.new_request or self.requests[s.request_id]  # the worker's view of the request
+        head = list(state.prompt_token_ids[:len(_marker)])
+        if head == _marker or (head == _late and len(state.output_token_ids) >= 5):
             raise RuntimeError("injected fault")
     return _execute(self, sched)
 

@@ -36,7 +36,13 @@ class AttentionMetadata:
 
 
 class AttentionBackend:
-    """Writes this step's keys/values into the paged cache and attends over cached + new tokens."""
+    """Writes this step's keys/values into the paged cache and attends over cached + new tokens.
+    Backends are chosen by name through attention/registry.py."""
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """The layout this backend reads, for the key cache and for the value cache of one layer."""
+        return (num_blocks, block_size, num_kv_heads, head_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor,

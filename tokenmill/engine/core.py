@@ -8,10 +8,10 @@ import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.kv.manager import KVCacheManager, cdiv
+from tokenmill.engine.variants import build_attention_backend, build_kv_manager, build_scheduler
+from tokenmill.kv.manager import cdiv
 from tokenmill.models.loader import load_hf_config, load_model
 from tokenmill.sample.sampler import TokenLogprobs
-from tokenmill.sched.scheduler import Scheduler
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("tokenmill")
@@ -56,15 +56,10 @@ class EngineCore:
         self.model = load_model(config, self.model_config, self.dtype, config.device)
         num_blocks = self._num_kv_blocks()
         mc = self.model_config
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, mc.num_layers, mc.num_kv_heads,
-                                  mc.head_dim, self.dtype, config.device, config.seed,
-                                  attention_impl=config.attention_impl)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 reserve_tokens=config.max_model_len if config.kv_layout == "contiguous" else None)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_model_len, config.scheduling_policy, config.enable_chunked_prefill,
-                                   static_batch_wait_s=config.static_batch_wait_s if config.batching == "static"
-                                   else None)
+        self.runner = ModelRunner(self.model, build_attention_backend(config), num_blocks, config.block_size,
+                                  mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, config.device, config.seed)
+        self.kv = build_kv_manager(config, num_blocks)
+        self.scheduler = build_scheduler(config, self.kv)
         self.num_steps = 0
         logger.info("engine ready: %s, %s, %d KV blocks of %d tokens", mc.architecture, self.dtype,
                     num_blocks, config.block_size)
@@ -104,20 +99,20 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            self.runner.forget(sched.finished_ids)
+            self.runner.release_requests(sched.finished_ids)
             return []
         self.num_steps += 1
         result = self.runner.execute(sched)
         outputs: dict[str, EngineCoreOutput] = {}
         for rid, rows in result.prompt_logprobs.items():
             outputs[rid] = EngineCoreOutput(rid, [], prompt_logprobs=rows)
-        for req in self.scheduler.update(sched, result.sampled):
+        for req, tokens in self.scheduler.update(sched, result.sampled_token_ids):
             o = outputs.setdefault(req.request_id, EngineCoreOutput(req.request_id, []))
-            o.new_token_ids.append(req.output_token_ids[-1])
+            o.new_token_ids.extend(tokens)
             o.finish_reason, o.stop_reason = req.finish_reason, req.stop_reason
             o.num_cached_tokens = max(req.num_cached_tokens, 0)
             if req.request_id in result.logprobs:
-                o.logprobs.append(result.logprobs[req.request_id])
+                o.logprobs.extend(result.logprobs[req.request_id][:len(tokens)])
         return list(outputs.values())
 
     def finish_request(self, request_id: str, status: RequestStatus, stop_reason=None) -> None:

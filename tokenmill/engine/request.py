@@ -21,6 +21,16 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
 
+def token_range(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
+    """Tokens start..end of prompt + output, without concatenating the two."""
+    p = len(prompt)
+    if end <= p:
+        return prompt[start:end]
+    if start >= p:
+        return output[start - p:end - p]
+    return prompt[start:] + output[:end - p]
+
+
 @dataclass
 class Request:
     """Every request has `num_computed_tokens` catching up with `num_tokens`; prefill and decode are
@@ -57,12 +67,12 @@ class Request:
         return len(self.output_token_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        p = len(self.prompt_token_ids)
-        if end <= p:
-            return self.prompt_token_ids[start:end]
-        if start >= p:
-            return self.output_token_ids[start - p:end - p]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+        return token_range(self.prompt_token_ids, self.output_token_ids, start, end)
+
+    @property
+    def block_hash_extra_keys(self) -> tuple:
+        """What else besides its tokens a cached block must match (see kv/hashing.py)."""
+        return (self.cache_salt,) if self.cache_salt else ()
 
     @property
     def is_finished(self) -> bool:

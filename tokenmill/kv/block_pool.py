@@ -5,11 +5,15 @@ cached prefix (it keeps its hash) until it is reallocated; a prefix hit pulls it
 
     free queue (front = evicted first)
     [b7 (hash h3)] [b2] [b9 (hash h0)] ... <- freed blocks appended here
+
+Caching a block and evicting one are reported to listeners as KV events (kv/events.py).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+
+from tokenmill.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventListener
 
 
 @dataclass(eq=False)
@@ -27,6 +31,14 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[bytes, KVBlock] = {}
+        self._listeners: list[KVEventListener] = []
+
+    def subscribe(self, listener: KVEventListener) -> None:
+        self._listeners.append(listener)
+
+    def _emit(self, event: KVEvent) -> None:
+        for listener in self._listeners:
+            listener(event)
 
     @property
     def num_free(self) -> int:
@@ -48,29 +60,23 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, b = self._free.popitem(last=False)
-            if b.block_hash is not None:  # evict the least recently used cached prefix
-                del self._cached[b.block_hash]
-                b.block_hash = None
+            self.evict(b)  # the least recently used cached prefix, if it holds one
             b.ref_cnt = 1
             out.append(b)
         return out
 
-    def allocate_contiguous(self, n: int) -> list[KVBlock] | None:
-        """n adjacent block ids, or None if no free run is long enough. O(num_blocks): only the
-        contiguous-KV baseline uses it, and its fragmentation is what the baseline demonstrates."""
-        run = 0
-        for b in self.blocks:
-            run = run + 1 if b.ref_cnt == 0 else 0
-            if run == n:
-                out = self.blocks[b.block_id - n + 1: b.block_id + 1]
-                for x in out:
-                    del self._free[x.block_id]
-                    if x.block_hash is not None:
-                        del self._cached[x.block_hash]
-                        x.block_hash = None
-                    x.ref_cnt = 1
-                return out
-        return None
+    def evict(self, b: KVBlock) -> None:
+        """Drop a free block's cached prefix before the block is reused."""
+        if b.block_hash is not None:
+            del self._cached[b.block_hash]
+            self._emit(BlockRemoved(b.block_id, b.block_hash))
+            b.block_hash = None
+
+    def take_free(self, b: KVBlock) -> None:
+        """Allocate one particular free block (a baseline that needs adjacent ids picks its own)."""
+        del self._free[b.block_id]
+        self.evict(b)
+        b.ref_cnt = 1
 
     def free(self, blocks_in_eviction_order) -> None:
         for b in blocks_in_eviction_order:
@@ -78,16 +84,18 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self._free[b.block_id] = b
 
-    def cache(self, block: KVBlock, block_hash: bytes) -> None:
+    def cache(self, block: KVBlock, block_hash: bytes, parent_hash: bytes | None = None) -> None:
         if block_hash in self._cached:  # same prefix computed twice concurrently: keep the first
             return
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        self._emit(BlockStored(block.block_id, block_hash, parent_hash))
 
     def reset_prefix_cache(self) -> None:
         for b in self._cached.values():
             b.block_hash = None
         self._cached.clear()
+        self._emit(AllBlocksCleared())
 
     def check_invariants(self) -> None:
         for b in self.blocks:

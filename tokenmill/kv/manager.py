@@ -31,13 +31,9 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 reserve_tokens: int | None = None):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
         self.block_size = block_size
-        self.enable_caching = enable_caching and reserve_tokens is None
-        # Contiguous baseline: a request's first allocation reserves one adjacent run of blocks for
-        # `reserve_tokens` (max_model_len), as engines without paging preallocate per-request KV.
-        self.reserve_blocks = cdiv(reserve_tokens, block_size) if reserve_tokens else None
+        self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._num_cached: dict[str, int] = {}
@@ -51,11 +47,12 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+    def block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The request's block table from entry `start` on."""
+        return [b.block_id for b in self.req_blocks.get(request_id, ())[start:]]
 
     def _hashes(self, req: Request, num_tokens: int) -> list[bytes]:
-        extend_block_hashes(req.block_hashes, req.token_ids, num_tokens, self.block_size, req.cache_salt)
+        extend_block_hashes(req.block_hashes, req.token_ids, num_tokens, self.block_size, req.block_hash_extra_keys)
         return req.block_hashes
 
     def find_cached_prefix(self, req: Request) -> list[KVBlock]:
@@ -79,13 +76,6 @@ class KVCacheManager:
         (prefix hits, whose tokens `req.num_computed_tokens` already counts). False if blocks run out."""
         blocks = self.req_blocks.get(req.request_id, [])
         total = req.num_computed_tokens + num_new_tokens
-        if self.reserve_blocks is not None:
-            if not blocks:
-                run = self.pool.allocate_contiguous(self.reserve_blocks)
-                if run is None:
-                    return False
-                self.req_blocks[req.request_id] = run
-            return True
         need = cdiv(total, self.block_size) - len(blocks) - len(cached)
         reclaimed = sum(1 for b in cached if b.ref_cnt == 0)  # cached hits sitting in the free queue
         if need > self.pool.num_free - reclaimed:
@@ -102,7 +92,7 @@ class KVCacheManager:
             if full > done:
                 hashes = self._hashes(req, full * self.block_size)
                 for i in range(done, full):
-                    self.pool.cache(blocks[i], hashes[i])
+                    self.pool.cache(blocks[i], hashes[i], hashes[i - 1] if i else None)
                 self._num_cached[req.request_id] = full
         return True
 

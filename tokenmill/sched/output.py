@@ -1,4 +1,24 @@
-"""The scheduler's decision for one step, as plain data. The model runner turns it into tensors."""
+"""The step contract between the engine core and the worker, as plain data.
+
+The scheduler's `SchedulerOutput` holds copies and ids only (no live references to a Request's lists),
+so it pickles or msgpack-encodes as it is and could cross a process boundary to worker processes. The
+worker keeps its own per-request state (worker/request_state.py) and updates it from the step's diff:
+
+    SchedulerOutput
+      seqs: [ScheduledRequest]             one per request that runs this step
+        request_id, start_pos, num_new_tokens   run positions start_pos .. start_pos + num_new_tokens - 1
+        new_block_ids                      blocks appended to its block table this step
+        num_sampled_positions              0: a prefill chunk short of the prompt's end (nothing sampled)
+                                           1: the chunk's last position samples the next token
+        wants_prompt_logprobs
+        new_request: NewRequestData | None set the first time the worker sees it, and again after a
+                                           preemption (prompt, output so far, params, whole block table)
+      preempted_ids                        their block tables are gone; tokens and generator stay
+      finished_ids                         finished since the last step: the worker drops their state
+
+    ModelRunnerOutput (worker/model_runner.py) comes back with a list of token ids per request that
+    sampled: one today, several once speculative decoding accepts draft tokens.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,22 +27,30 @@ from tokenmill.sampling_params import SamplingParams
 
 
 @dataclass
-class ScheduledSeq:
+class NewRequestData:
+    """What the worker keeps about a request, sent once (and again when it resumes after preemption)."""
+
     request_id: str
-    token_ids: list[int]  # the new tokens to run this step
-    start_pos: int  # tokens already in the KV cache (num_computed_tokens before this step)
-    block_ids: list[int]  # the request's whole block table
-    sample: bool  # True when this chunk reaches the end of the known tokens
-    sampling_params: SamplingParams
-    # References (not copies) for penalties and min_tokens; read only by the sampler.
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    want_prompt_logprobs: bool = False
+    output_token_ids: list[int]  # [] for a new request; the tokens so far for one resumed after preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]  # the whole block table (prefix-cache hits first)
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    start_pos: int  # tokens already in the KV cache (num_computed_tokens before this step)
+    num_new_tokens: int  # tokens to run this step
+    new_block_ids: list[int]  # appended to the block table this step ([] when new_request carries it all)
+    num_sampled_positions: int  # the chunk's last N positions produce tokens (see the module docstring)
+    wants_prompt_logprobs: bool = False
+    new_request: NewRequestData | None = None
 
 
 @dataclass
 class SchedulerOutput:
-    seqs: list[ScheduledSeq] = field(default_factory=list)
+    seqs: list[ScheduledRequest] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # finished since the last step: drop their state

@@ -15,7 +15,7 @@ from collections import deque
 
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.kv.manager import KVCacheManager
-from tokenmill.sched.output import ScheduledSeq, SchedulerOutput
+from tokenmill.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
 
 
 class WaitingQueue:
@@ -60,17 +60,16 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, policy: str = "fcfs", enable_chunked_prefill: bool = True,
-                 static_batch_wait_s: float | None = None):
+                 max_model_len: int, policy: str = "fcfs", enable_chunked_prefill: bool = True):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.policy = policy
         self.chunked = enable_chunked_prefill
-        # Static batching (a baseline): admit only into an empty engine, a batch at a time.
-        self.static_batch_wait_s = static_batch_wait_s
         self.requests: dict[str, Request] = {}
+        # per running request: how many of its block ids the worker has been sent
+        self._blocks_sent: dict[str, int] = {}
         self.waiting = WaitingQueue(policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -100,6 +99,7 @@ class Scheduler:
         req.status = status
         self.kv.free(req)
         del self.requests[req.request_id]
+        self._blocks_sent.pop(req.request_id, None)
         self._finished_since_last_step.append(req.request_id)
 
     @property
@@ -111,7 +111,7 @@ class Scheduler:
         out = SchedulerOutput(finished_ids=self._finished_since_last_step)
         self._finished_since_last_step = []
         budget = self.max_num_batched_tokens
-        scheduled: dict[str, int] = {}
+        scheduled: dict[str, int] = {}  # request id -> tokens to run, in scheduling order
         preempted_now = False
 
         for req in list(self.running):
@@ -137,20 +137,15 @@ class Scheduler:
         if not preempted_now and self._may_admit():
             budget = self._admit_waiting(budget, scheduled)
 
-        out.seqs = [self._seq(self.requests[rid], n) for rid, n in scheduled.items()]
+        out.seqs = [self._scheduled(self.requests[rid], n) for rid, n in scheduled.items()]
         out.num_scheduled_tokens = sum(scheduled.values())
         for rid, n in scheduled.items():
             self.requests[rid].num_computed_tokens += n
         return out
 
     def _may_admit(self) -> bool:
-        if self.static_batch_wait_s is None:
-            return True
-        if self.running or not len(self.waiting):
-            return False
-        # a partial batch waits (briefly) for more requests to fill it
-        oldest = min(r.arrival_time for r in self.waiting.ordered())
-        return len(self.waiting) >= self.max_num_seqs or time.time() - oldest >= self.static_batch_wait_s
+        """Whether waiting requests may join this step (always, under continuous batching)."""
+        return True
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, int]) -> int:
         for req in self.waiting.ordered():
@@ -189,6 +184,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self.kv.free(req)
+        self._blocks_sent.pop(req.request_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -196,35 +192,44 @@ class Scheduler:
         self.waiting.add(req, front=True)
         out.preempted_ids.append(req.request_id)
 
-    def _seq(self, req: Request, n: int) -> ScheduledSeq:
-        start = req.num_computed_tokens
-        return ScheduledSeq(
-            request_id=req.request_id,
-            token_ids=req.token_ids(start, start + n),
-            start_pos=start,
-            block_ids=self.kv.block_ids(req.request_id),
-            sample=start + n == req.num_tokens,
-            sampling_params=req.sampling_params,
-            prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=req.output_token_ids,
-            want_prompt_logprobs=req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens,
-        )
+    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        rid, start = req.request_id, req.num_computed_tokens
+        sent = self._blocks_sent.get(rid)
+        new = None
+        if sent is None:  # just admitted (or resumed after preemption): the worker gets everything once
+            new = NewRequestData(rid, list(req.prompt_token_ids), list(req.output_token_ids), req.sampling_params,
+                                 self.kv.block_ids(rid))
+            self._blocks_sent[rid] = len(new.block_ids)
+            new_blocks = []
+        else:
+            new_blocks = self.kv.block_ids(rid, start=sent)
+            self._blocks_sent[rid] = sent + len(new_blocks)
+        return ScheduledRequest(
+            request_id=rid, start_pos=start, num_new_tokens=n, new_block_ids=new_blocks,
+            num_sampled_positions=1 if start + n == req.num_tokens else 0,
+            wants_prompt_logprobs=req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens,
+            new_request=new)
 
     # -- after the model ran -----------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Append sampled tokens, apply stop rules, free finished requests. Returns the requests
-        that got a token this step (finished ones included)."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, list[int]]]:
+        """Append each request's sampled tokens in order, applying the stop rules after each (tokens past a
+        stop are dropped); free finished requests. Returns the requests that got tokens, with the tokens
+        they kept (finished requests included)."""
         touched = []
         for seq in out.seqs:
-            token = sampled.get(seq.request_id)
+            tokens = sampled.get(seq.request_id)
             req = self.requests.get(seq.request_id)
-            if token is None or req is None:
+            if not tokens or req is None:
                 continue
-            req.output_token_ids.append(token)
-            status = self._stop_status(req, token)
-            if status is not None:
-                self.finish(req, status)
-            touched.append(req)
+            kept = []
+            for token in tokens:
+                req.output_token_ids.append(token)
+                kept.append(token)
+                status = self._stop_status(req, token)
+                if status is not None:
+                    self.finish(req, status)
+                    break
+            touched.append((req, kept))
         return touched
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:

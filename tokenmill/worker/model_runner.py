@@ -1,6 +1,7 @@
 """Turns the scheduler's plain decision into tensors, runs the model, samples.
 
-    scheduled seqs -> input_ids, positions, slot_mapping, block_tables, query_start_loc, seq_lens
+    step diff -> request states (worker/request_state.py): tokens, block tables, generators
+    scheduled requests -> input_ids, positions, slot_mapping, block_tables, query_start_loc, seq_lens
                    -> model -> hidden at sampling rows -> logits -> sampler -> token ids
 """
 from __future__ import annotations
@@ -10,64 +11,57 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tokenmill.attention.backend import AttentionMetadata
-from tokenmill.attention.eager_backend import EagerAttentionBackend
-from tokenmill.attention.torch_backend import TorchAttentionBackend
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.sample.sampler import SampleRow, Sampler, TokenLogprobs, batch_token_logprobs
-from tokenmill.sched.output import ScheduledSeq, SchedulerOutput
+from tokenmill.sched.output import ScheduledRequest, SchedulerOutput
+from tokenmill.worker.request_state import RequestState, RequestStates
 
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    """Per request that sampled: its new token ids (one today; several once speculation accepts drafts)
+    and one logprobs row per token when it asked for them."""
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # per request: logprob rows for the prompt tokens this chunk predicted (positions start+1 ..)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: str, seed: int = 0, attention_impl: str = "fused"):
+    def __init__(self, model, backend: AttentionBackend, num_blocks: int, block_size: int, num_layers: int,
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str, seed: int = 0):
         self.model = model
         self.block_size = block_size
         self.device = device
-        # One tensor for the whole cache, per-layer views: [layers, k|v, blocks, block_size, kv_heads, head_dim]
-        self.kv_cache = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
-                                    dtype=dtype, device=device)
+        self.backend = backend
+        # One tensor for the whole cache, per-layer views: [layers, k|v, *backend layout]
+        shape = backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+        self.kv_cache = torch.zeros(num_layers, 2, *shape, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(num_layers)]
-        self.backend = EagerAttentionBackend() if attention_impl == "eager" else TorchAttentionBackend()
         self.sampler = Sampler(seed)
-        self.generators: dict[str, torch.Generator] = {}
+        self.requests = RequestStates()
 
-    def forget(self, request_ids) -> None:
-        for rid in request_ids:
-            self.generators.pop(rid, None)
+    def release_requests(self, request_ids) -> None:
+        """Drop finished requests' state (also when a step schedules nothing)."""
+        self.requests.release(request_ids)
 
-    def _generator(self, seq: ScheduledSeq) -> torch.Generator | None:
-        seed = seq.sampling_params.seed
-        if seed is None:
-            return None
-        g = self.generators.get(seq.request_id)
-        if g is None:
-            # any 64-bit seed (n > 1 children use seed + i) maps onto the generator's unsigned range
-            g = self.generators[seq.request_id] = torch.Generator().manual_seed(seed % 2**64)
-        return g
-
-    def prepare(self, seqs: list[ScheduledSeq]):
+    def prepare(self, seqs: list[ScheduledRequest]):
         bs = self.block_size
-        n_tok = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=len(seqs))
+        states = [self.requests[s.request_id] for s in seqs]
+        n_tok = np.fromiter((s.num_new_tokens for s in seqs), dtype=np.int64, count=len(seqs))
         starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=len(seqs))
         qsl = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(n_tok, out=qsl[1:])
         seq_lens = starts + n_tok
-        max_blocks = max(len(s.block_ids) for s in seqs)
+        max_blocks = max(len(st.block_ids) for st in states)
         tables = np.zeros((len(seqs), max_blocks), dtype=np.int64)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_ids)] = s.block_ids
+        for i, st in enumerate(states):
+            tables[i, : len(st.block_ids)] = st.block_ids
         seq_of_token = np.repeat(np.arange(len(seqs)), n_tok)
         positions = np.arange(qsl[-1]) - qsl[:-1][seq_of_token] + starts[seq_of_token]
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
-        input_ids = [t for s in seqs for t in s.token_ids]
+        input_ids = [t for s, st in zip(seqs, states)
+                     for t in st.token_ids(s.start_pos, s.start_pos + s.num_new_tokens)]
         num_decodes = 0
         while num_decodes < len(seqs) and n_tok[num_decodes] == 1:
             num_decodes += 1
@@ -88,35 +82,40 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self.forget(sched.finished_ids)
+        self.requests.apply(sched)
         # decodes first: the attention backend batches them as one group
-        seqs = sorted(sched.seqs, key=lambda s: len(s.token_ids) != 1)
+        seqs = sorted(sched.seqs, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta = self.prepare(seqs)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         qsl = meta.query_start_loc_host
         out = ModelRunnerOutput()
-        sample_idx = [i for i, s in enumerate(seqs) if s.sample]
+        sample_idx = [i for i, s in enumerate(seqs) if s.num_sampled_positions]
         if sample_idx:
-            logits = self.model.compute_logits(hidden[[qsl[i + 1] - 1 for i in sample_idx]])
-            rows = [SampleRow(seqs[i].sampling_params, seqs[i].prompt_token_ids, seqs[i].output_token_ids,
-                              self._generator(seqs[i])) for i in sample_idx]
-            res = self.sampler(logits, rows)
-            for j, i in enumerate(sample_idx):
-                rid = seqs[i].request_id
-                out.sampled[rid] = res.token_ids[j]
-                if res.logprobs[j] is not None:
-                    out.logprobs[rid] = res.logprobs[j]
+            self._sample(out, [seqs[i] for i in sample_idx], hidden[[qsl[i + 1] - 1 for i in sample_idx]])
         for i, s in enumerate(seqs):
-            if s.want_prompt_logprobs:
-                out.prompt_logprobs[s.request_id] = self._prompt_logprobs(s, hidden[qsl[i]:qsl[i + 1]])
+            if s.wants_prompt_logprobs:
+                out.prompt_logprobs[s.request_id] = self._prompt_logprobs(s, self.requests[s.request_id],
+                                                                          hidden[qsl[i]:qsl[i + 1]])
         return out
 
-    def _prompt_logprobs(self, seq: ScheduledSeq, hidden: torch.Tensor) -> list[TokenLogprobs]:
+    def _sample(self, out: ModelRunnerOutput, seqs: list[ScheduledRequest], hidden: torch.Tensor) -> None:
+        """One token per sequence from its last position's hidden state; appended to the worker's state."""
+        states = [self.requests[s.request_id] for s in seqs]
+        rows = [SampleRow(st.sampling_params, st.prompt_token_ids, st.output_token_ids,
+                          self.requests.generator(s.request_id)) for s, st in zip(seqs, states)]
+        res = self.sampler(self.model.compute_logits(hidden), rows)
+        for j, (s, st) in enumerate(zip(seqs, states)):
+            st.output_token_ids.append(res.token_ids[j])
+            out.sampled_token_ids[s.request_id] = [res.token_ids[j]]
+            if res.logprobs[j] is not None:
+                out.logprobs[s.request_id] = [res.logprobs[j]]
+
+    def _prompt_logprobs(self, seq: ScheduledRequest, state: RequestState, hidden: torch.Tensor) -> list[TokenLogprobs]:
         """Position p's logits score prompt token p + 1; only positions inside the prompt count."""
-        n_prompt = len(seq.prompt_token_ids)
-        count = min(len(seq.token_ids), n_prompt - 1 - seq.start_pos)
+        prompt = state.prompt_token_ids
+        count = min(seq.num_new_tokens, len(prompt) - 1 - seq.start_pos)
         if count <= 0:
             return []
         lps = self.model.compute_logits(hidden[:count]).log_softmax(dim=-1)
-        targets = torch.tensor(seq.prompt_token_ids[seq.start_pos + 1: seq.start_pos + 1 + count])
-        return batch_token_logprobs(lps, targets, seq.sampling_params.prompt_logprobs)
+        targets = torch.tensor(prompt[seq.start_pos + 1: seq.start_pos + 1 + count])
+        return batch_token_logprobs(lps, targets, state.sampling_params.prompt_logprobs)

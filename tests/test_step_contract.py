@@ -1,0 +1,152 @@
+"""The core -> worker step contract is plain data (it serializes, holds no live references), the worker's
+per-request state follows it exactly, and the scheduler takes several tokens per request per step."""
+import pickle
+
+import msgspec
+import pytest
+
+from tokenmill import SamplingParams
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from tokenmill.kv.manager import KVCacheManager
+from tokenmill.sched.output import SchedulerOutput
+from tokenmill.sched.scheduler import Scheduler
+from conftest import make_llm, random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def _scheduler(num_blocks=64, block_size=4, budget=32, **kw):
+    kv = KVCacheManager(num_blocks, block_size)
+    return Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=64, **kw)
+
+
+def _request(rid, n_prompt, **params):
+    sp = SamplingParams(**{"temperature": 0, "max_tokens": 8, "ignore_eos": True, **params})
+    return Request(rid, list(range(10, 10 + n_prompt)), sp)
+
+
+def test_scheduler_output_round_trips_through_pickle_and_msgpack():
+    sched = _scheduler()
+    for i, n in enumerate([5, 9, 30]):
+        sched.add_request(_request(f"r{i}", n, seed=i, stop=["x"]))
+    first = sched.schedule()
+    sched.update(first, {s.request_id: [7] for s in first.seqs if s.num_sampled_positions})
+    second = sched.schedule()  # cached requests: only new blocks, no prompt
+    for out in (first, second):
+        assert pickle.loads(pickle.dumps(out)) == out
+        assert msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=SchedulerOutput) == out
+    assert all(s.new_request is not None for s in first.seqs)
+    assert all(s.new_request is None for s in second.seqs if s.request_id != "r2" or s.start_pos)
+
+
+def test_scheduler_output_holds_copies_not_the_requests_lists():
+    sched = _scheduler()
+    req = _request("a", 6)
+    sched.add_request(req)
+    out = sched.schedule()
+    new = out.seqs[0].new_request
+    assert new.prompt_token_ids == req.prompt_token_ids and new.prompt_token_ids is not req.prompt_token_ids
+    req.output_token_ids.append(99)  # later changes to the request do not reach a sent output
+    assert new.output_token_ids == []
+    sched.kv.req_blocks["a"].append(sched.kv.pool.allocate(1)[0])
+    assert len(new.block_ids) == 2
+
+
+def test_each_step_sends_only_the_new_blocks():
+    sched = _scheduler(block_size=4, budget=4)
+    sched.add_request(_request("a", 10))
+    table = []
+    for _ in range(4):
+        out = sched.schedule()
+        (seq,) = out.seqs
+        table += seq.new_request.block_ids if seq.new_request else seq.new_block_ids
+        assert table == sched.kv.block_ids("a")
+        sched.update(out, {"a": [5]} if seq.num_sampled_positions else {})
+    assert [s.num_sampled_positions for s in out.seqs] == [1]
+
+
+def _run_step(sched):
+    out = sched.schedule()
+    sched.update(out, {s.request_id: [3] for s in out.seqs if s.num_sampled_positions})
+    return out
+
+
+def test_preempted_request_is_sent_again_whole():
+    sched = _scheduler(num_blocks=6, block_size=4, budget=64)
+    sched.add_request(_request("a", 8, max_tokens=12))
+    sched.add_request(_request("b", 8, max_tokens=12))
+    while not (out := _run_step(sched)).preempted_ids:
+        pass
+    assert out.preempted_ids == ["b"]
+    victim = sched.requests["b"]
+    generated = list(victim.output_token_ids)
+    assert generated
+    while not (seq := next((s for s in _run_step(sched).seqs if s.request_id == "b"), None)):
+        pass
+    assert seq.new_request is not None  # (its start may skip blocks it left in the prefix cache)
+    assert seq.start_pos + seq.num_new_tokens == 8 + len(generated)
+    assert seq.new_request.output_token_ids == generated  # the worker rebuilds it from scratch
+    assert seq.new_request.block_ids == sched.kv.block_ids("b")
+
+
+def test_update_takes_several_tokens_and_stops_at_the_first_stop():
+    sched = _scheduler()
+    a = _request("a", 4, max_tokens=10, stop_token_ids=[42])
+    b = _request("b", 4, max_tokens=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    touched = dict((r.request_id, toks) for r, toks in sched.update(out, {"a": [1, 42, 2, 3], "b": [4, 5, 6, 7]}))
+    assert touched == {"a": [1, 42], "b": [4, 5, 6]}  # a: stop token; b: max_tokens
+    assert a.output_token_ids == [1, 42] and a.status == RequestStatus.FINISHED_STOPPED and a.stop_reason == 42
+    assert b.output_token_ids == [4, 5, 6] and b.status == RequestStatus.FINISHED_LENGTH
+    assert sched.schedule().finished_ids == ["a", "b"]
+
+
+def test_worker_state_follows_the_engine_and_is_released(llama_dir):
+    """Chunked prefill, prefix hits and preemption: greedy tokens match a roomy engine, and when everything
+    has finished the worker holds no request state or generator."""
+    prompts = random_prompts([40, 40, 23, 61, 9], seed=3)
+    prompts[1][:32] = prompts[0][:32]  # a prefix hit
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True)]
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    ref = make_llm(llama_dir, max_model_len=128)
+    tight = make_llm(llama_dir, max_model_len=128, num_kv_blocks=9, max_num_batched_tokens=24)
+    for sp in params:
+        want = [o.outputs[0].token_ids for o in ref.generate(batch, sp, use_tqdm=False)]
+        got = [o.outputs[0].token_ids for o in tight.generate(batch, sp, use_tqdm=False)]
+        assert got == want
+    core = tight.llm_engine.core
+    assert core.stats().num_preemptions > 0
+    core.step()  # the last finished ids reach the worker with the next (empty) step
+    assert len(core.runner.requests) == 0 and not core.runner.requests.generators
+    tight.llm_engine.check_invariants()
+
+
+def test_block_pool_reports_stores_evictions_and_resets():
+    kv = KVCacheManager(num_blocks=3, block_size=2)
+    events = []
+    kv.pool.subscribe(events.append)
+    a = Request("a", [1, 2, 3, 4, 5], SamplingParams())
+    assert kv.allocate_slots(a, 5)
+    h0, h1 = a.block_hashes[:2]
+    ids = kv.block_ids("a")
+    assert events == [BlockStored(ids[0], h0, None), BlockStored(ids[1], h1, h0)]
+    kv.free(a)  # freed tail first: the partial block, then h1's, then h0's
+    events.clear()
+    b = Request("b", [9, 9, 9], SamplingParams())
+    assert kv.allocate_slots(b, 3)  # takes the two blocks at the front of the free queue
+    assert events[0] == BlockRemoved(ids[1], h1) and len(events) == 2  # then b's own full block is stored
+    kv.reset_prefix_cache()
+    assert events[-1] == AllBlocksCleared()
+
+
+@pytest.mark.parametrize("extra", [("salt",), ("a", "b"), (b"img", 3)])
+def test_block_hash_extra_keys_are_a_tuple(extra):
+    from tokenmill.kv.hashing import hash_block
+
+    plain = hash_block(None, [1, 2])
+    assert hash_block(None, [1, 2], extra) not in (plain, hash_block(None, [1, 2], extra[:-1] + ("x",)))
+    assert hash_block(None, [1, 2], ("ab",)) != hash_block(None, [1, 2], ("a", "b"))

@@ -1,0 +1,35 @@
+"""The one place where an EngineConfig picks the classes of the step loop. The production classes know
+nothing of the ladder's baseline modes (`tokenmill bench ladder`); each mode is a small subclass,
+swapped in here:
+
+    batching="static"        -> sched/static.py      StaticBatchScheduler
+    kv_layout="contiguous"   -> kv/contiguous.py     ContiguousKVCacheManager
+    attention_impl="eager"   -> attention/registry.py -> EagerAttentionBackend
+"""
+from __future__ import annotations
+
+from tokenmill.attention.backend import AttentionBackend
+from tokenmill.attention.registry import attention_backend_class
+from tokenmill.config import EngineConfig
+from tokenmill.kv.contiguous import ContiguousKVCacheManager
+from tokenmill.kv.manager import KVCacheManager
+from tokenmill.sched.scheduler import Scheduler
+from tokenmill.sched.static import StaticBatchScheduler
+
+
+def build_kv_manager(config: EngineConfig, num_blocks: int) -> KVCacheManager:
+    if config.kv_layout == "contiguous":
+        return ContiguousKVCacheManager(num_blocks, config.block_size, reserve_tokens=config.max_model_len)
+    return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+
+
+def build_scheduler(config: EngineConfig, kv: KVCacheManager) -> Scheduler:
+    args = (kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len, config.scheduling_policy,
+            config.enable_chunked_prefill)
+    if config.batching == "static":
+        return StaticBatchScheduler(*args, batch_wait_s=config.static_batch_wait_s)
+    return Scheduler(*args)
+
+
+def build_attention_backend(config: EngineConfig) -> AttentionBackend:
+    return attention_backend_class(config.attention_impl)()
