@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     esub = e.add_subparsers(dest="eval_command", required=True)
     ppl = esub.add_parser("ppl", help="perplexity on held-out text")
     ppl.add_argument("--text", default=None, help="text file (default: the shipped Shakespeare validation text)")
-    ppl.add_argument("--window", type=int, default=None, help="tokens per window (default: max_position_embeddings)")
+    ppl.add_argument("--window", type=int, default=None, help="tokens per window (default: max_model_len)")
     add_engine_args(ppl, dtype="float32")  # scores compare with the model cards' float32 figures
     ppl.set_defaults(func=cmd_eval_ppl)
 

@@ -17,7 +17,7 @@ def evaluate_perplexity(model: str, text_path: str | None = None, dtype: str = "
     text = Path(text_path or DEFAULT_TEXT).read_text(encoding="utf-8")
     llm = LLM(model, dtype=dtype, **engine_kwargs)
     tok = llm.get_tokenizer()
-    window = window or llm.llm_engine.core.model_config.max_position_embeddings
+    window = window or llm.llm_engine.max_model_len  # the model's limit unless --max-model-len says less
     tok.model_max_length = 1 << 62  # the text is windowed below; silence the long-input warning
     ids = tok(text, add_special_tokens=False)["input_ids"]
     windows = [w for w in iter_windows(ids, window, tok.bos_token_id if bos else None) if len(w) >= 2]

@@ -1,0 +1,175 @@
+"""How the engine holds up when another process takes a core (issue 12, item 6).
+
+OpenMP threads that spin at barriers collapse when a core is taken: every parallel region waits for the
+thread that lost its core. For each threading setting, this script times the same work on a quiet machine
+and while one busy process (a Python spin loop, unpinned) competes, each setting in fresh processes
+(OpenMP reads its environment once, at start):
+
+  latency      one greedy request, 480 new tokens, shipped model, offline engine        (idle, contended)
+  served       the same request streamed through `tokenmill serve` (engine core + API)  (idle, contended)
+  throughput   32 requests x 128 new tokens, shipped model, offline                     (idle)
+  qwen         batch-1 decode, 64 new tokens, Qwen2.5-0.5B shape (dummy weights)        (idle, contended)
+
+    python benchmarks/bench_contention.py --out benchmarks/results/contention.json
+
+Settings are environment overrides; "default" is what tokenmill does with nothing set. A contended run that
+exceeds --timeout is recorded as a lower bound.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+SETTINGS = {
+    # the engine's historical behaviour: libgomp's default wait policy, torch's thread count
+    "spin (OMP_WAIT_POLICY=ACTIVE)": {"OMP_WAIT_POLICY": "ACTIVE"},
+    "default": {},
+    "passive (OMP_WAIT_POLICY=PASSIVE)": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "1 thread": {"OMP_NUM_THREADS": "1"},
+}
+
+SPINNER = "while True: pass"
+
+
+def _child_env(overrides: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "TOKENMILL_OMP"))}
+    env.update(overrides)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_child(kind: str, overrides: dict, timeout: float) -> dict:
+    cmd = [sys.executable, __file__, "--child", kind]
+    try:
+        out = subprocess.run(cmd, env=_child_env(overrides), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"timed_out": True, "seconds": timeout}
+    if out.returncode != 0:
+        raise RuntimeError(f"child {kind} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+class Spinner:
+    """One busy process competing for the CPUs, as a neighbour on a shared machine would."""
+
+    def __enter__(self):
+        self.proc = subprocess.Popen([sys.executable, "-c", SPINNER])
+        time.sleep(0.5)
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.kill()
+        self.proc.wait()
+
+
+# -- children: each runs in a fresh process with the setting's environment --------------------------------------
+def _llm(**kw):
+    from tokenmill import LLM
+
+    return LLM(**{"dtype": "float32", "max_model_len": 512, "max_num_seqs": 32, **kw})
+
+
+def _timed_generate(llm, prompts, max_tokens: int) -> float:
+    from tokenmill import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    dt = time.perf_counter() - t
+    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+    return dt
+
+
+def child_latency() -> dict:
+    return {"seconds": _timed_generate(_llm(), ["ROMEO:"], 480)}
+
+
+def child_throughput() -> dict:
+    prompts = [f"{name}:" for name in ("ROMEO", "JULIET", "HAMLET", "LEAR")] * 8
+    dt = _timed_generate(_llm(), prompts, 128)
+    return {"seconds": dt, "output_tok_s": 32 * 128 / dt}
+
+
+def child_qwen() -> dict:
+    from common import dummy_model_dir
+
+    llm = _llm(model=dummy_model_dir(), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16")
+    dt = _timed_generate(llm, [{"prompt_token_ids": list(range(100, 228))}], 64)
+    return {"seconds": dt, "output_tok_s": 64 / dt}
+
+
+def child_served() -> dict:
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = subprocess.Popen([sys.executable, "-m", "tokenmill", "serve", "--port", str(port), "--disable-log-requests",
+                            "--disable-uvicorn-access-log"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        body = {"model": "tiny-shakespeare", "prompt": "ROMEO:", "temperature": 0, "ignore_eos": True, "stream": True}
+        httpx.post(url + "/v1/completions", json={**body, "max_tokens": 4, "stream": False}, timeout=60)
+        t = time.perf_counter()
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "max_tokens": 480}, timeout=None) as r:
+            for _ in r.iter_lines():
+                pass
+        return {"seconds": time.perf_counter() - t}
+    finally:
+        srv.terminate()
+        srv.wait(30)
+
+
+CHILDREN = {"latency": child_latency, "throughput": child_throughput, "qwen": child_qwen, "served": child_served}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child", choices=list(CHILDREN))
+    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), help="names from SETTINGS")
+    ap.add_argument("--kinds", nargs="+", default=["latency", "served", "throughput", "qwen"])
+    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per contended run before giving up")
+    ap.add_argument("--out", default="benchmarks/results/contention.json")
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(CHILDREN[args.child]()))
+        return
+    from common import machine, write_json
+
+    result = {"machine": machine(), "spinner": SPINNER, "runs": {}}
+    for name in args.settings:
+        env = SETTINGS[name]
+        for kind in args.kinds:
+            entry = {"idle": run_child(kind, env, args.timeout * 4)}
+            if kind != "throughput":
+                with Spinner():
+                    entry["contended"] = run_child(kind, env, args.timeout)
+                entry["slowdown"] = entry["contended"]["seconds"] / entry["idle"]["seconds"]
+            result["runs"][f"{name}/{kind}"] = entry
+            print(name, kind, json.dumps(entry), flush=True)
+    base = result["runs"].get("default/throughput")
+    for key, entry in result["runs"].items():
+        if key.endswith("/throughput") and base:
+            entry["vs_default_idle"] = entry["idle"]["output_tok_s"] / base["idle"]["output_tok_s"]
+    write_json(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
