@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill import cpu_threads
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.variants import build_attention_backend, build_kv_manager, build_scheduler
@@ -52,6 +53,10 @@ class EngineCore:
         self.dtype = config.torch_dtype(self.model_config)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if cpu_threads.applied_too_late:
+            logger.warning("torch was imported before tokenmill, so OpenMP kept its long spin-wait, which slows the "
+                           "engine down many times over when another process takes a core; import tokenmill first "
+                           "or set %s", " ".join(f"{k}={v}" for k, v in cpu_threads.OPENMP_DEFAULTS.items()))
         torch.manual_seed(config.seed)
         self.model = load_model(config, self.model_config, self.dtype, config.device)
         num_blocks = self._num_kv_blocks()
