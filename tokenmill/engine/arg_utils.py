@@ -47,6 +47,3 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """The EngineConfig keyword arguments a parsed command line holds."""
     return {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
 
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**engine_kwargs(args))
