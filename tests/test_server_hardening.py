@@ -170,6 +170,11 @@ def test_tokenize_refuses_a_prompt_longer_than_the_context(server):
     assert "max_model_len" in err["message"]
 
 
+def test_detokenize_refuses_ids_outside_the_vocabulary(server):
+    r = httpx.post(server.url + "/detokenize", json={"tokens": [5, 10**9]}, headers=server.headers)
+    assert_error(r, 400, "tokens")
+
+
 def test_health_and_token_id_requests_answer_while_a_tokenization_runs(server, spy_dir):
     """A tokenization that takes forever (blocked by the hook) must not block the event loop: /health and a
     request that needs no tokenizer are answered meanwhile. Before the fix neither could answer until the

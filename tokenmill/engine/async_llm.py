@@ -414,8 +414,8 @@ class AsyncLLM:
         self._call_id += 1
         fut = asyncio.get_running_loop().create_future()
         self._calls[self._call_id] = fut
-        self.client.send(UtilityCall(self._call_id, method))
         try:
+            self.client.send(UtilityCall(self._call_id, method))
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._calls.pop(self._call_id, None)

@@ -50,12 +50,16 @@ class GuardMiddleware:
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         too_big = error_response(413, f"request body exceeds {self.max_body} bytes", code="request_too_large")
-        try:
-            if int(headers.get(b"content-length", b"0")) > self.max_body:
-                return await too_big(scope, receive, send)
-        except ValueError:
-            return await error_response(400, "bad Content-Length header")(scope, receive, send)
-        # read the (bounded) body up front, then replay it; later receive() calls still see disconnects
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                if int(length) > self.max_body:
+                    return await too_big(scope, receive, send)
+            except ValueError:
+                return await error_response(400, "bad Content-Length header")(scope, receive, send)
+            # the HTTP parser delivers exactly Content-Length bytes: pass them through, with no copy of the body
+            return await self.app(scope, receive, send)
+        # chunked: read the (bounded) body up front, then replay it; later receive() calls still see disconnects
         chunks, size = [], 0
         while True:
             msg = await receive()
