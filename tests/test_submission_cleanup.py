@@ -2,8 +2,9 @@
 
 Every stage of AsyncLLM's submission is made to fail in turn (tokenizing, encoding the message for the
 core, the output processor, the request's stream, the pending set, the send, and the second prompt of a
-two-prompt request); after each, nothing is left behind: no stream, no pending sequence, no output state,
-nothing in the core, and the next request runs."""
+two-prompt request), and so is building the response that takes the submitted requests over; after each,
+nothing is left behind: no stream, no pending sequence, no output state, nothing in the core, and the next
+request runs."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +15,10 @@ import zmq
 from tokenmill.config import DEFAULT_MODEL, EngineConfig
 from tokenmill.engine import async_llm
 from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.entrypoints.openai import serving_chat, serving_completion
+from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
+from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenmill.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=2, n=3, ignore_eos=True)
@@ -91,6 +96,22 @@ async def _core_idle(engine: AsyncLLM) -> bool:
     return False
 
 
+async def _response_building_fails(engine: AsyncLLM) -> None:
+    """After submission, until a response owns the requests: a failure there aborts them."""
+    completion, chat = OpenAIServingCompletion(engine, ["m"]), OpenAIServingChat(engine, ["m"])
+    cases = [(completion, serving_completion, "_CompletionEvents",
+              CompletionRequest(prompt=["ROMEO:", "JULIET:"], n=2, max_tokens=2, stream=True)),
+             (chat, serving_chat, "_ChatEvents",
+              ChatCompletionRequest(messages=[{"role": "user", "content": "Speak"}], max_tokens=2, stream=True))]
+    for serving, module, events, req in cases:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(module, events, boom)
+            with pytest.raises(Injected):
+                await serving.create(req, None)
+        assert not _left_behind(engine), f"{events}: {_left_behind(engine)}"
+        assert await _core_idle(engine), f"{events}: the core still holds the request"
+
+
 async def _scenario() -> None:
     engine = AsyncLLM(EngineConfig(model=DEFAULT_MODEL, dtype="float32", max_model_len=128, max_num_seqs=8),
                       log_requests=False, max_waiting_requests=8)
@@ -104,6 +125,7 @@ async def _scenario() -> None:
                     await engine.add_requests(prompts, PARAMS)
             assert not _left_behind(engine), f"{stage}: {_left_behind(engine)}"
             assert await _core_idle(engine), f"{stage}: the core still holds the request"
+        await _response_building_fails(engine)
         # 8 stages x 3 sequences, past max_waiting_requests=8 if any had leaked: the queue is free
         await engine.add_requests([("after", "ROMEO:"), ("after-2", [5, 6, 7])], PARAMS)
         for rid in ("after", "after-2"):

@@ -53,7 +53,8 @@ class OpenAIServingChat(ServingBase):
         rid, subs = await self.submit([prompt], params, req.priority, "chatcmpl")
         created = int(time.time())
         if req.stream:
-            return self.stream_response(subs, _ChatEvents(self, req, rid, subs, created))
+            with self.aborted_on_error(subs):
+                return self.stream_response(subs, _ChatEvents(self, req, rid, subs, created))
         return await self.respond(raw, subs, lambda: self._full(req, rid, subs, created))
 
     async def _full(self, req: ChatCompletionRequest, rid: str, subs, created: int) -> Response:

@@ -36,7 +36,8 @@ class OpenAIServingCompletion(ServingBase):
         rid, subs = await self.submit(prompts, params, req.priority, "cmpl")
         created = int(time.time())
         if req.stream:
-            return self.stream_response(subs, _CompletionEvents(self, req, rid, subs, created))
+            with self.aborted_on_error(subs):
+                return self.stream_response(subs, _CompletionEvents(self, req, rid, subs, created))
         return await self.respond(raw, subs, lambda: self._full(req, rid, subs, created))
 
     def _echo_text(self, text: str | None, ids: list[int]) -> str:

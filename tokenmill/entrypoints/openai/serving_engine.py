@@ -155,6 +155,16 @@ class ServingBase:
             done = await self.engine.add_requests(list(zip(sub_ids, prompts)), params, priority, strict_max_tokens=True)
         return rid, [(sub_id, text, ids) for sub_id, (text, ids) in zip(sub_ids, done)]
 
+    @contextmanager
+    def aborted_on_error(self, subs):
+        """Between submission and the response that owns the requests (it aborts them when it ends), a
+        failure (a bug building the response) must abort them: nobody would ever read them."""
+        try:
+            yield
+        except BaseException:
+            self.abort_all(subs)
+            raise
+
     def abort_all(self, subs) -> None:
         for sub_id, _, _ in subs:
             self.engine.abort(sub_id)
