@@ -17,7 +17,6 @@ import json
 import random
 import statistics
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -90,8 +89,7 @@ async def soak(server: Served, n: int, concurrency: int, sample_every: int, seed
     rng = random.Random(seed)
     bodies = [make_body(rng, i) for i in range(n)]
     samples, statuses, done = [], {}, 0
-    t0 = time.time()
-    samples.append({"requests": 0, "t_s": 0.0, **server.rss()})
+    samples.append({"requests": 0, **server.rss()})
     queue = iter(bodies)
 
     async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
@@ -102,7 +100,7 @@ async def soak(server: Served, n: int, concurrency: int, sample_every: int, seed
                 statuses[code] = statuses.get(code, 0) + 1
                 done += 1
                 if done % sample_every == 0:
-                    samples.append({"requests": done, "t_s": round(time.time() - t0, 1), **server.rss()})
+                    samples.append({"requests": done, **server.rss()})
                     last = samples[-1]
                     print(f"{done:6d} requests  api {last['api_mib']:7.1f} MiB  core {last['core_mib']:7.1f} MiB",
                           flush=True)
@@ -131,11 +129,15 @@ def main() -> None:
 
     with Served(*args.serve_args) as server:
         samples, statuses = asyncio.run(soak(server, args.requests, args.concurrency, args.sample_every, args.seed))
-        samples.append({"requests": args.requests, "t_s": samples[-1]["t_s"], **server.rss()})
+        samples.append({"requests": args.requests, **server.rss()})
+        # what the soak left behind: nothing unfinished, nothing pending
+        stats = httpx.get(server.url + "/debug/engine_stats", timeout=30).json()
     result = {"benchmark": "soak", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join([Path(sys.executable).name] + sys.argv), "requests": args.requests,
               "concurrency": args.concurrency, "statuses": {str(k): v for k, v in sorted(statuses.items())},
-              "api": growth(samples, "api_mib"), "core": growth(samples, "core_mib"), "samples": samples,
+              "api": growth(samples, "api_mib"), "core": growth(samples, "core_mib"),
+              "left_behind": {k: stats[k] for k in ("num_unfinished_requests", "num_pending_sequences", "num_running",
+                                                    "num_waiting")}, "samples": samples,
               "goal": "growth over the second half within 2 % for both processes"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
