@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from served import free_port, stop  # noqa: E402  (shared with the server benchmarks)
 
 CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + "
                  "message['content'] + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}"
@@ -58,12 +59,6 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerProcess:
     """`python -m tokenmill serve ...` as a subprocess; logs go to a file shown on failure."""
 
@@ -94,19 +89,24 @@ class ServerProcess:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def terminate(self, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = stop(self.proc, timeout)
         self._log.close()
-        return self.proc.returncode
+        return code
+
+
+def hook_env(hook_dir: Path, sitecustomize: str) -> dict:
+    """Environment for a server whose processes (API and engine core) all run `sitecustomize` at startup:
+    fault and spy hooks from outside the package."""
+    (hook_dir / "sitecustomize.py").write_text(sitecustomize)
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(hook_dir), os.environ.get("PYTHONPATH")) if p)}
+
+
+def core_pid(server) -> int:
+    return int(open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read().split()[0])
 
 
 def engine_stats(server) -> dict:
-    return httpx.get(server.url + "/debug/engine_stats", timeout=30).json()
+    return httpx.get(server.url + "/debug/engine_stats", headers=server.headers, timeout=30).json()
 
 
 def wait_until_up(proc, url: str, logs, timeout: float) -> None:

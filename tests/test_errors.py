@@ -73,3 +73,19 @@ def test_missing_weights_file(llama_dir, tmp_path):
     llm = make_llm(str(tmp_path), load_format="dummy")  # dummy weights need no checkpoint
     out = llm.generate("To be", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 3
+
+
+def test_a_request_the_core_refuses_halfway_leaves_nothing_behind(llama_dir):
+    """n = 2 whose second child id is taken (by an earlier request named like it): the first child must not
+    stay in the core, running with no one to read it."""
+    llm = make_llm(llama_dir)
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    prompt = {"prompt_token_ids": random_prompts([4])[0]}
+    engine.add_request("x#1", prompt, sp)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("x", prompt, SamplingParams(n=2, temperature=0, max_tokens=2, ignore_eos=True))
+    assert set(engine.core.scheduler.requests) == {"x#1"}
+    while engine.has_unfinished_requests():
+        engine.step()
+    llm.llm_engine.check_invariants()

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from server_fixtures import ServerProcess, engine_stats, tiny_model_dir  # noqa: F401  (fixture)
+from server_fixtures import ServerProcess, core_pid, engine_stats, hook_env, tiny_model_dir  # noqa: F401  (fixture)
 
 MARKER = [7] * 13  # fails on its first step
 LATE_MARKER = [8] * 13  # fails once it has generated 5 tokens
@@ -40,9 +40,7 @@ model_runner.ModelRunner.execute = execute
 @pytest.fixture(scope="module")
 def faulty_server(tiny_model_dir, tmp_path_factory):  # noqa: F811
     hook_dir = tmp_path_factory.mktemp("fault")
-    (hook_dir / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    pythonpath = os.pathsep.join(p for p in (str(hook_dir), os.environ.get("PYTHONPATH")) if p)
-    srv = ServerProcess(tiny_model_dir, hook_dir / "server.log", env={"PYTHONPATH": pythonpath})
+    srv = ServerProcess(tiny_model_dir, hook_dir / "server.log", env=hook_env(hook_dir, SITECUSTOMIZE))
     try:
         srv.wait_ready()
         yield srv
@@ -97,26 +95,46 @@ def test_failure_after_output_reaches_waiting_and_streaming_clients(faulty_serve
                       timeout=60).status_code == 200
 
 
-def test_engine_core_death_mid_stream_leaves_the_api_answering(tiny_model_dir, tmp_path):  # noqa: F811
-    """The core is killed while a stream runs: the stream ends with a 503 event and [DONE], and the API
-    process keeps answering (503 on /health and for new work) instead of blocking on a send to the dead
-    core when the stream's cleanup aborts its request."""
+def _kill_core_mid_stream(srv) -> list[str]:
+    """Kill -9 the engine core while a stream runs; the stream's events."""
+    body = {"model": "tiny", "prompt": "To be", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+        it = (l for l in r.iter_lines() if l.startswith("data: "))
+        events.append(next(it))
+        os.kill(core_pid(srv), signal.SIGKILL)
+        events.extend(it)
+    return events
+
+
+def test_engine_core_death_ends_the_server_with_an_error_code(tiny_model_dir, tmp_path):  # noqa: F811
+    """vLLM's semantics: the requests in flight fail (503 event, [DONE]), then the API process exits non-zero
+    so a supervisor restarts it. Before the fix it answered 503 forever and exited 0 when stopped."""
     srv = ServerProcess(tiny_model_dir, tmp_path / "server.log")
     try:
         srv.wait_ready()
-        core_pid = int(open(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children").read().split()[0])
-        body = {"model": "tiny", "prompt": "To be", "max_tokens": 200, "ignore_eos": True, "stream": True}
-        events = []
-        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
-            it = (l for l in r.iter_lines() if l.startswith("data: "))
-            events.append(next(it))
-            os.kill(core_pid, signal.SIGKILL)
-            events.extend(it)
+        events = _kill_core_mid_stream(srv)
+        assert events[-1] == "data: [DONE]" and any('"code":503' in e for e in events), events[-3:]
+        code = srv.proc.wait(60)  # a generous bound: it exits within a few seconds
+        assert code != 0, srv.logs()
+        assert "Exception in ASGI application" not in srv.logs()
+    finally:
+        srv.terminate()
+
+
+def test_engine_core_death_with_keep_alive_leaves_the_api_answering(tiny_model_dir, tmp_path):  # noqa: F811
+    """--keep-alive-on-engine-death: the stream ends with a 503 event and [DONE], and the API process keeps
+    answering (503 on /health and for new work) instead of blocking on a send to the dead core when the
+    stream's cleanup aborts its request; stopped, it still reports the failure."""
+    srv = ServerProcess(tiny_model_dir, tmp_path / "server.log", "--keep-alive-on-engine-death")
+    try:
+        srv.wait_ready()
+        events = _kill_core_mid_stream(srv)
         assert events[-1] == "data: [DONE]"
         assert any('"code":503' in e for e in events), events[-3:]
         for _ in range(3):  # the stream's cleanup ran; the event loop still serves
             assert httpx.get(srv.url + "/health", timeout=10).status_code == 503
-            r = httpx.post(srv.url + "/v1/completions", json={**body, "stream": False}, timeout=10)
+            r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "To be"}, timeout=10)
             assert r.status_code == 503 and r.json()["error"]["code"] == 503
     finally:
-        srv.terminate()
+        assert srv.terminate() == 1

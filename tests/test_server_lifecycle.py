@@ -4,12 +4,13 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import threading
 import time
 
 import httpx
 import pytest
 
-from server_fixtures import ServerProcess, tiny_model_dir  # noqa: F401  (fixture)
+from server_fixtures import ServerProcess, engine_stats, hook_env, tiny_model_dir  # noqa: F401  (fixture)
 
 BODY = {"model": "tiny", "prompt": "To be, or not to be", "max_tokens": 40, "ignore_eos": True}
 
@@ -104,3 +105,72 @@ def test_stream_interval_groups_tokens_per_chunk(interval_server):
                         per_choice[choice["index"]].append(len(choice["logprobs"]["tokens"]))
     for counts in per_choice.values():
         assert sum(counts) == 10 and all(n >= 4 for n in counts[1:-1]) and len(counts) <= 4, per_choice
+
+
+SLOW_MARKER = [9] * 11  # the hook makes each engine step that runs such a prompt take 0.1 s
+SLOW_SITECUSTOMIZE = f'''
+import time
+
+from tokenmill.worker import model_runner
+
+_marker = {SLOW_MARKER!r}
+_execute = model_runner.ModelRunner.execute
+
+
+def execute(self, sched):
+    if any(list(s.prompt_token_ids[:len(_marker)]) == _marker for s in sched.seqs):
+        time.sleep(0.1)
+    return _execute(self, sched)
+
+
+model_runner.ModelRunner.execute = execute
+'''
+
+
+def test_shutdown_past_the_timeout_ends_every_request_cleanly(tiny_model_dir, tmp_path):  # noqa: F811
+    """SIGTERM with two requests that outlast --shutdown-timeout (slowed by the hook to ~20 s): while
+    draining the server still accepts connections and answers 503 (and /health 503); at the timeout the
+    stream gets an error event and [DONE], the non-streaming request a JSON 503; no ASGI exception; exit 0.
+    Before the fix new connections were refused at once, and at the timeout uvicorn cancelled the
+    requests (a cut stream, a plain-text 500)."""
+    srv = ServerProcess(tiny_model_dir, tmp_path / "server.log", "--shutdown-timeout", "5",
+                        env=hook_env(tmp_path, SLOW_SITECUSTOMIZE))
+    body = {"model": "tiny", "prompt": SLOW_MARKER, "max_tokens": 200, "ignore_eos": True}
+    got: dict = {"events": []}
+
+    def stream() -> None:
+        with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            got["events"].extend(l for l in r.iter_lines() if l.startswith("data: "))
+
+    def full() -> None:
+        got["full"] = httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
+
+    try:
+        srv.wait_ready()
+        threads = [threading.Thread(target=stream), threading.Thread(target=full)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 60
+        while engine_stats(srv)["num_running"] < 2:
+            assert time.time() < deadline, "the slow requests never started"
+            time.sleep(0.05)
+        srv.proc.send_signal(signal.SIGTERM)
+        deadline = time.time() + 30
+        while (health := httpx.get(srv.url + "/health", timeout=10)).status_code == 200:
+            assert time.time() < deadline, "never started draining"
+            time.sleep(0.02)
+        assert health.status_code == 503 and health.json()["error"]["code"] == 503
+        refused = httpx.post(srv.url + "/v1/completions", json={**body, "max_tokens": 2}, timeout=10)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == 503
+        for t in threads:
+            t.join(120)
+        events = got["events"]
+        assert events[-1] == "data: [DONE]", events[-3:]
+        err = json.loads(events[-2][6:])["error"]
+        assert err["code"] == 503 and "shutting down" in err["message"], err
+        assert got["full"].status_code == 503, got["full"].text
+        assert got["full"].json()["error"]["code"] == 503
+        assert srv.proc.wait(60) == 0
+        assert "Exception in ASGI application" not in srv.logs()
+    finally:
+        srv.terminate()

@@ -4,7 +4,6 @@ from __future__ import annotations
 from tqdm.auto import tqdm
 
 from tokenmill.config import DEFAULT_MODEL, EngineConfig
-from tokenmill.engine.input_processor import chat_prompt
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -39,8 +38,8 @@ class LLM:
              chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        tok = self.get_tokenizer()
-        prompts = [chat_prompt(tok, conv, add_generation_prompt, chat_template) for conv in convs]
+        prompts = [self.llm_engine.input_processor.chat_prompt(conv, add_generation_prompt, chat_template)
+                   for conv in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

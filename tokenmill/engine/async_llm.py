@@ -6,14 +6,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import AsyncIterator, Protocol
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Callable, Protocol
 
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.core import EngineStats
 from tokenmill.engine.core_client import CoreClient, EngineDeadError
 from tokenmill.engine.input_processor import InputProcessor
-from tokenmill.engine.messages import (INTERNAL_ERROR_PREFIX, AbortRequests, AddRequest, CoreDead, CoreOutputs, FinishRequests,
-                                       UtilityCall, UtilityResult)
+from tokenmill.engine.messages import (INTERNAL_ERROR_PREFIX, AbortRequests, AddRequest, CoreDead, CoreOutputs,
+                                       EngineCoreRequest, FinishRequests, UtilityCall, UtilityResult)
 from tokenmill.engine.metrics import ServerMetrics
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.models.loader import load_hf_config
@@ -105,6 +106,10 @@ class _RequestStream:
         return self._take()
 
 
+def _needs_tokenizer(prompt) -> bool:
+    return isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
+
+
 def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """Fold delta `b` into pending `a`. Lists grow in place (each delta owns fresh slices), so a request
     read only at its end (final_only) costs O(tokens), not O(tokens^2)."""
@@ -144,6 +149,10 @@ class AsyncLLM:
         self._call_id = 0
         self.stats: EngineStats | None = None
         self.dead: str | None = None
+        self.closing: str | None = None  # set by stop_accepting(): new requests get EngineDeadError(closing)
+        self.on_dead: Callable[[str], None] | None = None  # called once the core is gone (the server exits)
+        self.num_submitting = 0  # requests between admission and registration (tokenizing)
+        self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-tokenizer")
         self.client = CoreClient(config, log_level)
         self._tasks: list[asyncio.Task] = []
 
@@ -169,28 +178,93 @@ class AsyncLLM:
 
     def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0,
                     arrival_time: float | None = None, strict_max_tokens: bool = False) -> tuple[str | None, list[int]]:
-        """Validate and submit. Returns (prompt text, prompt token ids). Raises ValueError (bad input),
-        QueueFullError (admission) or EngineDeadError. `strict_max_tokens`: refuse (as OpenAI does) a
-        max_tokens that cannot fit in the context instead of stopping at max_model_len."""
+        """Validate and submit, tokenizing on the caller's thread. Returns (prompt text, prompt token ids).
+        Raises ValueError (bad input), QueueFullError (admission) or EngineDeadError. `strict_max_tokens`:
+        refuse (as OpenAI does) a max_tokens that cannot fit in the context instead of stopping at
+        max_model_len."""
+        self._check_open()
+        processed = self._process([(request_id, prompt)], params, priority, arrival_time, strict_max_tokens)
+        self._submit(processed)
+        return processed[0][0], processed[0][1].prompt_token_ids
+
+    async def add_requests(self, prompts: list[tuple[str, object]], params: SamplingParams, priority: int = 0,
+                           strict_max_tokens: bool = False) -> list[tuple[str | None, list[int]]]:
+        """Submit every (request id, prompt) or none, as add_request does; text prompts are tokenized on
+        the tokenizer thread, so a long tokenization never stalls the event loop (other streams, /health)."""
+        self._check_open()
+        self.num_submitting += 1
+        try:
+            args = (prompts, params, priority, time.time(), strict_max_tokens)
+            if any(_needs_tokenizer(p) for _, p in prompts):
+                processed = await self.run_tokenizer(self._process, *args)
+            else:
+                processed = self._process(*args)
+            self._check_open()  # the engine may have died or started closing meanwhile
+            self._submit(processed)
+        finally:
+            self.num_submitting -= 1
+        return [(text, req.prompt_token_ids) for text, req in processed]
+
+    async def run_tokenizer(self, fn, *args):
+        """`fn(*args)` on the tokenizer thread (one thread: Hugging Face tokenizers are not safe to share
+        between threads that tokenize at once; its Rust code releases the GIL meanwhile)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
+    def _check_open(self) -> None:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        if request_id in self.streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        text, req = self.input_processor.process(request_id, prompt, params, arrival_time or time.time(), priority)
-        n_prompt = len(req.prompt_token_ids)
-        if strict_max_tokens and params.max_tokens is not None and n_prompt + params.max_tokens > self.max_model_len:
-            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                             f"requested {n_prompt + params.max_tokens} tokens ({n_prompt} in the prompt, "
-                             f"{params.max_tokens} for the completion). Please reduce 'max_tokens' or the prompt.")
-        if len(self._pending) + len(req.child_ids) > self.max_waiting_requests:
+        if self.closing is not None:
+            raise EngineDeadError(self.closing)
+
+    def _process(self, prompts, params: SamplingParams, priority: int, arrival_time: float | None,
+                 strict_max_tokens: bool) -> list[tuple[str | None, EngineCoreRequest]]:
+        """Tokenize and validate; touches no state, so it may run on any thread."""
+        out = []
+        for request_id, prompt in prompts:
+            text, req = self.input_processor.process(request_id, prompt, params, arrival_time or time.time(),
+                                                     priority)
+            n_prompt = len(req.prompt_token_ids)
+            if strict_max_tokens and params.max_tokens is not None and n_prompt + params.max_tokens > self.max_model_len:
+                raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                 f"you requested {n_prompt + params.max_tokens} tokens ({n_prompt} in the prompt, "
+                                 f"{params.max_tokens} for the completion). Please reduce 'max_tokens' or the prompt.")
+            out.append((text, req))
+        return out
+
+    def _submit(self, processed: list[tuple[str | None, EngineCoreRequest]]) -> None:
+        """Register and send the requests as one unit. Everything that can refuse them runs before any
+        state changes (encoding the messages included: a stop string UTF-8 cannot encode used to fail after
+        the request was registered, leaving its sequences pending for good); if anything raises after that,
+        whatever was registered is taken down again, and the core told to drop what it was sent."""
+        msgs = [self.client.encode(AddRequest(req)) for _, req in processed]
+        ids = [req.request_id for _, req in processed]
+        if len(set(ids)) < len(ids) or any(rid in self.streams for rid in ids):
+            raise ValueError(f"request_id {ids[0]!r} is already in use")
+        children = sum(len(req.child_ids) for _, req in processed)
+        if len(self._pending) + children > self.max_waiting_requests:
             self.metrics.rejected.inc()
-            raise QueueFullError(f"the server is at capacity ({len(self._pending)} requests waiting); "
-                                 "retry later")
-        self.output_processor.add_request(text, req)
-        self.streams[request_id] = _RequestStream()
-        self._pending.update(req.child_ids)
-        self.client.send(AddRequest(req))
-        return text, req.prompt_token_ids
+            raise QueueFullError(f"the server is at capacity ({len(self._pending)} requests waiting); retry later")
+        registered, sent = [], []
+        try:
+            for (text, req), msg in zip(processed, msgs):
+                registered.append(req)
+                self.output_processor.add_request(text, req)
+                self.streams[req.request_id] = _RequestStream()
+                self._pending.update(req.child_ids)
+                self.client.send_encoded(msg)
+                sent.append(req)
+        except BaseException:
+            for req in registered:
+                self._forget(req, tell_core=req in sent)
+            raise
+
+    def _forget(self, req: EngineCoreRequest, tell_core: bool) -> None:
+        """Undo a registration (no metrics: the request never ran)."""
+        self.output_processor.abort([req.request_id])
+        self.streams.pop(req.request_id, None)
+        self._pending.difference_update(req.child_ids)
+        if tell_core and self.dead is None:
+            self.client.send(AbortRequests(req.child_ids))
 
     async def stream(self, request_id: str, final_only: bool = False) -> AsyncIterator[RequestOutput]:
         """Delta outputs of a submitted request, merged `stream_interval` tokens at a time (the last delta
@@ -316,6 +390,8 @@ class AsyncLLM:
                     "finish_reason=%s", rid, n_prompt, n_gen, ttft, now - m.arrival_time, reason)
 
     def _fail_all(self, why: str) -> None:
+        if self.dead is not None:
+            return
         self.dead = why
         logger.error(why)
         for stream in self.streams.values():
@@ -323,6 +399,8 @@ class AsyncLLM:
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(why))
+        if self.on_dead is not None:
+            self.on_dead(why)
 
     async def _watch_core(self) -> None:
         code = await self.client.watch_process()
@@ -336,8 +414,8 @@ class AsyncLLM:
         self._call_id += 1
         fut = asyncio.get_running_loop().create_future()
         self._calls[self._call_id] = fut
-        self.client.send(UtilityCall(self._call_id, method))
         try:
+            self.client.send(UtilityCall(self._call_id, method))
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._calls.pop(self._call_id, None)
@@ -351,12 +429,21 @@ class AsyncLLM:
             pass
         return self.stats
 
+    def stop_accepting(self, why: str) -> None:
+        """From now on new requests get EngineDeadError(why) (HTTP 503)."""
+        self.closing = why
+
+    def fail_in_flight(self, why: str) -> None:
+        """Abort every request and fail its reader or sink with EngineDeadError(why) (HTTP 503): a stream
+        ends with an error event and [DONE], a non-streaming request with a JSON error."""
+        for rid, stream in list(self.streams.items()):
+            self.abort(rid, keep_stream=stream.sink is None)  # a reader takes the error, then drops the stream
+            stream.fail(EngineDeadError(why))
+
     async def shutdown(self) -> None:
-        for rid in list(self.streams):
-            stream = self.streams.get(rid)
-            self.abort(rid)
-            if stream is not None:
-                stream.fail(EngineDeadError("server is shutting down"))
+        self.stop_accepting("the server is shutting down")
+        self.fail_in_flight("the server is shutting down")
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -64,14 +64,21 @@ class CoreClient:
             raise EngineDeadError(msg.error)
         return msg
 
+    def encode(self, msg) -> bytes:
+        """A message as it goes to the core; raises (e.g. on text UTF-8 cannot encode) without sending."""
+        return self._enc.encode(msg)
+
     def send(self, msg) -> None:
+        self.send_encoded(self.encode(msg))
+
+    def send_encoded(self, data: bytes) -> None:
         """Never blocks: a blocking PUSH with no core at the other end (it died) would freeze the API
         process's event loop for good. Without a core, the message is dropped; watch_process fails the
         requests."""
         if self.closed:
             return
         try:
-            self._input.send(self._enc.encode(msg), flags=zmq.NOBLOCK, copy=False)
+            self._input.send(data, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             logger.warning("engine core is not connected; dropped %s", type(msg).__name__)
 

@@ -7,6 +7,7 @@ import os
 from dataclasses import replace
 
 from tokenmill.engine.messages import EngineCoreRequest
+from tokenmill.engine.prompt_bound import max_bytes_per_token, utf8_length
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -33,21 +34,15 @@ def eos_token_ids(model_path: str, tokenizer, hf_config) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def chat_prompt(tokenizer, conversation: list[dict], add_generation_prompt: bool = True,
-                chat_template: str | None = None) -> dict:
-    """A conversation as {"prompt": text, "prompt_token_ids": ids} through the model's chat template."""
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         chat_template=chat_template)
-    # the template already carries any BOS; don't add special tokens twice
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
-
-
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_ids: tuple[int, ...]):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_ids
+        # a text longer than this many bytes cannot fit in max_model_len tokens (None: no safe bound)
+        per_token = max_bytes_per_token(tokenizer) if tokenizer is not None else None
+        self.max_prompt_bytes = None if per_token is None else int(max_model_len * per_token)
 
     @classmethod
     def from_config(cls, config, model_config) -> "InputProcessor":
@@ -56,6 +51,31 @@ class InputProcessor:
                                                                     config.trust_remote_code)
         return cls(tok, model_config.vocab_size, config.max_model_len,
                    eos_token_ids(config.model, tok, model_config.hf_config))
+
+    def encode(self, text: str, add_special_tokens: bool = True, field: str = "prompt") -> list[int]:
+        """Token ids of `text`; a text that cannot fit in max_model_len tokens is refused before it is
+        tokenized (see prompt_bound: a large text costs the tokenizer seconds and hundreds of MiB)."""
+        if self.max_prompt_bytes is not None and len(text) > self.max_prompt_bytes // 4:
+            size = utf8_length(text)
+            if size > self.max_prompt_bytes:
+                raise ValueError(f"'{field}' is longer than max_model_len ({self.max_model_len} tokens): its {size} "
+                                 f"bytes of text make more than {self.max_model_len} tokens")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True,
+                    chat_template: str | None = None) -> dict:
+        """A conversation as {"prompt": text, "prompt_token_ids": ids} through the model's chat template."""
+        text = self.chat_text(conversation, add_generation_prompt, chat_template)
+        return {"prompt": text, "prompt_token_ids": self.encode_chat(text)}
+
+    def chat_text(self, conversation: list[dict], add_generation_prompt: bool = True,
+                  chat_template: str | None = None) -> str:
+        return self.tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def encode_chat(self, text: str) -> list[int]:
+        # the template already carries any BOS; don't add special tokens twice
+        return self.encode(text, add_special_tokens=False, field="messages")
 
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -68,7 +88,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True was set)")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
         raise ValueError(f"'prompt' must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
@@ -76,10 +96,10 @@ class InputProcessor:
     def validate(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("'prompt' must not be empty")
+        if len(token_ids) > self.max_model_len:  # first: it is O(1), the value checks are O(len)
+            raise ValueError(f"'prompt' is {len(token_ids)} tokens, longer than max_model_len ({self.max_model_len})")
         if not all(type(t) is int for t in token_ids) or min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             raise ValueError(f"'prompt' token ids must be integers in [0, {self.vocab_size})")
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(f"'prompt' is {len(token_ids)} tokens, longer than max_model_len ({self.max_model_len})")
 
     def process(self, request_id: str, prompt, params: SamplingParams, arrival_time: float,
                 priority: int = 0) -> tuple[str | None, EngineCoreRequest]:

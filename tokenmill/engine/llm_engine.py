@@ -43,9 +43,15 @@ class LLMEngine:
         if request_id in self.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, req = self.input_processor.process(request_id, prompt, params, arrival_time or time.time(), priority)
-        for r in req.to_requests():
-            self.core.add_request(r)
-        self.output_processor.add_request(text, req)
+        added = []
+        try:  # one unit: a child left in the core without output state would run with nobody to read it
+            for r in req.to_requests():
+                self.core.add_request(r)
+                added.append(r.request_id)
+            self.output_processor.add_request(text, req)
+        except BaseException:
+            self.core.abort(added)
+            raise
         return request_id
 
     def abort_request(self, request_ids) -> None:

@@ -15,6 +15,18 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=No
     param.data.copy_(loaded)
 
 
+def padded_rows(m: int) -> int:
+    """The row count oneDNN sees for `m` input rows. It builds, and keeps in two LRU caches of 1024 entries
+    (oneDNN's and ideep's), a JIT-compiled primitive per input shape, about 0.5 MB each: with every prefill
+    size its own shape, the engine core's memory crept up for thousands of requests. Up to 32 rows (decode
+    batches) stay exact; larger counts round up to 8 sizes per power of two (at most 12.5 % padding), so a
+    2048-token budget needs at most 80 shapes per weight."""
+    if m <= 32:
+        return m
+    step = 1 << (m.bit_length() - 4)
+    return -(-m // step) * step
+
+
 def onednn_linear_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -34,7 +46,11 @@ class Linear(nn.Module):
         if self.gemv_packed is not None and x.shape[0] == 1:
             return cpu_gemv.gemv(x, self.gemv_packed, self.bias)
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            m = x.shape[0]
+            rows = padded_rows(m) if x.dim() == 2 else m
+            if rows != m:
+                x = F.pad(x, (0, 0, 0, rows - m))
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:m]
         return F.linear(x, self.weight, self.bias)
 
     def pack_for_cpu(self, with_gemv: bool = False) -> None:

@@ -28,7 +28,32 @@ def bad_request(e: Exception | str, param: str | None = None) -> APIError:
     return APIError(400, msg, param)
 
 
+def validation_message(errors: list[dict], union_tags=frozenset()) -> tuple[str, str | None]:
+    """A 400's message and `param` from pydantic's errors: the first error, located as `prompt[0]` or
+    `messages[0].content` (the body prefix and the tags of union branches dropped)."""
+    if not errors:
+        return "invalid request", None
+    e = errors[0]
+    if e.get("type") == "json_invalid":
+        return f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}", None
+    loc = [x for x in e.get("loc", ()) if x != "body" and x not in union_tags]
+    where = ""
+    for x in loc:
+        where += f"[{x}]" if isinstance(x, int) else (f".{x}" if where else str(x))
+    param = next((x for x in loc if isinstance(x, str)), None)
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return f"invalid value for '{where or 'body'}': {e.get('msg')}{more}", param
+
+
+def _encodable(text):
+    """Error text can quote what a client sent; nothing it holds may stop the error from being encoded."""
+    if isinstance(text, str) and not text.isascii():
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 def error_dict(status: int, message: str, param: str | None = None, code=None) -> dict:
+    message, param = _encodable(message), _encodable(param)
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": code if code is not None else status}}
 

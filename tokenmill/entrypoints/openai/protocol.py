@@ -1,22 +1,83 @@
 """OpenAI request/response schemas (pydantic). Bounds live here so bad values are rejected with a 400
 naming the field before anything reaches the engine. Extra, vLLM-style sampling fields are accepted
-next to OpenAI's (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, priority, ...)."""
+next to OpenAI's (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, priority, ...).
+
+Requests are validated strictly (`true` is a boolean, `"yes"` and `0` are not; `"2"` is not an integer),
+every string is checked once here for text that cannot be encoded (lone surrogates, which JSON's \\u
+escapes can spell), and union-typed fields pick their branch from the input's shape, so an error names the
+real problem (`prompt[0]` is negative) instead of the first branch that failed (`prompt.str`)."""
 from __future__ import annotations
 
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictStr, Tag, field_validator
+from pydantic_core import PydanticCustomError
 
 # Finite numbers only: JSON parsers accept NaN/Infinity, which would poison the sampler.
 Float = Annotated[float, Field(allow_inf_nan=False)]
-TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Seed = Annotated[int, Field(ge=0, le=2**62)]
-Stop = Union[StrictStr, Annotated[list[StrictStr], Field(max_length=16)], None]
+
+
+def _first_unencodable(value) -> str | None:
+    """Where `value` (a string, or lists and dicts of them) holds text UTF-8 cannot encode, or None.
+    Lists are homogeneous once validated, so a list whose first item is not text (token ids) is skipped."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"U+{ord(value[e.start]):04X} at position {e.start}"
+        return None
+    if isinstance(value, list) and value and isinstance(value[0], (str, list, dict)):
+        for i, item in enumerate(value):
+            if (where := _first_unencodable(item)) is not None:
+                return f"{where} of item {i}"
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if (where := _first_unencodable(k) or _first_unencodable(v)) is not None:
+                return where
+    return None
 
 
 class OpenAIBase(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _encodable_text(cls, value):
+        # nested models ran this validator on their own fields already; strings and containers remain
+        if isinstance(value, (str, list, dict)) and (where := _first_unencodable(value)) is not None:
+            raise PydanticCustomError("unicode_text", "text is not valid Unicode (lone surrogate {where})",
+                                      {"where": where})
+        return value
+
+
+def _shape(value) -> str | None:
+    """The union branch a value's shape selects (None: no branch fits)."""
+    if isinstance(value, str):
+        return "<text>"
+    if not isinstance(value, list):
+        return None
+    first = value[0] if value else None
+    return "<texts>" if isinstance(first, str) else "<id_lists>" if isinstance(first, list) else "<ids>"
+
+
+# branch tags show in error locations (they cannot be field names); errors drop them: prompt[0], not prompt.<ids>[0]
+UNION_TAGS = frozenset({"<text>", "<texts>", "<ids>", "<id_lists>", "<parts>"})
+
+Prompt = Annotated[
+    Union[Annotated[StrictStr, Tag("<text>")], Annotated[list[StrictStr], Tag("<texts>")],
+          Annotated[list[TokenId], Tag("<ids>")], Annotated[list[list[TokenId]], Tag("<id_lists>")]],
+    Discriminator(_shape, custom_error_type="prompt_type",
+                  custom_error_message="must be a string, a list of strings, a list of token ids or a list of "
+                                       "lists of token ids")]
+Stop = Annotated[
+    Union[Annotated[StrictStr, Tag("<text>")], Annotated[list[StrictStr], Field(max_length=16), Tag("<texts>")]],
+    Discriminator(lambda v: _shape(v) if _shape(v) in ("<text>", None) else "<texts>",
+                  custom_error_type="stop_type", custom_error_message="must be a string or a list of strings")]
 
 
 class StreamOptions(OpenAIBase):
@@ -33,7 +94,7 @@ class _SamplingFields(OpenAIBase):
     presence_penalty: Float | None = Field(None, ge=-2, le=2)
     frequency_penalty: Float | None = Field(None, ge=-2, le=2)
     seed: Seed | None = None
-    stop: Stop = None
+    stop: Stop | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -51,7 +112,7 @@ class _SamplingFields(OpenAIBase):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[StrictStr, list[TokenId], list[list[TokenId]], list[StrictStr]]
+    prompt: Prompt
     max_tokens: int | None = Field(16, ge=1, le=2**31 - 1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
@@ -64,9 +125,15 @@ class TextPart(OpenAIBase):
     text: StrictStr
 
 
+Content = Annotated[
+    Union[Annotated[StrictStr, Tag("<text>")], Annotated[list[TextPart], Tag("<parts>")]],
+    Discriminator(lambda v: "<text>" if isinstance(v, str) else "<parts>" if isinstance(v, list) else None,
+                  custom_error_type="content_type", custom_error_message="must be a string or a list of text parts")]
+
+
 class ChatMessage(OpenAIBase):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[StrictStr, list[TextPart], None] = None
+    content: Content | None = None
     name: str | None = None
 
 

@@ -7,24 +7,33 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tokenmill.engine.input_processor import chat_prompt
+from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from tokenmill.entrypoints.openai.serving_engine import ChunkEvents, ServingBase, usage
+from tokenmill.entrypoints.openai.serving_engine import ChunkEvents, ServingBase, engine_errors, usage
 
 
-def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> dict:
-    """The prompt as {"prompt": text, "prompt_token_ids": ids}, exactly as LLM.chat builds it."""
+async def render_chat(engine: AsyncLLM, messages: list[ChatMessage], add_generation_prompt: bool = True) -> dict:
+    """The prompt as {"prompt": text, "prompt_token_ids": ids}, exactly as LLM.chat builds it, rendered and
+    tokenized on the tokenizer thread."""
+    tokenizer = engine.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
     convo = []
     for m in messages:
         content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
         convo.append({"role": m.role, "content": content or ""})
+    return await engine.run_tokenizer(_render, engine, convo, add_generation_prompt)
+
+
+def _render(engine: AsyncLLM, convo: list[dict], add_generation_prompt: bool) -> dict:
+    ip = engine.input_processor
     try:
-        return chat_prompt(tokenizer, convo, add_generation_prompt)
+        text = ip.chat_text(convo, add_generation_prompt)
     except Exception as e:  # jinja errors from the template (e.g. role order it rejects)
         raise APIError(400, f"chat template failed: {e}", "messages") from None
+    with engine_errors():  # a rendered prompt too long for the context: 400 naming 'messages'
+        return {"prompt": text, "prompt_token_ids": ip.encode_chat(text)}
 
 
 class OpenAIServingChat(ServingBase):
@@ -37,14 +46,15 @@ class OpenAIServingChat(ServingBase):
             raise APIError(400, "'tools' are not supported", "tools")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        prompt = render_chat(self.tokenizer, req.messages, req.add_generation_prompt)
+        prompt = await render_chat(self.engine, req.messages, req.add_generation_prompt)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, logprobs)
-        rid, subs = self.submit([prompt], params, req.priority, "chatcmpl")
+        rid, subs = await self.submit([prompt], params, req.priority, "chatcmpl")
         created = int(time.time())
         if req.stream:
-            return self.stream_response(subs, _ChatEvents(self, req, rid, subs, created))
+            with self.aborted_on_error(subs):
+                return self.stream_response(subs, _ChatEvents(self, req, rid, subs, created))
         return await self.respond(raw, subs, lambda: self._full(req, rid, subs, created))
 
     async def _full(self, req: ChatCompletionRequest, rid: str, subs, created: int) -> Response:

@@ -33,10 +33,11 @@ class OpenAIServingCompletion(ServingBase):
         # echo + logprobs returns the prompt's logprobs too (the first prompt token has none)
         want_prompt_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
         params = self.sampling_params(req, req.max_tokens, req.logprobs, want_prompt_lp)
-        rid, subs = self.submit(prompts, params, req.priority, "cmpl")
+        rid, subs = await self.submit(prompts, params, req.priority, "cmpl")
         created = int(time.time())
         if req.stream:
-            return self.stream_response(subs, _CompletionEvents(self, req, rid, subs, created))
+            with self.aborted_on_error(subs):
+                return self.stream_response(subs, _CompletionEvents(self, req, rid, subs, created))
         return await self.respond(raw, subs, lambda: self._full(req, rid, subs, created))
 
     def _echo_text(self, text: str | None, ids: list[int]) -> str:

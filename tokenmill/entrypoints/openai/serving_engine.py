@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Protocol
 
@@ -111,10 +112,9 @@ class ChunkEvents:
 
 
 class ServingBase:
-    def __init__(self, engine: AsyncLLM, served_names: list[str], retry_after_s: int = 1):
+    def __init__(self, engine: AsyncLLM, served_names: list[str]):
         self.engine = engine
         self.served_names = served_names
-        self.retry_after_s = retry_after_s
         self.tokenizer = engine.tokenizer
 
     @property
@@ -143,31 +143,27 @@ class ServingBase:
         except ValueError as e:
             raise bad_request(e) from None
 
-    def submit(self, prompts: list, params: SamplingParams, priority: int, prefix: str
-               ) -> tuple[str, list[tuple[str, str | None, list[int]]]]:
+    async def submit(self, prompts: list, params: SamplingParams, priority: int, prefix: str
+                     ) -> tuple[str, list[tuple[str, str | None, list[int]]]]:
         """Submit every prompt or none. Returns the response id and (request id, prompt text, prompt ids)."""
         if len(prompts) * params.n > self.engine.max_waiting_requests:
             raise APIError(400, f"{len(prompts)} prompts x n={params.n} sequences exceed the server's queue limit "
                            f"({self.engine.max_waiting_requests})", "n")
         rid = random_id(prefix)
-        subs = []
+        sub_ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+        with engine_errors():
+            done = await self.engine.add_requests(list(zip(sub_ids, prompts)), params, priority, strict_max_tokens=True)
+        return rid, [(sub_id, text, ids) for sub_id, (text, ids) in zip(sub_ids, done)]
+
+    @contextmanager
+    def aborted_on_error(self, subs):
+        """Between submission and the response that owns the requests (it aborts them when it ends), a
+        failure (a bug building the response) must abort them: nobody would ever read them."""
         try:
-            for i, p in enumerate(prompts):
-                sub_id = rid if len(prompts) == 1 else f"{rid}-{i}"
-                text, ids = self.engine.add_request(sub_id, p, params, priority, strict_max_tokens=True)
-                subs.append((sub_id, text, ids))
-        except BaseException as e:
-            for sub_id, _, _ in subs:
-                self.engine.abort(sub_id)
-            if isinstance(e, QueueFullError):
-                raise APIError(429, str(e), code="rate_limit_exceeded",
-                               headers={"Retry-After": str(self.retry_after_s)}) from None
-            if isinstance(e, EngineDeadError):
-                raise APIError(503, str(e)) from None
-            if isinstance(e, ValueError):
-                raise bad_request(e, "prompt" if "'prompt'" in str(e) else None) from None
+            yield
+        except BaseException:
+            self.abort_all(subs)
             raise
-        return rid, subs
 
     def abort_all(self, subs) -> None:
         for sub_id, _, _ in subs:
@@ -256,6 +252,20 @@ class ServingBase:
                             "top_logprobs": [{"token": (ts := self.token_str(t, v)), "logprob": v.logprob,
                                               "bytes": list(ts.encode())} for t, v in top]})
         return {"content": content}
+
+
+@contextmanager
+def engine_errors():
+    """The engine's refusals as HTTP errors: bad input 400 (its field as `param`), queue full 429, no
+    engine (dead, or the server is shutting down) 503."""
+    try:
+        yield
+    except QueueFullError as e:
+        raise APIError(429, str(e), code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
+    except EngineDeadError as e:
+        raise APIError(503, str(e)) from None
+    except ValueError as e:
+        raise bad_request(e, "prompt" if "'prompt'" in str(e) else None) from None
 
 
 def usage(num_prompt: int, num_completion: int) -> dict:
