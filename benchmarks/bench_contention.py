@@ -155,6 +155,8 @@ def main() -> None:
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), help="names from SETTINGS")
     ap.add_argument("--kinds", nargs="+", default=["latency", "served", "throughput", "qwen"])
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per contended run before giving up")
+    ap.add_argument("--idle-only", action="store_true", help="skip the contended runs (idle A/B of settings)")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat the settings, alternating, this many times")
     ap.add_argument("--out", default="benchmarks/results/contention.json")
     args = ap.parse_args()
     if args.child:
@@ -163,21 +165,21 @@ def main() -> None:
     from common import machine, write_json
 
     result = {"machine": machine(), "spinner": SPINNER, "runs": {}}
-    for name in args.settings:
+    for name, rnd in ((n, r) for r in range(args.rounds) for n in args.settings):
         env = SETTINGS[name]
         for kind in args.kinds:
             entry = {"idle": run_child(kind, env, args.timeout * 4)}
-            if kind != "throughput":
+            if kind != "throughput" and not args.idle_only:
                 with Spinner():
                     entry["contended"] = run_child(kind, env, args.timeout)
                 entry["slowdown"] = entry["contended"]["seconds"] / entry["idle"]["seconds"]
                 entry["slowdown_is_lower_bound"] = bool(entry["contended"].get("timed_out"))
-            result["runs"][f"{name}/{kind}"] = entry
+            result["runs"][f"{name}/{kind}" + (f"/round{rnd + 1}" if args.rounds > 1 else "")] = entry
             print(name, kind, json.dumps(entry), flush=True)
-    base = result["runs"].get("libgomp default (GOMP_SPINCOUNT=300000)/throughput")
     for key, entry in result["runs"].items():
-        if key.endswith("/throughput") and base:
-            entry["vs_default_idle"] = entry["idle"]["output_tok_s"] / base["idle"]["output_tok_s"]
+        base = result["runs"].get("libgomp default (GOMP_SPINCOUNT=300000)/" + key.split("/", 1)[1])
+        if base and "output_tok_s" in entry["idle"]:
+            entry["idle_vs_libgomp_default"] = entry["idle"]["output_tok_s"] / base["idle"]["output_tok_s"]
     write_json(result, args.out)
 
 

@@ -32,3 +32,49 @@ def test_user_settings_win():
 def test_torch_imported_first_is_detected():
     shown = _openmp_env("import torch, tokenmill.cpu_threads as c; print('late', c.applied_too_late)")
     assert "late True" in shown
+
+
+class _FakeMachine:
+    """Cumulative (run-queue wait, idle CPU) seconds that a test advances by hand."""
+
+    def __init__(self):
+        self.now = self.wait = self.idle = 0.0
+
+    def advance(self, seconds: float, waiting_cores: float, idle_cores: float) -> None:
+        self.now += seconds
+        self.wait += seconds * waiting_cores
+        self.idle += seconds * idle_cores
+
+
+def test_governor_drops_threads_under_contention_and_restores_them():
+    from tokenmill.cpu_threads import ThreadGovernor
+
+    m, calls = _FakeMachine(), []
+    gov = ThreadGovernor(2, calls.append, window_s=0.2, hold_s=2.0, read=lambda: (m.wait, m.idle),
+                         clock=lambda: m.now)
+    m.advance(0.1, waiting_cores=0.9, idle_cores=0.0)
+    gov.tick()
+    assert calls == []  # a window has not passed yet
+    m.advance(0.2, waiting_cores=0.9, idle_cores=0.0)  # a neighbour took a core: our threads wait for it
+    gov.tick()
+    assert calls == [1] and gov.threads == 1
+    for _ in range(5):  # one thread, neighbour still there: nothing waits, nothing idles
+        m.advance(0.3, waiting_cores=0.0, idle_cores=0.05)
+        gov.tick()
+    assert calls == [1]
+    m.advance(0.3, waiting_cores=0.0, idle_cores=1.0)  # neighbour gone, but within hold_s of the drop
+    gov.tick()
+    assert calls == [1]
+    m.advance(2.0, waiting_cores=0.0, idle_cores=1.0)
+    gov.tick()
+    assert calls == [1, 2] and gov.threads == 2
+    m.advance(0.3, waiting_cores=0.0, idle_cores=1.0)  # never above the starting count
+    gov.tick()
+    assert calls == [1, 2]
+
+
+def test_governor_reads_this_machine():
+    from tokenmill.cpu_threads import _read_counters
+
+    wait, idle = _read_counters(os.sched_getaffinity(0))
+    assert wait >= 0 and idle > 0

@@ -118,7 +118,8 @@ _execute = model_runner.ModelRunner.execute
 
 
 def execute(self, sched):
-    if any(list(s.prompt_token_ids[:len(_marker)]) == _marker for s in sched.seqs):
+    if any(list((s.new_request or self.requests[s.request_id]).prompt_token_ids[:len(_marker)]) == _marker
+           for s in sched.seqs):
         time.sleep(0.1)
     return _execute(self, sched)
 

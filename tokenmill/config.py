@@ -118,6 +118,8 @@ class EngineConfig:
     revision: str | None = option(None, "accepted for vLLM compatibility; models load from local directories")
     trust_remote_code: bool = option(False, "let transformers run the model directory's own tokenizer code")
     num_threads: int | None = option(None, "CPU threads for torch (default: torch's choice)")
+    adaptive_cpu_threads: bool = option(True, "CPU: run fewer threads while other processes take cores, all "
+                                        "of them again when the cores are free (cpu_threads.ThreadGovernor)")
     cpu_linear_kernel: str = option(
         "auto", "CPU GEMMs: onednn packs weights once; onednn+gemv adds a batch-1 GEMV kernel (a second weight "
         "copy); torch uses F.linear; auto picks onednn+gemv when the copy fits in memory",

@@ -66,6 +66,9 @@ class EngineCore:
         self.kv = build_kv_manager(config, num_blocks)
         self.scheduler = build_scheduler(config, self.kv)
         self.num_steps = 0
+        self.governor = None
+        if config.adaptive_cpu_threads and config.device == "cpu" and torch.get_num_threads() > 1:
+            self.governor = cpu_threads.ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
         logger.info("engine ready: %s, %s, %d KV blocks of %d tokens", mc.architecture, self.dtype,
                     num_blocks, config.block_size)
 
@@ -102,6 +105,8 @@ class EngineCore:
 
     # -- the step --------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        if self.governor is not None:
+            self.governor.tick()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.runner.release_requests(sched.finished_ids)
