@@ -138,3 +138,20 @@ def test_sink_gets_held_back_tokens_before_a_failure():
         assert sink.ids == [1, 2, 3, 4, 5, 6] and sink.text.endswith("<6>") and len(sink.errors) == 1
 
     asyncio.run(run())
+
+
+def test_merging_deltas_matches_choices_by_index():
+    """n > 1 followers start a step after their leader: a pending delta holding only choice 0 must take the
+    next delta's choices 0, 1 and 2 each into its own place (it used to zip them, dropping 1 and 2)."""
+    from tokenmill.engine.async_llm import _merge
+    from tokenmill.outputs import CompletionOutput, RequestOutput
+
+    def delta(*choices):
+        outs = [CompletionOutput(index=i, text="t" * len(ids), token_ids=list(ids), cumulative_logprob=None,
+                                 logprobs=None, finish_reason=None) for i, ids in choices]
+        return RequestOutput("r", None, [1], outs, False)
+
+    merged = _merge(delta((0, [5])), delta((0, [6]), (1, [7]), (2, [8])))
+    merged = _merge(merged, delta((2, [9]), (1, [10])))
+    assert [(c.index, c.token_ids, c.text) for c in merged.outputs] == [(0, [5, 6], "tt"), (1, [7, 10], "tt"),
+                                                                        (2, [8, 9], "tt")]

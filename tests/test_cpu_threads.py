@@ -55,7 +55,15 @@ def test_governor_drops_threads_under_contention_and_restores_them():
     m.advance(0.1, waiting_cores=0.9, idle_cores=0.0)
     gov.tick()
     assert calls == []  # a window has not passed yet
-    m.advance(0.2, waiting_cores=0.9, idle_cores=0.0)  # a neighbour took a core: our threads wait for it
+    m.advance(0.25, waiting_cores=0.9, idle_cores=0.0)  # a neighbour took a core: our threads wait for it
+    gov.tick()
+    assert calls == []  # one hot window could be a burst of our own
+    m.advance(0.25, waiting_cores=0.0, idle_cores=0.0)
+    gov.tick()
+    m.advance(0.25, waiting_cores=0.9, idle_cores=0.0)
+    gov.tick()
+    assert calls == []  # the burst ended: hot windows must follow each other
+    m.advance(0.25, waiting_cores=0.9, idle_cores=0.0)
     gov.tick()
     assert calls == [1] and gov.threads == 1
     for _ in range(5):  # one thread, neighbour still there: nothing waits, nothing idles
@@ -78,3 +86,32 @@ def test_governor_reads_this_machine():
 
     wait, idle = _read_counters(os.sched_getaffinity(0))
     assert wait >= 0 and idle > 0
+
+
+def test_thread_changes_mid_generation_keep_greedy_tokens(llama_dir):
+    import itertools
+
+    import torch
+
+    from tokenmill import SamplingParams
+    from tokenmill.cpu_threads import ThreadGovernor
+    from conftest import make_llm, random_prompts
+
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([7, 30, 12, 50], seed=11)]
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = make_llm(llama_dir, adaptive_cpu_threads=False)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
+    llm = make_llm(llama_dir, adaptive_cpu_threads=False)
+    # every window alternates: threads all waiting (drop), then cores idle (raise)
+    steps = itertools.cycle([(10.0, 0.0), (0.0, 10.0)])
+    readings = itertools.accumulate(steps, lambda a, b: (a[0] + b[0], a[1] + b[1]))
+    ticks = itertools.count()
+    gov = ThreadGovernor(2, torch.set_num_threads, window_s=1.0, hold_s=0.0, patience=1,
+                         read=lambda: next(readings), clock=lambda: float(next(ticks)))
+    llm.llm_engine.core.governor = gov
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    finally:
+        torch.set_num_threads(2)
+    assert gov.num_changes > 10
+    assert got == want

@@ -59,7 +59,8 @@ class ThreadGovernor:
     it (10-100x slower); sleeping at once at barriers survives that but costs 10-30 % on a quiet machine.
     So the engine watches, every `window_s` of stepping, how long its threads waited for a CPU:
 
-        waited > drop_at cores on average over the window  -> one thread fewer (not below 1)
+        waited > drop_at cores, `patience` windows in a row -> one thread fewer (not below 1); a burst
+                                                              (the process's own tokenizer threads, say) is not a neighbour
         idle   > raise_at cores of ours over the window    -> one thread more (not above the start),
                                                               no sooner than hold_s after a drop
 
@@ -68,17 +69,15 @@ class ThreadGovernor:
     """
 
     def __init__(self, max_threads: int, set_threads, window_s: float = 0.2, hold_s: float = 2.0,
-                 drop_at: float = 0.3, raise_at: float = 0.75, read=None, clock=time.monotonic):
+                 drop_at: float = 0.3, raise_at: float = 0.75, patience: int = 2, read=None, clock=time.monotonic):
         self.max_threads = self.threads = max_threads
         self._set, self._clock = set_threads, clock
         self.window_s, self.hold_s, self.drop_at, self.raise_at = window_s, hold_s, drop_at, raise_at
+        self.patience, self._hot = patience, 0
         cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
         self._read = read or (lambda: _read_counters(cpus))
         self._hold_until = 0.0
         self.num_changes = 0
-        self._start()
-
-    def _start(self) -> None:
         self._t0 = self._clock()
         self._wait0, self._idle0 = self._read()
 
@@ -90,12 +89,14 @@ class ThreadGovernor:
             return
         wait, idle = self._read()
         waited, idle_cores = (wait - self._wait0) / dt, (idle - self._idle0) / dt
-        if self.threads > 1 and waited > self.drop_at:
+        self._hot = self._hot + 1 if waited > self.drop_at else 0
+        if self.threads > 1 and self._hot >= self.patience:
             self._change(self.threads - 1)
+            self._hot = 0
             self._hold_until = now + self.hold_s
         elif self.threads < self.max_threads and idle_cores > self.raise_at and now >= self._hold_until:
             self._change(self.threads + 1)
-        self._start()
+        self._t0, self._wait0, self._idle0 = now, wait, idle
 
     def _change(self, n: int) -> None:
         self.threads = n

@@ -113,7 +113,12 @@ def _needs_tokenizer(prompt) -> bool:
 def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """Fold delta `b` into pending `a`. Lists grow in place (each delta owns fresh slices), so a request
     read only at its end (final_only) costs O(tokens), not O(tokens^2)."""
-    for ca, cb in zip(a.outputs, b.outputs):
+    pending = {c.index: c for c in a.outputs}
+    for cb in b.outputs:  # by index: n > 1 followers start a step after their leader, so deltas differ in choices
+        ca = pending.get(cb.index)
+        if ca is None:
+            a.outputs.append(cb)
+            continue
         ca.text += cb.text
         ca.token_ids.extend(cb.token_ids)
         if ca.logprobs is not None and cb.logprobs is not None:
@@ -121,6 +126,7 @@ def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         ca.cumulative_logprob = cb.cumulative_logprob
         ca.finish_reason = ca.finish_reason or cb.finish_reason
         ca.stop_reason = ca.stop_reason if ca.stop_reason is not None else cb.stop_reason
+    a.outputs.sort(key=lambda c: c.index)
     if a.prompt_logprobs is not None and b.prompt_logprobs is not None:
         a.prompt_logprobs.extend(b.prompt_logprobs)
     a.finished, a.num_cached_tokens = b.finished, b.num_cached_tokens
