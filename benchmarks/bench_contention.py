@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -119,31 +118,17 @@ def child_qwen() -> dict:
 
 def child_served() -> dict:
     import httpx
+    from served import Served
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = subprocess.Popen([sys.executable, "-m", "tokenmill", "serve", "--port", str(port), "--disable-log-requests",
-                            "--disable-uvicorn-access-log"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        body = {"model": "tiny-shakespeare", "prompt": "ROMEO:", "temperature": 0, "ignore_eos": True, "stream": True}
-        httpx.post(url + "/v1/completions", json={**body, "max_tokens": 4, "stream": False}, timeout=60)
+    with Served() as server:
+        body = {"model": "bench", "prompt": "ROMEO:", "temperature": 0, "ignore_eos": True, "stream": True}
+        url = server.url + "/v1/completions"
+        httpx.post(url, json={**body, "max_tokens": 4, "stream": False}, timeout=60)  # warm-up
         t = time.perf_counter()
-        with httpx.stream("POST", url + "/v1/completions", json={**body, "max_tokens": 480}, timeout=None) as r:
+        with httpx.stream("POST", url, json={**body, "max_tokens": 480}, timeout=None) as r:
             for _ in r.iter_lines():
                 pass
         return {"seconds": time.perf_counter() - t}
-    finally:
-        srv.terminate()
-        srv.wait(30)
 
 
 CHILDREN = {"latency": child_latency, "throughput": child_throughput, "qwen": child_qwen, "served": child_served}
