@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.models.registry import check_architecture
+from tokenmill.quantization.config import resolve_quantization
 
 logger = logging.getLogger("tokenmill")
 
@@ -110,7 +111,10 @@ class EngineConfig:
                                     choices=("fcfs", "priority"))
     load_format: str = option("auto", "dummy: random weights for any config.json (benchmarking real shapes)",
                               choices=("auto", "safetensors", "dummy"))
-    quantization: str | None = option(None, "weight quantization method (none implemented yet)", aliases=("-q",))
+    quantization: str | None = option(
+        None, "weight quantization: int8 (weight-only, made at load time), w8a8 (int8 weights and activations), "
+        "awq (AutoAWQ / `tokenmill quantize` checkpoints; detected from config.json)",
+        choices=(None, "int8", "awq", "w8a8"), aliases=("-q",))
     tensor_parallel_size: int = option(1, "tensor-parallel workers (1 only, for now)", aliases=("-tp",))
     pipeline_parallel_size: int = option(1, "pipeline-parallel stages (1 only, for now)", aliases=("-pp",))
     device: str = option("auto", "auto or cpu (the GPU path has not landed yet)")
@@ -147,8 +151,6 @@ class EngineConfig:
             self.enable_prefix_caching = False  # nothing to share when every request owns a slab
         if self.batching == "static":
             self.enable_chunked_prefill = False
-        if self.quantization is not None:
-            raise ValueError(f"quantization={self.quantization!r} is not supported yet")
         if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
             raise ValueError("tensor/pipeline parallelism is not supported yet; use size 1")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -162,6 +164,7 @@ class EngineConfig:
 
     def resolve(self, model_config: ModelConfig) -> None:
         """Fill defaults that depend on the model."""
+        self.quantization = resolve_quantization(self.quantization, model_config.hf_config, self.model)
         limit = model_config.max_position_embeddings
         if model_config.sliding_window and model_config.sliding_window < limit:
             # Our attention has no sliding-window mask yet: stay inside the window, where it is exact.

@@ -39,7 +39,7 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
         else:
             kw["type"] = kind
             if f.metadata.get("choices"):
-                kw["choices"] = f.metadata["choices"]
+                kw["choices"] = [c for c in f.metadata["choices"] if c is not None]
         group.add_argument("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ()), **kw)
 
 

@@ -1,6 +1,19 @@
-"""Linear layers whose parameters carry their own weight loaders (nano-vllm's idea): a checkpoint
-tensor for q_proj lands in its slice of the merged qkv_proj without the model knowing the layout."""
+"""Linear layers and the linear-method seam (vLLM's LinearMethodBase).
+
+A `Linear` owns a `LinearMethod` that decides how its weights are held: the method creates the
+parameters, loads checkpoint shards into them, processes them once after loading (repacking,
+quantizing) and applies them. The model code only sees `Linear(x)`, and the loader only sees parameters
+with a `weight_loader`, so a quantized checkpoint (`qweight`, `qzeros`, `scales`) or a tensor-parallel
+shard goes through the same code as a plain float `weight`.
+
+Parameters carry two attributes for the shard logic:
+    output_dim   which dim of the parameter runs over output features (None: not sharded)
+    pack_factor  output features per element along that dim (8 for AutoAWQ's int32 nibble packing)
+so the q/k/v slices of a merged [q | k | v] projection land at offset // pack_factor in every parameter.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,51 +44,126 @@ def onednn_linear_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-class Linear(nn.Module):
-    """y = x W^T + b. On CPU the weight can be repacked once into oneDNN's blocked layout, whose
-    GEMM streams weights much faster than `F.linear` for the few-row matrices of decoding."""
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    m = x.shape[0]
+    rows = padded_rows(m) if x.dim() == 2 else m
+    if rows != m:
+        x = F.pad(x, (0, 0, 0, rows - m))
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:m]
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+
+@dataclass(frozen=True)
+class LoadContext:
+    """What `process_after_loading` may need to know about the whole load."""
+
+    device: str
+    dtype: torch.dtype
+    cpu_kernel: str = "torch"  # the resolved cpu_linear_kernel for unquantized layers (models/loader.py)
+
+
+class LinearMethod:
+    """How one Linear holds and applies its weights. Subclasses create their parameters in
+    `create_weights` with `output_dim` / `pack_factor` set; loading merged shards is shared here."""
+
+    def create_weights(self, layer: "Linear", in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        raise NotImplementedError
+
+    def load_weight(self, layer: "Linear", param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None) -> None:
+        target = param.data
+        if shard_id is not None:
+            off, size = layer.offsets[shard_id]
+            dim, pack = getattr(param, "output_dim", None), getattr(param, "pack_factor", 1)
+            if dim is None:
+                raise ValueError(f"parameter of shape {tuple(param.shape)} cannot hold shard {shard_id!r}")
+            target = target.narrow(dim, off // pack, size // pack)
+        default_weight_loader(target, loaded.to(param.dtype))
+
+    def process_after_loading(self, layer: "Linear", ctx: LoadContext) -> None:
+        pass
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dense_weight(self, layer: "Linear") -> torch.Tensor:
+        """The float W [N, K] this method computes with (tests and references compare against it)."""
+        raise NotImplementedError
+
+
+def add_param(layer: nn.Module, name: str, tensor: torch.Tensor, output_dim: int | None, pack_factor: int = 1,
+              loader=None) -> nn.Parameter:
+    p = nn.Parameter(tensor, requires_grad=False)
+    p.output_dim, p.pack_factor = output_dim, pack_factor
+    if loader is not None:
+        p.weight_loader = loader
+    layer.register_parameter(name, p)
+    return p
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """Float weights. On CPU the weight can be repacked once into oneDNN's blocked layout, whose GEMM
+    streams weights much faster than `F.linear` for the few-row matrices of decoding, plus a second copy
+    in the batch-1 GEMV kernel's layout (ops/cpu_gemv.py)."""
+
+    def create_weights(self, layer, in_features, out_features, dtype):
+        add_param(layer, "weight", torch.empty(out_features, in_features, dtype=dtype), output_dim=0)
+
+    def process_after_loading(self, layer, ctx):
+        layer.packed = layer.gemv_packed = None
+        if ctx.cpu_kernel == "torch":
+            return
+        if ctx.cpu_kernel == "onednn+gemv" and cpu_gemv.supports(layer.weight):
+            layer.gemv_packed = cpu_gemv.pack(layer.weight)
+        # A weight shared with another module (tied embeddings) stays alive through that module.
+        layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 1)
+        layer.weight = None
+
+    def apply(self, layer, x):
+        if getattr(layer, "gemv_packed", None) is not None and x.shape[0] == 1:
+            return cpu_gemv.gemv(x, layer.gemv_packed, layer.bias)
+        if getattr(layer, "packed", None) is not None:
+            return onednn_linear(x, layer.packed, layer.bias)
+        return F.linear(x, layer.weight, layer.bias)
+
+    def dense_weight(self, layer):
+        if layer.weight is None:
+            raise RuntimeError("the float weight was repacked; use cpu_linear_kernel='torch' to keep it")
+        return layer.weight
+
+
+class Linear(nn.Module):
+    """y = x W^T + b, with W held by `method` (default: unquantized). `shards` names slices of the output
+    dim, e.g. {"q": 2048, "k": 512, "v": 512} for a merged projection; each checkpoint tensor loads into
+    its slice. `prefix` is the layer's name in the model (quantization configs skip layers by name)."""
+
+    def __init__(self, in_features: int, out_features: int | None = None, bias: bool = False,
+                 method: LinearMethod | None = None, shards: dict[str, int] | None = None, prefix: str = ""):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.packed: torch.Tensor | None = None
-        self.gemv_packed: torch.Tensor | None = None  # batch-1 decode kernel's layout (ops/cpu_gemv.py)
+        if shards is not None:
+            out_features = sum(shards.values())
+        self.in_features, self.out_features, self.prefix = in_features, out_features, prefix
+        self.offsets, off = {}, 0
+        for name, size in (shards or {}).items():
+            self.offsets[name] = (off, size)
+            off += size
+        self.method = method or UnquantizedLinearMethod()
+        self.method.create_weights(self, in_features, out_features, torch.get_default_dtype())
+        for p in self.parameters(recurse=False):
+            p.weight_loader = self._load
+        self.bias = add_param(self, "bias", torch.empty(out_features), 0, loader=self._load) if bias else None
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        self.method.load_weight(self, param, loaded, shard_id)
+
+    def process_after_loading(self, ctx: LoadContext) -> None:
+        self.method.process_after_loading(self, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv_packed is not None and x.shape[0] == 1:
-            return cpu_gemv.gemv(x, self.gemv_packed, self.bias)
-        if self.packed is not None:
-            m = x.shape[0]
-            rows = padded_rows(m) if x.dim() == 2 else m
-            if rows != m:
-                x = F.pad(x, (0, 0, 0, rows - m))
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:m]
-        return F.linear(x, self.weight, self.bias)
-
-    def pack_for_cpu(self, with_gemv: bool = False) -> None:
-        """Replace the plain weight with a oneDNN-packed copy (done once, after loading), plus, with
-        `with_gemv`, a second copy in the batch-1 GEMV kernel's layout. A weight shared with another
-        module (tied embeddings) stays alive through that module."""
-        if with_gemv and cpu_gemv.supports(self.weight):
-            self.gemv_packed = cpu_gemv.pack(self.weight)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
-        self.weight = None
+        return self.method.apply(self, x)
 
 
 class MergedLinear(Linear):
     """Several projections of the same input stacked along the output dim, e.g. [q | k | v]."""
 
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False):
-        super().__init__(in_features, sum(shards.values()), bias)
-        self.offsets, off = {}, 0
-        for name, size in shards.items():
-            self.offsets[name] = (off, size)
-            off += size
-        self.weight.weight_loader = self._load_shard
-        if self.bias is not None:
-            self.bias.weight_loader = self._load_shard
-
-    def _load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str) -> None:
-        off, size = self.offsets[shard_id]
-        default_weight_loader(param.data.narrow(0, off, size), loaded)
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False,
+                 method: LinearMethod | None = None, prefix: str = ""):
+        super().__init__(in_features, bias=bias, method=method, shards=shards, prefix=prefix)

@@ -10,9 +10,10 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from tokenmill.config import EngineConfig, ModelConfig
-from tokenmill.layers.linear import Linear, onednn_linear_available
+from tokenmill.layers.linear import Linear, LoadContext, UnquantizedLinearMethod, onednn_linear_available
 from tokenmill.ops import cpu_gemv
 from tokenmill.models.registry import model_class
+from tokenmill.quantization.registry import build_quant_config
 
 logger = logging.getLogger("tokenmill")
 
@@ -57,17 +58,23 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     for name, p in model.named_parameters():
         if "norm" in name:
             p.data.fill_(1.0)
+        elif not p.dtype.is_floating_point:  # quantized codes: any bit pattern is a valid weight
+            info = torch.iinfo(p.dtype)
+            p.data.copy_(torch.randint(info.min, info.max, p.shape, dtype=torch.int64, generator=g).to(p.dtype))
+        elif name.endswith(".scales"):  # keep dequantized weights as small as the float ones
+            p.data.copy_(torch.empty(p.shape, dtype=torch.float32).uniform_(1e-5, 1e-4, generator=g))
         else:
             p.data.copy_(torch.empty(p.shape, dtype=torch.float32).uniform_(-1e-3, 1e-3, generator=g))
 
 
 def load_model(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: str):
     cls = model_class(mcfg.architecture)
+    quant = build_quant_config(cfg.quantization, mcfg.hf_config)
     with torch.device(device):
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            model = cls(mcfg, dtype, cfg.max_model_len)
+            model = cls(mcfg, dtype, cfg.max_model_len, quant)
         finally:
             torch.set_default_dtype(prev)
     if cfg.load_format == "dummy":
@@ -77,11 +84,10 @@ def load_model(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device:
         missing = {n for n, _ in model.named_parameters()} - loaded
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(sorted(missing)[:5])}")
-    kind = cpu_linear_kernel(cfg, device, model, dtype)
-    if kind != "torch":
-        for m in model.modules():
-            if isinstance(m, Linear):
-                m.pack_for_cpu(with_gemv=kind == "onednn+gemv")
+    ctx = LoadContext(device=device, dtype=dtype, cpu_kernel=cpu_linear_kernel(cfg, device, model, dtype))
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.process_after_loading(ctx)
     return model.eval()
 
 
@@ -99,7 +105,8 @@ def cpu_linear_kernel(cfg: EngineConfig, device: str, model: torch.nn.Module, dt
         raise ValueError("cpu_linear_kernel='onednn+gemv' needs bfloat16 or float32 weights, an AVX512-BF16 CPU "
                          "and gcc")
     if kind == "auto":
-        extra = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, Linear))
+        extra = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+                    if isinstance(m, Linear) and isinstance(m.method, UnquantizedLinearMethod))
         use_gemv = dtype in cpu_gemv.DTYPES and extra < 0.25 * _available_memory() and cpu_gemv.available()
         return "onednn+gemv" if use_gemv else "onednn"
     return kind

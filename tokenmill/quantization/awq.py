@@ -1,0 +1,85 @@
+"""AutoAWQ "GEMM" checkpoints, 4-bit with zero points (layout in quantization/awq_format.py), W4A16.
+
+On CPU the nibbles are repacked once into torch's int4 weight-only layout, whose kernel reads half a
+byte per weight and dequantizes in registers. It computes W = (q - 8) * scale + zero', so AWQ's
+W = (q - z) * s becomes zero' = (8 - z) * s. The pure-torch twin dequantizes the whole weight.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.layers.linear import LinearMethod, LoadContext, UnquantizedLinearMethod, add_param
+from tokenmill.quantization.awq_format import dequantize_w4, unpack_int4
+from tokenmill.quantization.config import QuantizationConfig, awq_settings
+from tokenmill.quantization.int8 import Int8LinearMethod
+
+PACK = 8  # nibbles per int32
+
+
+def int4pack_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and \
+        hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+
+
+class AWQLinearMethod(LinearMethod):
+    def __init__(self, group_size: int):
+        self.group_size = group_size
+
+    def create_weights(self, layer, in_features, out_features, dtype):
+        g = self.group_size
+        if in_features % g:
+            raise ValueError(f"{layer.prefix or 'linear layer'}: input size {in_features} is not a multiple of the "
+                             f"AWQ group size {g}")
+        if out_features % PACK:
+            raise ValueError(f"{layer.prefix or 'linear layer'}: output size {out_features} is not a multiple of "
+                             f"{PACK} (AWQ packs 8 outputs per int32)")
+        add_param(layer, "qweight", torch.empty(in_features, out_features // PACK, dtype=torch.int32), 1, PACK)
+        add_param(layer, "qzeros", torch.empty(in_features // g, out_features // PACK, dtype=torch.int32), 1, PACK)
+        add_param(layer, "scales", torch.empty(in_features // g, out_features, dtype=torch.float16), 1)
+
+    def process_after_loading(self, layer, ctx: LoadContext):
+        layer.int4_packed = None
+        if ctx.device == "cpu" and ctx.cpu_kernel != "torch" and int4pack_available():
+            q = unpack_int4(layer.qweight.data).t().contiguous().to(torch.int32)        # [N, K]
+            s = layer.scales.data.float()                                                 # [K/G, N]
+            zero = (8 - unpack_int4(layer.qzeros.data).float()) * s
+            layer.int4_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+            layer.int4_scale_zero = torch.stack([s, zero], -1).to(ctx.dtype).contiguous()
+            del layer.qweight, layer.qzeros, layer.scales  # the repacked copy is all the kernel needs
+            layer.dense = None
+        else:
+            layer.dense = dequantize_w4(layer.qweight.data, layer.qzeros.data, layer.scales.data, self.group_size)
+
+    def apply(self, layer, x):
+        if layer.int4_packed is not None and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.int4_packed, self.group_size,
+                                                          layer.int4_scale_zero)
+            return y if layer.bias is None else y + layer.bias
+        return F.linear(x.float(), layer.dense, None if layer.bias is None else layer.bias.float()).to(x.dtype)
+
+    def dense_weight(self, layer):
+        if layer.dense is not None:
+            return layer.dense
+        raise RuntimeError("AWQ weights were repacked for the CPU kernel; use cpu_linear_kernel='torch' to keep "
+                           "the dense twin")
+
+
+class AWQConfig(QuantizationConfig):
+    name = "awq"
+
+    def __init__(self, bits: int, group_size: int, skip: tuple[str, ...]):
+        self.bits, self.group_size, self.skip = bits, group_size, skip
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: dict) -> "AWQConfig":
+        bits, group, _, _ = awq_settings(ckpt)
+        skip = tuple(ckpt.get("modules_to_not_convert") or ())
+        return cls(bits, group, ("lm_head", *skip))
+
+    def linear_method(self, prefix):
+        if any(s and s in prefix for s in self.skip):
+            return UnquantizedLinearMethod()
+        if self.bits == 8:
+            return Int8LinearMethod(from_checkpoint=True, activations=False)
+        return AWQLinearMethod(self.group_size)

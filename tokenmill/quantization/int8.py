@@ -1,0 +1,99 @@
+"""INT8 weights, symmetric per output channel: W[n, k] = q[n, k] * s[n].
+
+Two ways to multiply:
+- W8A16 (`quantization="int8"`, and 8-bit AWQ checkpoints): activations stay in the model dtype and the
+  int8 weight is widened inside the kernel. Decoding one row is bound by reading the weights, so half
+  the bytes of bf16 is up to 2x faster.
+- W8A8 (`quantization="w8a8"`): each activation row is quantized to int8 with its own scale
+  (x[m, k] ~ xq[m, k] * t[m]) and the product runs on int8 dot products (VNNI), accumulating exactly
+  in int32: y[m, n] = t[m] * s[n] * sum_k xq[m, k] q[n, k]. Batched steps are bound by multiply rate,
+  and int8 doubles it over bf16. It is lossier (activations lose precision too).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.layers.linear import LinearMethod, LoadContext, add_param, UnquantizedLinearMethod
+from tokenmill.quantization.awq_format import quantize_w8
+from tokenmill.quantization.config import QuantizationConfig
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8: x [M, K] -> (xq int8 [M, K], t float32 [M])."""
+    xf = x.float()
+    t = xf.abs().amax(-1).clamp(min=1e-8) / 127
+    return (xf / t[:, None]).round_().clamp_(-127, 127).to(torch.int8), t
+
+
+def w8a8_linear_ref(x, qweight, scales, bias=None):
+    """The pure-torch twin of the W8A8 product (exact int32 accumulation)."""
+    xq, t = quantize_rows(x)
+    acc = (xq.to(torch.int32) @ qweight.to(torch.int32).t()).float()
+    y = acc * t[:, None] * scales.float()[None, :]
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+def w8a16_linear_ref(x, qweight, scales, bias=None):
+    """The pure-torch twin of the W8A16 product: the dequantized float weight, in float32."""
+    w = qweight.float() * scales.float()[:, None]
+    return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+
+
+class Int8LinearMethod(LinearMethod):
+    def __init__(self, from_checkpoint: bool, activations: bool):
+        self.from_checkpoint, self.activations = from_checkpoint, activations
+
+    def create_weights(self, layer, in_features, out_features, dtype):
+        if self.from_checkpoint:  # tokenmill-w8: qweight int8 [N, K], scales fp16 [N]
+            add_param(layer, "qweight", torch.empty(out_features, in_features, dtype=torch.int8), output_dim=0)
+            add_param(layer, "scales", torch.empty(out_features, dtype=torch.float16), output_dim=0)
+        else:
+            add_param(layer, "weight", torch.empty(out_features, in_features, dtype=dtype), output_dim=0)
+
+    def process_after_loading(self, layer, ctx: LoadContext):
+        if self.from_checkpoint:
+            q, s = layer.qweight.data, layer.scales.data
+            del layer.qweight, layer.scales
+        else:
+            q, s = quantize_w8(layer.weight.data)
+            del layer.weight
+        layer.register_buffer("qweight", q.contiguous(), persistent=False)
+        layer.register_buffer("wscale", s.float(), persistent=False)
+        # torch's int8 weight-only kernel wants the scale in the activation dtype
+        layer.register_buffer("wscale_act", s.to(ctx.dtype), persistent=False)
+        layer.use_torch_kernels = ctx.device == "cpu" and ctx.cpu_kernel != "torch"
+
+    def apply(self, layer, x):
+        if self.activations:
+            return self._w8a8(layer, x)
+        if layer.use_torch_kernels and x.shape[0] == 1:
+            y = torch._weight_int8pack_mm(x, layer.qweight, layer.wscale_act)
+            return y if layer.bias is None else y + layer.bias
+        return w8a16_linear_ref(x, layer.qweight, layer.wscale, layer.bias)
+
+    def _w8a8(self, layer, x):
+        xq, t = quantize_rows(x)
+        acc = torch._int_mm(xq, layer.qweight.t()) if layer.use_torch_kernels else \
+            xq.to(torch.int32) @ layer.qweight.to(torch.int32).t()
+        y = acc.float().mul_(t[:, None]).mul_(layer.wscale[None, :])
+        if layer.bias is not None:
+            y += layer.bias.float()
+        return y.to(x.dtype)
+
+    def dense_weight(self, layer):
+        return layer.qweight.float() * layer.wscale[:, None]
+
+
+class Int8Config(QuantizationConfig):
+    """Load-time int8 of a float checkpoint (`from_checkpoint=False`), or tokenmill's 8-bit AWQ format."""
+
+    def __init__(self, activations: bool = False, from_checkpoint: bool = False,
+                 skip: tuple[str, ...] = ("lm_head",)):
+        self.name = "w8a8" if activations else "int8"
+        self.activations, self.from_checkpoint, self.skip = activations, from_checkpoint, skip
+
+    def linear_method(self, prefix):
+        if any(s and s in prefix for s in self.skip):
+            return UnquantizedLinearMethod()
+        return Int8LinearMethod(self.from_checkpoint, self.activations)
