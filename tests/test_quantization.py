@@ -1,0 +1,165 @@
+"""Quantized engines against references that share their dequantized weights: AutoAWQ checkpoints
+packed by autoawq itself, load-time int8, and W8A8, each through both CPU kernel paths."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from tokenmill import SamplingParams
+from awq_oracle import autoawq_linear_class, write_autoawq_checkpoint
+from conftest import build_model, hf_greedy, make_llm, random_prompts
+
+pytestmark = pytest.mark.skipif(autoawq_linear_class() is None, reason="autoawq is a test dependency")
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+KERNELS = ["auto", "torch"]  # auto: torch's packed int4/int8 CPU kernels; torch: the dequantizing twins
+
+
+def generate(llm, prompts, params=GREEDY):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def awq_dirs(tmp_path_factory):
+    """arch -> (AutoAWQ checkpoint, transformers model on its dequantized weights)."""
+    out = {}
+    for arch, group in (("llama", 32), ("qwen2", 64)):  # qwen2 has q/k/v bias and tied embeddings
+        root = tmp_path_factory.mktemp(f"awq-{arch}")
+        build_model(str(root / "float"), arch, seed=3)
+        float_dir = write_autoawq_checkpoint(str(root / "float"), str(root / "awq"), group)
+        out[arch] = (str(root / "awq"), AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval())
+    return out
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_autoawq_checkpoint_matches_transformers_on_dequantized_weights(awq_dirs, arch, kernel):
+    path, hf = awq_dirs[arch]
+    llm = make_llm(path, cpu_linear_kernel=kernel)  # quantization detected from config.json
+    assert llm.llm_engine.config.quantization == "awq"
+    prompts = random_prompts([1, 9, 16, 37], seed=4)
+    for p, toks in zip(prompts, generate(llm, prompts)):
+        assert toks == hf_greedy(hf, p, 16), f"prompt length {len(p)}"
+
+
+def test_awq_prompt_logprobs_close_to_transformers(awq_dirs):
+    path, hf = awq_dirs["llama"]
+    llm = make_llm(path, quantization="awq")
+    p = random_prompts([30], seed=5)[0]
+    out = llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([p])).logits[0].float().log_softmax(-1)
+    ours = torch.tensor([out.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))])
+    torch.testing.assert_close(ours, ref[torch.arange(len(p) - 1), torch.tensor(p[1:])], atol=1e-4, rtol=1e-4)
+
+
+def test_awq_same_tokens_with_chunked_prefill_prefix_hits_and_preemption(awq_dirs):
+    path, hf = awq_dirs["llama"]
+    shared = random_prompts([40], seed=6)[0]
+    prompts = [shared + tail for tail in random_prompts([3, 11, 20, 5], seed=7)]
+    expected = [hf_greedy(hf, p, 16) for p in prompts]
+    chunked = make_llm(path, max_num_batched_tokens=16)  # 16-token chunks split every prompt
+    assert generate(chunked, prompts) == expected
+    assert generate(chunked, prompts) == expected  # again, now from the prefix cache
+    assert chunked.llm_engine.get_stats().prefix_cache_hits > 0
+    distinct = random_prompts([30, 41, 25, 36], seed=10)
+    # at most 57 tokens (4 blocks) each; 10 blocks cannot hold all four at once: preemption
+    small = make_llm(path, num_kv_blocks=10, max_model_len=64)
+    assert generate(small, distinct) == [hf_greedy(hf, p, 16) for p in distinct]
+    assert small.llm_engine.get_stats().num_preemptions > 0
+    chunked.llm_engine.check_invariants()
+    small.llm_engine.check_invariants()
+
+
+def int8_reference(src: str, dst: str):
+    """The float model int8 weight-only means: per-output-channel symmetric, fp16 scales, written out."""
+    sd = load_file(os.path.join(src, "model.safetensors"))
+    for name, t in sd.items():
+        if name.endswith("_proj.weight"):
+            s = (t.abs().amax(-1, keepdim=True) / 127).half().float()
+            sd[name] = (t / s).round().clamp(-127, 127) * s
+    os.makedirs(dst, exist_ok=True)
+    for f in os.listdir(src):
+        if f != "model.safetensors":
+            with open(os.path.join(src, f), "rb") as a, open(os.path.join(dst, f), "wb") as b:
+                b.write(a.read())
+    save_file(sd, os.path.join(dst, "model.safetensors"))
+    return AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_int8_weight_only_matches_transformers_on_dequantized_weights(model_dirs, tmp_path, kernel):
+    path, _ = model_dirs["llama"]
+    hf = int8_reference(path, str(tmp_path / "int8-float"))
+    llm = make_llm(path, quantization="int8", cpu_linear_kernel=kernel)
+    prompts = random_prompts([1, 13, 29], seed=8)
+    for p, toks in zip(prompts, generate(llm, prompts)):
+        assert toks == hf_greedy(hf, p, 16)
+
+
+def test_w8a8_kernel_matches_its_twin_and_stays_close_to_float(model_dirs):
+    path, hf = model_dirs["llama"]
+    prompts = random_prompts([5, 21, 40], seed=9)
+    runs = {k: make_llm(path, quantization="w8a8", cpu_linear_kernel=k) for k in KERNELS}
+    # int32 accumulation is exact in both, so the VNNI kernel and the twin agree token for token
+    assert generate(runs["auto"], prompts) == generate(runs["torch"], prompts)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    out = runs["auto"].generate([{"prompt_token_ids": prompts[2]}], params, use_tqdm=False)[0]
+    p = prompts[2]
+    with torch.no_grad():
+        ref = hf(torch.tensor([p])).logits[0].float().log_softmax(-1)
+    ours = torch.tensor([out.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))])
+    expected = ref[torch.arange(len(p) - 1), torch.tensor(p[1:])]
+    assert (ours - expected).abs().max() < 0.1  # lossy, but close
+    assert (ours - expected).abs().max() > 0  # and really quantized
+
+
+def set_quant_config(path: str, **changes) -> None:
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"].update(changes)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(bits=3), "3-bit weights is not supported"),
+    (dict(version="gemv"), "version 'gemv' is not supported"),
+    (dict(group_size=100), "group_size 100 is not supported"),
+    (dict(bits=8), "8-bit AWQ needs version 'tokenmill-w8'"),
+    (dict(quant_method="gptq"), "'gptq' is not supported"),
+    (dict(group_size=128), "model.layers.0.self_attn.qkv_proj: input size 64 is not a multiple of the AWQ group size"),
+])
+def test_bad_awq_config_fails_before_loading(awq_dirs, tmp_path, changes, message):
+    import shutil
+
+    path = str(tmp_path / "bad")
+    shutil.copytree(awq_dirs["llama"][0], path)
+    set_quant_config(path, **changes)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        make_llm(path)
+
+
+def test_awq_checkpoint_missing_qzeros_names_the_tensor(model_dirs, tmp_path):
+    src = model_dirs["llama"][0]
+    write_autoawq_checkpoint(src, str(tmp_path / "awq"), 32, drop=("layers.1.mlp.down_proj.qzeros",))
+    with pytest.raises(ValueError, match=r"missing weights: model\.layers\.1\.mlp\.down_proj\.qzeros"):
+        make_llm(str(tmp_path / "awq"))
+
+
+def test_awq_on_a_float_checkpoint_says_to_quantize(llama_dir):
+    with pytest.raises(ValueError, match="tokenmill quantize"):
+        make_llm(llama_dir, quantization="awq")
+
+
+def test_int8_on_an_awq_checkpoint_is_refused(awq_dirs):
+    with pytest.raises(ValueError, match="needs a float checkpoint"):
+        make_llm(awq_dirs["llama"][0], quantization="int8")
+
+
+def test_unknown_quantization_is_refused(llama_dir):
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        make_llm(llama_dir, quantization="fp4")
