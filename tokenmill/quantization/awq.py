@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from tokenmill.layers.linear import LinearMethod, LoadContext, UnquantizedLinearMethod, add_param
 from tokenmill.quantization.awq_format import dequantize_w4, unpack_int4
 from tokenmill.quantization.config import QuantizationConfig, awq_settings
-from tokenmill.quantization.int8 import Int8LinearMethod
+from tokenmill.quantization.int8 import GEMV_MAX_ROWS, Int8LinearMethod
+from tokenmill.ops import cpu_qgemv
 
 PACK = 8  # nibbles per int32
 
@@ -39,19 +40,30 @@ class AWQLinearMethod(LinearMethod):
         add_param(layer, "scales", torch.empty(in_features // g, out_features, dtype=torch.float16), 1)
 
     def process_after_loading(self, layer, ctx: LoadContext):
-        layer.int4_packed = None
-        if ctx.device == "cpu" and ctx.cpu_kernel != "torch" and int4pack_available():
-            q = unpack_int4(layer.qweight.data).t().contiguous().to(torch.int32)        # [N, K]
-            s = layer.scales.data.float()                                                 # [K/G, N]
+        layer.int4_packed = layer.panels = layer.dense = None
+        layer.bias_f32 = None if layer.bias is None else layer.bias.data.float()
+        fast = ctx.device == "cpu" and ctx.cpu_kernel != "torch"
+        n, k = layer.out_features, layer.in_features
+        if fast and cpu_qgemv.available() and cpu_qgemv.supports(n, k, self.group_size):
+            q = unpack_int4(layer.qweight.data).t()                          # [N, K]
+            layer.panels = cpu_qgemv.pack_int4(q, layer.scales.data, unpack_int4(layer.qzeros.data), self.group_size)
+        elif fast and int4pack_available():
+            q = unpack_int4(layer.qweight.data).t().contiguous().to(torch.int32)
+            s = layer.scales.data.float()                                     # [K/G, N]
             zero = (8 - unpack_int4(layer.qzeros.data).float()) * s
             layer.int4_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
             layer.int4_scale_zero = torch.stack([s, zero], -1).to(ctx.dtype).contiguous()
-            del layer.qweight, layer.qzeros, layer.scales  # the repacked copy is all the kernel needs
-            layer.dense = None
         else:
             layer.dense = dequantize_w4(layer.qweight.data, layer.qzeros.data, layer.scales.data, self.group_size)
+            return
+        del layer.qweight, layer.qzeros, layer.scales  # the repacked copy is all the kernels need
 
     def apply(self, layer, x):
+        if layer.panels is not None:
+            if x.shape[0] <= GEMV_MAX_ROWS:
+                rows = [cpu_qgemv.gemv_int4(r, *layer.panels, self.group_size, layer.bias_f32) for r in x.split(1)]
+                return rows[0] if len(rows) == 1 else torch.cat(rows)
+            return F.linear(x, self.dense_weight(layer).to(x.dtype), layer.bias)
         if layer.int4_packed is not None and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.int4_packed, self.group_size,
                                                           layer.int4_scale_zero)
@@ -61,8 +73,15 @@ class AWQLinearMethod(LinearMethod):
     def dense_weight(self, layer):
         if layer.dense is not None:
             return layer.dense
-        raise RuntimeError("AWQ weights were repacked for the CPU kernel; use cpu_linear_kernel='torch' to keep "
-                           "the dense twin")
+        if layer.panels is not None:  # [N/16, K/2, 16] bytes, S / Z [N/16, K/G, 16]
+            packed, s, z = layer.panels
+            nb, k2, _ = packed.shape
+            q = torch.stack([packed & 0xF, packed >> 4], 2).view(nb, 2 * k2, 16).float()
+            g = self.group_size
+            w = (q - z.repeat_interleave(g, 1)) * s.repeat_interleave(g, 1)
+            return w.transpose(1, 2).reshape(nb * 16, 2 * k2)
+        raise RuntimeError("AWQ weights were repacked for torch's int4 kernel; use cpu_linear_kernel='torch' to "
+                           "keep the dense twin")
 
 
 class AWQConfig(QuantizationConfig):

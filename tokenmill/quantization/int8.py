@@ -15,8 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers.linear import LinearMethod, LoadContext, add_param, UnquantizedLinearMethod
+from tokenmill.ops import cpu_qgemv
 from tokenmill.quantization.awq_format import quantize_w8
 from tokenmill.quantization.config import QuantizationConfig
+
+# Up to this many rows the GEMV kernel runs once per row (each pass re-reads the int8 weights); above it
+# the weight is dequantized once per call, which larger batches amortize. Measured: BENCHMARKS.md.
+GEMV_MAX_ROWS = 4
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,23 +63,32 @@ class Int8LinearMethod(LinearMethod):
         else:
             q, s = quantize_w8(layer.weight.data)
             del layer.weight
-        layer.register_buffer("qweight", q.contiguous(), persistent=False)
+        n, k = q.shape
+        fast = ctx.device == "cpu" and ctx.cpu_kernel != "torch"
         layer.register_buffer("wscale", s.float(), persistent=False)
-        # torch's int8 weight-only kernel wants the scale in the activation dtype
-        layer.register_buffer("wscale_act", s.to(ctx.dtype), persistent=False)
-        layer.use_torch_kernels = ctx.device == "cpu" and ctx.cpu_kernel != "torch"
+        layer.bias_f32 = None if layer.bias is None else layer.bias.data.float()
+        # W8A16 keeps one copy of the codes: the GEMV panel layout when the kernel is there, else [N, K]
+        layer.gemv_panels = fast and not self.activations and cpu_qgemv.available() and cpu_qgemv.supports(n, k)
+        layer.register_buffer("qweight", cpu_qgemv.pack_int8(q) if layer.gemv_panels else q.contiguous(),
+                              persistent=False)
+        layer.use_int_mm = fast and self.activations
+
+    def codes(self, layer) -> torch.Tensor:
+        """int8 [N, K], whichever layout is stored."""
+        q = layer.qweight
+        return q.transpose(1, 2).reshape(-1, q.shape[1]) if layer.gemv_panels else q
 
     def apply(self, layer, x):
         if self.activations:
             return self._w8a8(layer, x)
-        if layer.use_torch_kernels and x.shape[0] == 1:
-            y = torch._weight_int8pack_mm(x, layer.qweight, layer.wscale_act)
-            return y if layer.bias is None else y + layer.bias
-        return w8a16_linear_ref(x, layer.qweight, layer.wscale, layer.bias)
+        if layer.gemv_panels and x.shape[0] <= GEMV_MAX_ROWS:
+            rows = [cpu_qgemv.gemv_int8(r, layer.qweight, layer.wscale, layer.bias_f32) for r in x.split(1)]
+            return rows[0] if len(rows) == 1 else torch.cat(rows)
+        return w8a16_linear_ref(x, self.codes(layer), layer.wscale, layer.bias)
 
     def _w8a8(self, layer, x):
         xq, t = quantize_rows(x)
-        acc = torch._int_mm(xq, layer.qweight.t()) if layer.use_torch_kernels else \
+        acc = torch._int_mm(xq, layer.qweight.t()) if layer.use_int_mm else \
             xq.to(torch.int32) @ layer.qweight.to(torch.int32).t()
         y = acc.float().mul_(t[:, None]).mul_(layer.wscale[None, :])
         if layer.bias is not None:
@@ -82,7 +96,7 @@ class Int8LinearMethod(LinearMethod):
         return y.to(x.dtype)
 
     def dense_weight(self, layer):
-        return layer.qweight.float() * layer.wscale[:, None]
+        return self.codes(layer).float() * layer.wscale[:, None]
 
 
 class Int8Config(QuantizationConfig):

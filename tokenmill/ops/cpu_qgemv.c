@@ -1,0 +1,97 @@
+/* Batch-1 GEMVs over quantized weights on AVX-512 CPUs: y[N] = W[N,K] x[K] (+ bias), float32 math.
+ * Decoding one row is bound by reading the weights, so each layout is read as one sequential stream
+ * of 16-row panels and widened to float32 in registers.
+ *
+ * int8, symmetric per output row (W[n,k] = q[n,k] * s[n]):
+ *
+ *     P[N/16][K][16] int8          P[b][k][r] = q[16 b + r][k]       (16 bytes per k)
+ *     y[n] = s[n] * sum_k x[k] q[n,k]
+ *
+ * int4 with groups of G along K and zero points (AWQ: W[n,k] = (q[n,k] - z[g,n]) * s[g,n], g = k / G):
+ *
+ *     P[N/16][K/2][16] uint8       P[b][k2][r] = q[16b+r][2 k2] | q[16b+r][2 k2 + 1] << 4
+ *     S[N/16][K/G][16] float32     scales, Z the same for zero points
+ *     y[n] = sum_g s[g,n] * (sum_{k in g} x[k] q[n,k]  -  z[g,n] * sum_{k in g} x[k])
+ *
+ * x arrives in float32 (the Python side converts a bfloat16 row once).  */
+#include <immintrin.h>
+#include <stdint.h>
+
+#include "bf16.h"
+
+static inline void store_row(float *out16, __m512 acc, const float *bias, int64_t n0, void *y, int y_bf16) {
+    if (bias)
+        acc = _mm512_add_ps(acc, _mm512_loadu_ps(bias + n0));
+    if (y_bf16) {
+        float tmp[16];
+        _mm512_storeu_ps(tmp, acc);
+        for (int r = 0; r < 16; r++) ((uint16_t *)y)[n0 + r] = f32_to_bf16(tmp[r]);
+    } else {
+        _mm512_storeu_ps((float *)y + n0, acc);
+    }
+    (void)out16;
+}
+
+void tm_qgemv_s8(const int8_t *P, const float *scales, const float *x, const float *bias, void *y, int64_t N,
+                 int64_t K, int y_bf16, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < N / 16; b++) {
+        const int8_t *blk = P + b * K * 16;
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k + 4 <= K; k += 4) {  /* one 64-byte line: four k of 16 rows */
+            __m512i line = _mm512_loadu_si512(blk + k * 16);
+            __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(line)));
+            __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(line, 1)));
+            __m512 w2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(line, 2)));
+            __m512 w3 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(line, 3)));
+            a0 = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[k + 0]), a0);
+            a1 = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[k + 1]), a1);
+            a2 = _mm512_fmadd_ps(w2, _mm512_set1_ps(x[k + 2]), a2);
+            a3 = _mm512_fmadd_ps(w3, _mm512_set1_ps(x[k + 3]), a3);
+        }
+        for (; k < K; k++) {
+            __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + k * 16))));
+            a0 = _mm512_fmadd_ps(w, _mm512_set1_ps(x[k]), a0);
+        }
+        __m512 acc = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+        store_row(0, _mm512_mul_ps(acc, _mm512_loadu_ps(scales + b * 16)), bias, b * 16, y, y_bf16);
+    }
+}
+
+void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const float *x, const float *bias, void *y,
+                 int64_t N, int64_t K, int64_t G, int y_bf16, int nthreads) {
+    const int64_t ngroups = K / G;
+    const __m512i low4 = _mm512_set1_epi32(0xF);
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < N / 16; b++) {
+        const uint8_t *blk = P + b * (K / 2) * 16;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t g = 0; g < ngroups; g++) {
+            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+            float xs = 0.f;
+            const int64_t k_end = (g + 1) * G;
+            for (int64_t k = g * G; k < k_end; k += 8) {  /* one 64-byte line: 8 k of 16 rows */
+                __m512i line = _mm512_loadu_si512(blk + (k / 2) * 16);
+                __m512i v0 = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(line));
+                __m512i v1 = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(line, 1));
+                __m512i v2 = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(line, 2));
+                __m512i v3 = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(line, 3));
+                a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v0, low4)), _mm512_set1_ps(x[k + 0]), a0);
+                a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v0, 4)), _mm512_set1_ps(x[k + 1]), a1);
+                a2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v1, low4)), _mm512_set1_ps(x[k + 2]), a2);
+                a3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v1, 4)), _mm512_set1_ps(x[k + 3]), a3);
+                a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v2, low4)), _mm512_set1_ps(x[k + 4]), a0);
+                a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v2, 4)), _mm512_set1_ps(x[k + 5]), a1);
+                a2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v3, low4)), _mm512_set1_ps(x[k + 6]), a2);
+                a3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v3, 4)), _mm512_set1_ps(x[k + 7]), a3);
+                xs += x[k] + x[k + 1] + x[k + 2] + x[k + 3] + x[k + 4] + x[k + 5] + x[k + 6] + x[k + 7];
+            }
+            __m512 dot = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+            const int64_t sz = (b * ngroups + g) * 16;
+            __m512 corrected = _mm512_fnmadd_ps(_mm512_loadu_ps(Z + sz), _mm512_set1_ps(xs), dot);
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(S + sz), corrected, acc);
+        }
+        store_row(0, acc, bias, b * 16, y, y_bf16);
+    }
+}

@@ -1,0 +1,88 @@
+"""Batch-1 GEMVs over int8 and int4 weights (ops/cpu_qgemv.c), for decoding with quantized weights.
+
+Layouts (see the C file): int8 [N/16, K, 16]; int4 [N/16, K/2, 16] bytes holding two k each, with
+per-group scales and zero points [N/16, K/G, 16] in float32. The pure-torch twins are the
+dequantizing references in quantization/int8.py and quantization/awq_format.py; `int4_reference`
+here computes from this module's own layout, for tests of the packing.
+"""
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+import torch
+
+from tokenmill.ops import native
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+@lru_cache(maxsize=1)
+def _library():
+    lib = native.load("cpu_qgemv.c", "TOKENMILL_DISABLE_CPU_QGEMV")
+    if lib is None:
+        return None
+    lib.tm_qgemv_s8.argtypes = [_P, _P, _P, _P, _P, _I, _I, ctypes.c_int, ctypes.c_int]
+    lib.tm_qgemv_u4.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int]
+    lib.tm_qgemv_s8.restype = lib.tm_qgemv_u4.restype = None
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def supports(n: int, k: int, group_size: int | None = None) -> bool:
+    if n % 16:
+        return False
+    return group_size is None or (k % group_size == 0 and group_size % 8 == 0)
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> [N/16, K, 16]."""
+    n, k = q.shape
+    return q.view(n // 16, 16, k).transpose(1, 2).contiguous()
+
+
+def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int):
+    """q [N, K] in 0..15, scales and zeros [K/G, N] -> (bytes [N/16, K/2, 16], S, Z [N/16, K/G, 16])."""
+    n, k = q.shape
+    q = q.to(torch.uint8).view(n // 16, 16, k // 2, 2)
+    packed = (q[..., 0] | (q[..., 1] << 4)).transpose(1, 2).contiguous()
+
+    def panels(t):
+        return t.float().t().reshape(n // 16, 16, k // group_size).transpose(1, 2).contiguous()
+
+    return packed, panels(scales), panels(zeros)
+
+
+def _out(x: torch.Tensor, n: int):
+    return torch.empty(1, n, dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
+
+
+def _args(x, bias):
+    xf = x.float().contiguous()
+    bf = None if bias is None else bias.float().contiguous()
+    return xf, bf
+
+
+def gemv_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+    """x [1, K] -> [1, N]; scales float32 [N]; bias float32 [N] or None. Output in bf16 for a bf16 x."""
+    n, k = packed.shape[0] * 16, packed.shape[1]
+    xf, bf = _args(x, bias)
+    y = _out(x, n)
+    _library().tm_qgemv_s8(packed.data_ptr(), scales.data_ptr(), xf.data_ptr(), None if bf is None else bf.data_ptr(),
+                           y.data_ptr(), n, k, int(y.dtype == torch.bfloat16), torch.get_num_threads())
+    return y if x.dtype in (torch.bfloat16, torch.float32) else y.to(x.dtype)
+
+
+def gemv_int4(x: torch.Tensor, packed: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group_size: int,
+              bias: torch.Tensor | None = None):
+    n, k = packed.shape[0] * 16, packed.shape[1] * 2
+    xf, bf = _args(x, bias)
+    y = _out(x, n)
+    _library().tm_qgemv_u4(packed.data_ptr(), s.data_ptr(), z.data_ptr(), xf.data_ptr(),
+                           None if bf is None else bf.data_ptr(), y.data_ptr(), n, k, group_size,
+                           int(y.dtype == torch.bfloat16), torch.get_num_threads())
+    return y if x.dtype in (torch.bfloat16, torch.float32) else y.to(x.dtype)
