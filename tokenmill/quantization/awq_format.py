@@ -34,14 +34,14 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
     if n % 8:
         raise ValueError(f"AWQ packing needs a multiple of 8 columns, got {n}")
     v = values.to(torch.int32).view(r, n // 8, 8)[:, :, list(ORDER)]
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=values.device)
     return (v << shifts).sum(-1, dtype=torch.int32)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """int32 [R, N/8] -> uint8 [R, N] in column order (the inverse of `pack_int4`)."""
     r, c = packed.shape
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
     nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # [R, C, 8], nibble i -> column ORDER[i]
     out = torch.empty_like(nibbles)
     out[:, :, list(ORDER)] = nibbles
