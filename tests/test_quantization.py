@@ -74,11 +74,11 @@ def test_awq_same_tokens_with_chunked_prefill_prefix_hits_and_preemption(awq_dir
     small.llm_engine.check_invariants()
 
 
-def int8_reference(src: str, dst: str):
+def int8_reference(src: str, dst: str, lm_head: bool = False):
     """The float model int8 weight-only means: per-output-channel symmetric, fp16 scales, written out."""
     sd = load_file(os.path.join(src, "model.safetensors"))
     for name, t in sd.items():
-        if name.endswith("_proj.weight"):
+        if name.endswith("_proj.weight") or (lm_head and name == "lm_head.weight"):
             s = (t.abs().amax(-1, keepdim=True) / 127).half().float()
             sd[name] = (t / s).round().clamp(-127, 127) * s
     os.makedirs(dst, exist_ok=True)
@@ -98,6 +98,31 @@ def test_int8_weight_only_matches_transformers_on_dequantized_weights(model_dirs
     prompts = random_prompts([1, 13, 29], seed=8)
     for p, toks in zip(prompts, generate(llm, prompts)):
         assert toks == hf_greedy(hf, p, 16)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_int8_lm_head_matches_its_dequantized_reference(model_dirs, tmp_path, quantization):
+    path, _ = model_dirs["llama"]  # an untied LM head
+    ref_dir = str(tmp_path / "ref")
+    if quantization is None:  # only the head is quantized
+        ref = int8_reference(path, ref_dir, lm_head=True)
+        sd = load_file(os.path.join(ref_dir, "model.safetensors"))
+        orig = load_file(os.path.join(path, "model.safetensors"))
+        save_file({k: (v if k == "lm_head.weight" else orig[k]) for k, v in sd.items()},
+                  os.path.join(ref_dir, "model.safetensors"))
+        ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    else:
+        ref = int8_reference(path, ref_dir, lm_head=True)
+    llm = make_llm(path, quantization=quantization, quantize_lm_head=True)
+    prompts = random_prompts([6, 19], seed=11)
+    p = prompts[1]
+    out = llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    with torch.no_grad():
+        expected = ref(torch.tensor([p])).logits[0].float().log_softmax(-1)
+    ours = torch.tensor([out.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))])
+    torch.testing.assert_close(ours, expected[torch.arange(len(p) - 1), torch.tensor(p[1:])], atol=1e-4, rtol=1e-4)
+    for q, toks in zip(prompts, generate(llm, prompts)):
+        assert toks == hf_greedy(ref, q, 16)
 
 
 def test_w8a8_kernel_matches_its_twin_and_stays_close_to_float(model_dirs):

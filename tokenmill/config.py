@@ -115,6 +115,8 @@ class EngineConfig:
         None, "weight quantization: int8 (weight-only, made at load time), w8a8 (int8 weights and activations), "
         "awq (AutoAWQ / `tokenmill quantize` checkpoints; detected from config.json)",
         choices=(None, "int8", "awq", "w8a8"), aliases=("-q",))
+    quantize_lm_head: bool = option(False, "also run the LM head in int8 weight-only (made at load time; the other "
+                                    "methods keep it in float, as AutoAWQ and vLLM do)")
     tensor_parallel_size: int = option(1, "tensor-parallel workers (1 only, for now)", aliases=("-tp",))
     pipeline_parallel_size: int = option(1, "pipeline-parallel stages (1 only, for now)", aliases=("-pp",))
     device: str = option("auto", "auto or cpu (the GPU path has not landed yet)")

@@ -69,7 +69,7 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
 
 def load_model(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: str):
     cls = model_class(mcfg.architecture)
-    quant = build_quant_config(cfg.quantization, mcfg.hf_config)
+    quant = build_quant_config(cfg.quantization, mcfg.hf_config, cfg.quantize_lm_head)
     with torch.device(device):
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)

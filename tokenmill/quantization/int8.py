@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.linear import LinearMethod, LoadContext, add_param, UnquantizedLinearMethod
+from tokenmill.layers.linear import LinearMethod, LoadContext, UnquantizedLinearMethod, add_param, padded_rows
 from tokenmill.ops import cpu_qgemv
 from tokenmill.quantization.awq_format import quantize_w8
 from tokenmill.quantization.config import QuantizationConfig
@@ -22,6 +22,11 @@ from tokenmill.quantization.config import QuantizationConfig
 # Up to this many rows the GEMV kernel runs once per row (each pass re-reads the int8 weights); above it
 # the weight is dequantized once per call, which larger batches amortize. Measured: BENCHMARKS.md.
 GEMV_MAX_ROWS = 4
+
+
+def qlinear_available() -> bool:
+    return hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_prepack") and \
+        torch.backends.mkldnn.is_available()
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,6 +76,11 @@ class Int8LinearMethod(LinearMethod):
         layer.gemv_panels = fast and not self.activations and cpu_qgemv.available() and cpu_qgemv.supports(n, k)
         layer.register_buffer("qweight", cpu_qgemv.pack_int8(q) if layer.gemv_panels else q.contiguous(),
                               persistent=False)
+        layer.qlinear = None
+        if fast and self.activations and qlinear_available():
+            # oneDNN's VNNI int8 GEMM on a weight reordered once; the row scales are applied after it
+            layer.qlinear = torch.ops.onednn.qlinear_prepack(q, [32, k])
+            layer.register_buffer("zero_points", torch.zeros(n, dtype=torch.int64), persistent=False)
         layer.use_int_mm = fast and self.activations
 
     def codes(self, layer) -> torch.Tensor:
@@ -88,9 +98,17 @@ class Int8LinearMethod(LinearMethod):
 
     def _w8a8(self, layer, x):
         xq, t = quantize_rows(x)
-        acc = torch._int_mm(xq, layer.qweight.t()) if layer.use_int_mm else \
-            xq.to(torch.int32) @ layer.qweight.to(torch.int32).t()
-        y = acc.float().mul_(t[:, None]).mul_(layer.wscale[None, :])
+        if layer.qlinear is not None:
+            m = xq.shape[0]
+            rows = padded_rows(m)  # a bounded set of shapes for oneDNN's primitive cache
+            if rows != m:
+                xq = F.pad(xq, (0, 0, 0, rows - m))
+            y = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, layer.qlinear, layer.wscale, layer.zero_points, None,
+                                                   1.0, 0, torch.float32, "none", [None], "")[:m].mul_(t[:, None])
+        else:
+            acc = torch._int_mm(xq, layer.qweight.t()) if layer.use_int_mm else \
+                xq.to(torch.int32) @ layer.qweight.to(torch.int32).t()
+            y = acc.float().mul_(t[:, None]).mul_(layer.wscale[None, :])
         if layer.bias is not None:
             y += layer.bias.float()
         return y.to(x.dtype)

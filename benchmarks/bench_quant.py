@@ -1,0 +1,157 @@
+"""Quantized formats side by side with llama.cpp, in one run (issue 14's speed table).
+
+Qwen2.5-0.5B shape, random weights saved as a real bf16 checkpoint (so llama.cpp converts the same
+tensors), B sequences x (128 prompt + 128 new tokens), greedy, 2 threads, output tokens/s end to end.
+tokenmill formats: bf16, int8 (W8A16), awq (4-bit g128, round-to-nearest packed as AutoAWQ GEMM), w8a8.
+Each format runs in its own process, which also reports its resident memory. llama.cpp: bf16, q8_0, q4_0
+through ../shared/anchors/llamacpp.py.
+
+    python benchmarks/bench_quant.py --out benchmarks/results/quant.json [--formats bf16,int8,awq,w8a8]
+        [--batches 1,32] [--rounds 2] [--no-llamacpp]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import QWEN25_05B, machine, read_bandwidth_gbs, write_json  # noqa: E402
+
+ROOT = os.path.join("/tmp", "tokenmill-bench")
+ANCHOR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "anchors", "llamacpp.py")
+ENGINE = {"bf16": {}, "int8": {"quantization": "int8"}, "awq": {}, "w8a8": {"quantization": "w8a8"}}
+
+
+def random_checkpoint() -> str:
+    """A bf16 Qwen2.5-0.5B-shaped checkpoint with random weights (transformers' init, seed 0)."""
+    path = os.path.join(ROOT, "qwen2.5-0.5b-random")
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        import torch
+        from transformers import AutoModelForCausalLM, Qwen2Config
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN25_05B), dtype=torch.bfloat16)
+        model.save_pretrained(path)
+    return path
+
+
+def awq_checkpoint(src: str, group: int = 128) -> str:
+    """Round-to-nearest 4-bit of `src`'s decoder linears in AutoAWQ GEMM format."""
+    dst = src + f"-awq-g{group}"
+    if os.path.isfile(os.path.join(dst, "model.safetensors")):
+        return dst
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tokenmill.quantization.awq_format import quantize_w4
+
+    sd = load_file(os.path.join(src, "model.safetensors"))
+    out = {}
+    for name, t in sd.items():
+        if name.endswith("_proj.weight"):
+            base = name[: -len(".weight")]
+            out[base + ".qweight"], out[base + ".qzeros"], out[base + ".scales"] = quantize_w4(t, group)
+        else:
+            out[name] = t
+    os.makedirs(dst, exist_ok=True)
+    save_file(out, os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                                  "version": "gemm"}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    for extra in ("generation_config.json",):
+        if os.path.isfile(os.path.join(src, extra)):
+            shutil.copy(os.path.join(src, extra), dst)
+    return dst
+
+
+def rss_mib(field: str = "VmRSS") -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def worker(fmt: str, model: str, batches: list[int], threads: int) -> dict:
+    import random
+
+    import torch
+
+    import tokenmill  # noqa: F401  (OpenMP defaults before torch spins up threads)
+    from tokenmill import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    llm = LLM(model=model, dtype="bfloat16", max_model_len=512, max_num_seqs=max(batches),
+              adaptive_cpu_threads=False, skip_tokenizer_init=True, **ENGINE[fmt])
+    res = {"rss_after_load_mib": rss_mib()}
+    rng = random.Random(0)
+    for b in batches:
+        prompts = [{"prompt_token_ids": [rng.randrange(1000, 100000) for _ in range(128)]} for _ in range(b)]
+        params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        res[str(b)] = {"seconds": dt, "output_tok_s": n / dt}
+    res["peak_rss_mib"] = rss_mib("VmHWM")
+    return res
+
+
+def run_worker(fmt, model, batches, threads):
+    out = subprocess.run([sys.executable, __file__, "--worker", fmt, "--model", model, "--batches",
+                          ",".join(map(str, batches)), "--threads", str(threads)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--formats", default="bf16,int8,awq,w8a8")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--llamacpp-types", default="bf16,q8_0,q4_0")
+    ap.add_argument("--out", default="benchmarks/results/quant.json")
+    ap.add_argument("--worker")
+    ap.add_argument("--model")
+    a = ap.parse_args()
+    batches = [int(b) for b in a.batches.split(",")]
+    if a.worker:
+        print(json.dumps(worker(a.worker, a.model, batches, a.threads)))
+        return
+    src = random_checkpoint()
+    models = {f: (awq_checkpoint(src) if f == "awq" else src) for f in a.formats.split(",")}
+    result = {"machine": machine(), "workload": "B x (128 prompt + 128 new), greedy", "rounds": []}
+    for r in range(a.rounds):
+        rnd = {"bandwidth_gbs_before": read_bandwidth_gbs(a.threads), "tokenmill": {}}
+        for f, m in models.items():
+            rnd["tokenmill"][f] = run_worker(f, m, batches, a.threads)
+            print(f"round {r} tokenmill {f}: {rnd['tokenmill'][f]}", flush=True)
+        if not a.no_llamacpp:
+            out = subprocess.run([sys.executable, ANCHOR, "bench", src, "--types", a.llamacpp_types, "--batches",
+                                  a.batches, "--threads", str(a.threads), "--dummy-vocab"],
+                                 capture_output=True, text=True, check=True)
+            rnd["llamacpp"] = json.loads(out.stdout.strip().splitlines()[-1])
+            print(f"round {r} llama.cpp: {rnd['llamacpp']}", flush=True)
+        rnd["bandwidth_gbs_after"] = read_bandwidth_gbs(a.threads)
+        result["rounds"].append(rnd)
+    if not a.no_llamacpp:
+        sys.path.insert(0, os.path.dirname(ANCHOR))
+        import llamacpp
+
+        result["llamacpp_commit"] = llamacpp.commit()
+    write_json(result, a.out)
+
+
+if __name__ == "__main__":
+    main()
