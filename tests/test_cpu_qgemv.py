@@ -25,7 +25,7 @@ def test_int8_gemv_matches_twin(n, k, dtype, with_bias):
     torch.testing.assert_close(y.float(), ref, atol=tol * ref.abs().max().item(), rtol=0)
 
 
-@pytest.mark.parametrize("n, k, group", [(16, 64, 32), (48, 128, 64), (512, 896, 128)])
+@pytest.mark.parametrize("n, k, group", [(16, 64, 32), (48, 128, 64), (512, 896, 128), (32, 96, 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_gemv_matches_awq_twin(n, k, group, dtype):
     g = torch.Generator().manual_seed(n * k)
@@ -43,3 +43,19 @@ def test_int4_gemv_matches_awq_twin(n, k, group, dtype):
 def test_unsupported_shapes_are_declined():
     assert not cpu_qgemv.supports(40, 64)  # rows come in panels of 16
     assert not cpu_qgemv.supports(32, 100, 64)  # K must split into whole groups
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantized_panels_are_the_twins_weights(dtype):
+    g = torch.Generator().manual_seed(7)
+    q = torch.randint(-127, 128, (48, 200), dtype=torch.int8, generator=g)  # K not a multiple of 16
+    s = torch.rand(48, generator=g)
+    w8 = cpu_qgemv.dequant_int8(cpu_qgemv.pack_int8(q), s, dtype)
+    w = torch.randn(32, 96, generator=g)
+    qweight, qzeros, scales = quantize_w4(w, 32)
+    panels = cpu_qgemv.pack_int4(unpack_int4(qweight).t(), scales, unpack_int4(qzeros), 32)
+    w4 = cpu_qgemv.dequant_int4(*panels, 32, dtype)
+    assert w8.dtype == w4.dtype == dtype
+    exact = dict(atol=0, rtol=0) if dtype == torch.float32 else dict(atol=0, rtol=2 ** -8)
+    torch.testing.assert_close(w8.float(), q.float() * s[:, None], **exact)
+    torch.testing.assert_close(w4.float(), dequantize_w4(qweight, qzeros, scales, 32), **exact)

@@ -25,7 +25,9 @@ def _library():
         return None
     lib.tm_qgemv_s8.argtypes = [_P, _P, _P, _P, _P, _I, _I, ctypes.c_int, ctypes.c_int]
     lib.tm_qgemv_u4.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int]
-    lib.tm_qgemv_s8.restype = lib.tm_qgemv_u4.restype = None
+    lib.tm_dequant_s8.argtypes = [_P, _P, _P, _I, _I, ctypes.c_int, ctypes.c_int]
+    lib.tm_dequant_u4.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int]
+    lib.tm_qgemv_s8.restype = lib.tm_qgemv_u4.restype = lib.tm_dequant_s8.restype = lib.tm_dequant_u4.restype = None
     return lib
 
 
@@ -36,7 +38,7 @@ def available() -> bool:
 def supports(n: int, k: int, group_size: int | None = None) -> bool:
     if n % 16:
         return False
-    return group_size is None or (k % group_size == 0 and group_size % 8 == 0)
+    return group_size is None or (k % group_size == 0 and group_size % 16 == 0)
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
@@ -86,3 +88,25 @@ def gemv_int4(x: torch.Tensor, packed: torch.Tensor, s: torch.Tensor, z: torch.T
                            None if bf is None else bf.data_ptr(), y.data_ptr(), n, k, group_size,
                            int(y.dtype == torch.bfloat16), torch.get_num_threads())
     return y if x.dtype in (torch.bfloat16, torch.float32) else y.to(x.dtype)
+
+
+def _dense_out(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(n, k, dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+
+
+def dequant_int8(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Panels -> W [N, K] (bfloat16 for a bfloat16 `dtype`, else float32)."""
+    n, k = packed.shape[0] * 16, packed.shape[1]
+    w = _dense_out(n, k, dtype)
+    _library().tm_dequant_s8(packed.data_ptr(), scales.data_ptr(), w.data_ptr(), n, k,
+                             int(w.dtype == torch.bfloat16), torch.get_num_threads())
+    return w
+
+
+def dequant_int4(packed: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group_size: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    n, k = packed.shape[0] * 16, packed.shape[1] * 2
+    w = _dense_out(n, k, dtype)
+    _library().tm_dequant_u4(packed.data_ptr(), s.data_ptr(), z.data_ptr(), w.data_ptr(), n, k, group_size,
+                             int(w.dtype == torch.bfloat16), torch.get_num_threads())
+    return w

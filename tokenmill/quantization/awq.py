@@ -63,7 +63,8 @@ class AWQLinearMethod(LinearMethod):
             if x.shape[0] <= GEMV_MAX_ROWS:
                 rows = [cpu_qgemv.gemv_int4(r, *layer.panels, self.group_size, layer.bias_f32) for r in x.split(1)]
                 return rows[0] if len(rows) == 1 else torch.cat(rows)
-            return F.linear(x, self.dense_weight(layer).to(x.dtype), layer.bias)
+            w = cpu_qgemv.dequant_int4(*layer.panels, self.group_size, x.dtype)
+            return F.linear(x, w.to(x.dtype), layer.bias)
         if layer.int4_packed is not None and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.int4_packed, self.group_size,
                                                           layer.int4_scale_zero)
@@ -73,13 +74,8 @@ class AWQLinearMethod(LinearMethod):
     def dense_weight(self, layer):
         if layer.dense is not None:
             return layer.dense
-        if layer.panels is not None:  # [N/16, K/2, 16] bytes, S / Z [N/16, K/G, 16]
-            packed, s, z = layer.panels
-            nb, k2, _ = packed.shape
-            q = torch.stack([packed & 0xF, packed >> 4], 2).view(nb, 2 * k2, 16).float()
-            g = self.group_size
-            w = (q - z.repeat_interleave(g, 1)) * s.repeat_interleave(g, 1)
-            return w.transpose(1, 2).reshape(nb * 16, 2 * k2)
+        if layer.panels is not None:
+            return cpu_qgemv.dequant_int4(*layer.panels, self.group_size, torch.float32)
         raise RuntimeError("AWQ weights were repacked for torch's int4 kernel; use cpu_linear_kernel='torch' to "
                            "keep the dense twin")
 

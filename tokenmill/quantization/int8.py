@@ -94,6 +94,9 @@ class Int8LinearMethod(LinearMethod):
         if layer.gemv_panels and x.shape[0] <= GEMV_MAX_ROWS:
             rows = [cpu_qgemv.gemv_int8(r, layer.qweight, layer.wscale, layer.bias_f32) for r in x.split(1)]
             return rows[0] if len(rows) == 1 else torch.cat(rows)
+        if layer.gemv_panels:
+            w = cpu_qgemv.dequant_int8(layer.qweight, layer.wscale, x.dtype)
+            return F.linear(x, w.to(x.dtype), layer.bias)
         return w8a16_linear_ref(x, self.codes(layer), layer.wscale, layer.bias)
 
     def _w8a8(self, layer, x):
