@@ -3,6 +3,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.ops import cpu_fused
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 (as Hugging Face does), with an optional fused residual add:
@@ -14,6 +16,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.dim() == 2 and cpu_fused.usable(x, self.weight, *(() if residual is None else (residual,))):
+            out = cpu_fused.add_rmsnorm(x, residual, self.weight, self.eps)  # residual updated in place
+            return out if residual is None else (out, residual)
         if residual is not None:
             x = x + residual
             residual = x

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from tokenmill.ops import cpu_fused
+
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -39,11 +41,23 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor):
-        """[T] positions -> cos, sin each [T, 1, D], broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """[T] positions -> cos, sin each [T, D] (once per step, for all layers)."""
+        return self.cos[positions], self.sin[positions]
+
+
+def rotate_heads(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                 head_dim: int) -> torch.Tensor:
+    """The first `num_heads` heads of each [T, heads * head_dim] row, rotated: [T, num_heads, head_dim].
+    The fused CPU kernel rotates them in place in one call; the twin builds a new tensor."""
+    if head_dim % 32 == 0 and cpu_fused.usable(qkv, cos, sin):
+        cpu_fused.rotary_(qkv, cos, sin, num_heads, head_dim)
+        return qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)
+    return apply_rotary(qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim), cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D], cos/sin [T, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     d = x.shape[-1] // 2
     rotated = torch.cat((-x[..., d:], x[..., :d]), dim=-1)
     return x * cos + rotated * sin

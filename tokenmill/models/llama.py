@@ -12,7 +12,7 @@ from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.linear import Linear, MergedLinear, default_weight_loader
 from tokenmill.quantization.config import QuantizationConfig
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
+from tokenmill.layers.rotary import RotaryEmbedding, rotate_heads
 
 
 def linear_method(quant: QuantizationConfig | None, prefix: str):
@@ -33,7 +33,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
         qkv = self.qkv_proj(x)
         # rotate the query and key heads in one pass: [T, nh + nkv, hd]
-        qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(-1, self.nh + self.nkv, self.hd), cos, sin)
+        qk = rotate_heads(qkv, cos, sin, self.nh + self.nkv, self.hd)
         q, k = qk[:, :self.nh], qk[:, self.nh:]
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.nkv, self.hd)
         o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
