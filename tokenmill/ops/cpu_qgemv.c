@@ -13,9 +13,10 @@
  *     S[N/16][K/G][16] float32     scales, Z the same for zero points
  *     y[n] = sum_g s[g,n] * (sum_{k in g} x[k] q[n,k]  -  z[g,n] * sum_{k in g} x[k])
  *
- * x arrives in float32 (the Python side converts a bfloat16 row once).  */
+ * x is float32, or bfloat16 widened once per call into a float32 copy.  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "bf16.h"
 
@@ -32,8 +33,19 @@ static inline void store_row(float *out16, __m512 acc, const float *bias, int64_
     (void)out16;
 }
 
-void tm_qgemv_s8(const int8_t *P, const float *scales, const float *x, const float *bias, void *y, int64_t N,
+static const float *widen(const void *x, int64_t K, int x_bf16, float **owned) {
+    *owned = NULL;
+    if (!x_bf16) return (const float *)x;
+    float *f = malloc(K * sizeof(float));
+    for (int64_t k = 0; k < K; k++) f[k] = bf16_to_f32(((const uint16_t *)x)[k]);
+    *owned = f;
+    return f;
+}
+
+void tm_qgemv_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t N,
                  int64_t K, int y_bf16, int nthreads) {
+    float *owned;
+    const float *x = widen(x_in, K, y_bf16, &owned);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < N / 16; b++) {
         const int8_t *blk = P + b * K * 16;
@@ -57,10 +69,13 @@ void tm_qgemv_s8(const int8_t *P, const float *scales, const float *x, const flo
         __m512 acc = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
         store_row(0, _mm512_mul_ps(acc, _mm512_loadu_ps(scales + b * 16)), bias, b * 16, y, y_bf16);
     }
+    free(owned);
 }
 
-void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const float *x, const float *bias, void *y,
+void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const void *x_in, const float *bias, void *y,
                  int64_t N, int64_t K, int64_t G, int y_bf16, int nthreads) {
+    float *owned;
+    const float *x = widen(x_in, K, y_bf16, &owned);
     const int64_t ngroups = K / G;
     const __m512i low4 = _mm512_set1_epi32(0xF);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -94,6 +109,7 @@ void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const float *
         }
         store_row(0, acc, bias, b * 16, y, y_bf16);
     }
+    free(owned);
 }
 
 /* Dequantize the panels back to a row-major W[N,K] (bfloat16 when out_bf16, else float32), for steps
