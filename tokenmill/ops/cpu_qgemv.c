@@ -52,11 +52,11 @@ void tm_qgemv_s8(const int8_t *P, const float *scales, const void *x_in, const f
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
         int64_t k = 0;
         for (; k + 4 <= K; k += 4) {  /* one 64-byte line: four k of 16 rows */
-            __m512i line = _mm512_loadu_si512(blk + k * 16);
-            __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(line)));
-            __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(line, 1)));
-            __m512 w2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(line, 2)));
-            __m512 w3 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(line, 3)));
+            const __m128i *line = (const __m128i *)(blk + k * 16);
+            __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(line)));
+            __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(line + 1)));
+            __m512 w2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(line + 2)));
+            __m512 w3 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(line + 3)));
             a0 = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[k + 0]), a0);
             a1 = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[k + 1]), a1);
             a2 = _mm512_fmadd_ps(w2, _mm512_set1_ps(x[k + 2]), a2);
@@ -72,8 +72,54 @@ void tm_qgemv_s8(const int8_t *P, const float *scales, const void *x_in, const f
     free(owned);
 }
 
+/* bfloat16 x: each byte (two nibbles of one row) becomes a bfloat16 pair 128 + q, exact, by OR-ing the
+ * nibbles into the mantissa of 128.0 (0x4300), and one vdpbf16ps takes 16 rows x 2 k. The sum then
+ * holds x (128 + q), so the group correction subtracts (128 + z) sum(x). */
+static void qgemv_u4_bf16(const uint8_t *P, const float *S, const float *Z, const uint16_t *x, const float *bias,
+                          void *y, int64_t N, int64_t K, int64_t G, int nthreads) {
+    const int64_t ngroups = K / G;
+    const uint32_t *xpairs = (const uint32_t *)x;
+    const __m512i nib = _mm512_set1_epi32(0x000F000F), magic = _mm512_set1_epi32(0x43004300);
+    float *xsum = malloc(ngroups * sizeof(float));  /* sum(x) per group, shared by every row */
+    for (int64_t g = 0; g < ngroups; g++) {
+        float t = 0.f;
+        for (int64_t k = g * G; k < (g + 1) * G; k++) t += bf16_to_f32(x[k]);
+        xsum[g] = t;
+    }
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < N / 16; b++) {
+        const uint8_t *blk = P + b * (K / 2) * 16;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t g = 0; g < ngroups; g++) {
+            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+            for (int64_t k = g * G; k < (g + 1) * G; k += 8) {  /* one 64-byte line: 8 k of 16 rows */
+                const __m128i *line = (const __m128i *)(blk + (k / 2) * 16);
+                __m512i v[4] = {_mm512_cvtepu8_epi32(_mm_loadu_si128(line)), _mm512_cvtepu8_epi32(_mm_loadu_si128(line + 1)),
+                                _mm512_cvtepu8_epi32(_mm_loadu_si128(line + 2)), _mm512_cvtepu8_epi32(_mm_loadu_si128(line + 3))};
+                __m512i w[4];
+                for (int j = 0; j < 4; j++)  /* lo nibble -> bits 0-3, hi nibble -> bits 16-19 */
+                    w[j] = _mm512_or_si512(_mm512_ternarylogic_epi32(v[j], _mm512_slli_epi32(v[j], 12), nib, 0xA8), magic);
+                a0 = _mm512_dpbf16_ps(a0, (__m512bh)w[0], (__m512bh)_mm512_set1_epi32(xpairs[k / 2 + 0]));
+                a1 = _mm512_dpbf16_ps(a1, (__m512bh)w[1], (__m512bh)_mm512_set1_epi32(xpairs[k / 2 + 1]));
+                a2 = _mm512_dpbf16_ps(a2, (__m512bh)w[2], (__m512bh)_mm512_set1_epi32(xpairs[k / 2 + 2]));
+                a3 = _mm512_dpbf16_ps(a3, (__m512bh)w[3], (__m512bh)_mm512_set1_epi32(xpairs[k / 2 + 3]));
+            }
+            __m512 dot = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+            const int64_t sz = (b * ngroups + g) * 16;
+            __m512 zz = _mm512_add_ps(_mm512_loadu_ps(Z + sz), _mm512_set1_ps(128.0f));
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(S + sz), _mm512_fnmadd_ps(zz, _mm512_set1_ps(xsum[g]), dot), acc);
+        }
+        store_row(0, acc, bias, b * 16, y, 1);
+    }
+    free(xsum);
+}
+
 void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const void *x_in, const float *bias, void *y,
                  int64_t N, int64_t K, int64_t G, int y_bf16, int nthreads) {
+    if (y_bf16) {
+        qgemv_u4_bf16(P, S, Z, (const uint16_t *)x_in, bias, y, N, K, G, nthreads);
+        return;
+    }
     float *owned;
     const float *x = widen(x_in, K, y_bf16, &owned);
     const int64_t ngroups = K / G;
