@@ -158,8 +158,9 @@ void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const void *x
     free(owned);
 }
 
-/* Dequantize the panels back to a row-major W[N,K] (bfloat16 when out_bf16, else float32), for steps
- * with more rows than the GEMVs take: the dense GEMM that follows then amortizes this pass. */
+/* Dequantize the panels to W^T [K, N] (bfloat16 when out_bf16, else float32), for steps with more rows
+ * than the GEMVs take: the dense GEMM that follows (x @ W^T) amortizes this pass. Each panel row of
+ * 16 outputs is one contiguous 16-value store, so no transpose is needed. */
 static inline void store16(void *out, int64_t idx, __m512 v, int out_bf16) {
     if (out_bf16)
         _mm256_storeu_si256((__m256i *)((uint16_t *)out + idx), (__m256i)_mm512_cvtneps_pbh(v));
@@ -172,25 +173,10 @@ void tm_dequant_s8(const int8_t *P, const float *scales, void *out, int64_t N, i
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < N / 16; b++) {
         const int8_t *blk = P + b * K * 16;
-        float col[16][16];
-        for (int64_t k0 = 0; k0 < K; k0 += 16) {
-            const int64_t kn = K - k0 < 16 ? K - k0 : 16;
-            for (int64_t j = 0; j < kn; j++)  /* 16 rows at k0 + j */
-                _mm512_storeu_ps(col[j], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                    _mm_loadu_si128((const __m128i *)(blk + (k0 + j) * 16)))));
-            for (int r = 0; r < 16; r++) {
-                float row[16];
-                for (int64_t j = 0; j < kn; j++) row[j] = col[j][r] * scales[b * 16 + r];
-                const int64_t base = (b * 16 + r) * K + k0;
-                if (kn == 16) {
-                    store16(out, base, _mm512_loadu_ps(row), out_bf16);
-                } else {
-                    for (int64_t j = 0; j < kn; j++) {
-                        if (out_bf16) ((uint16_t *)out)[base + j] = f32_to_bf16(row[j]);
-                        else ((float *)out)[base + j] = row[j];
-                    }
-                }
-            }
+        const __m512 s = _mm512_loadu_ps(scales + b * 16);
+        for (int64_t k = 0; k < K; k++) {
+            __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + k * 16))));
+            store16(out, k * N + b * 16, _mm512_mul_ps(w, s), out_bf16);
         }
     }
 }
@@ -201,31 +187,14 @@ void tm_dequant_u4(const uint8_t *P, const float *S, const float *Z, void *out, 
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < N / 16; b++) {
         const uint8_t *blk = P + b * (K / 2) * 16;
-        float col[16][16];
-        for (int64_t k0 = 0; k0 < K; k0 += 16) {  /* G is a multiple of 8, K of G: whole 16-k tiles or 8 */
-            const int64_t kn = K - k0 < 16 ? K - k0 : 16;
-            const int64_t g = k0 / G;
-            const __m512 s = _mm512_loadu_ps(S + (b * ngroups + g) * 16), z = _mm512_loadu_ps(Z + (b * ngroups + g) * 16);
-            for (int64_t j2 = 0; j2 < kn / 2; j2++) {
-                __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + (k0 / 2 + j2) * 16)));
-                __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
-                __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-                _mm512_storeu_ps(col[2 * j2], _mm512_mul_ps(_mm512_sub_ps(lo, z), s));
-                _mm512_storeu_ps(col[2 * j2 + 1], _mm512_mul_ps(_mm512_sub_ps(hi, z), s));
-            }
-            for (int r = 0; r < 16; r++) {
-                float row[16];
-                for (int64_t j = 0; j < kn; j++) row[j] = col[j][r];
-                const int64_t base = (b * 16 + r) * K + k0;
-                if (kn == 16) {
-                    store16(out, base, _mm512_loadu_ps(row), out_bf16);
-                } else {
-                    for (int64_t j = 0; j < kn; j++) {
-                        if (out_bf16) ((uint16_t *)out)[base + j] = f32_to_bf16(row[j]);
-                        else ((float *)out)[base + j] = row[j];
-                    }
-                }
-            }
+        for (int64_t k2 = 0; k2 < K / 2; k2++) {
+            const int64_t sz = (b * ngroups + (2 * k2) / G) * 16;
+            const __m512 s = _mm512_loadu_ps(S + sz), z = _mm512_loadu_ps(Z + sz);
+            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + k2 * 16)));
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+            store16(out, (2 * k2) * N + b * 16, _mm512_mul_ps(_mm512_sub_ps(lo, z), s), out_bf16);
+            store16(out, (2 * k2 + 1) * N + b * 16, _mm512_mul_ps(_mm512_sub_ps(hi, z), s), out_bf16);
         }
     }
 }

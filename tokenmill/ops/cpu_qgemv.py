@@ -92,16 +92,17 @@ def gemv_int4(x: torch.Tensor, packed: torch.Tensor, s: torch.Tensor, z: torch.T
 
 
 def _dense_out(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(n, k, dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+    """W^T [K, N]; returned as its transpose, W [N, K], a view the GEMM reads directly."""
+    return torch.empty(k, n, dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
 
 
 def dequant_int8(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Panels -> W [N, K] (bfloat16 for a bfloat16 `dtype`, else float32)."""
+    """Panels -> W [N, K] (bfloat16 for a bfloat16 `dtype`, else float32), a transposed view."""
     n, k = packed.shape[0] * 16, packed.shape[1]
     w = _dense_out(n, k, dtype)
     _library().tm_dequant_s8(packed.data_ptr(), scales.data_ptr(), w.data_ptr(), n, k,
                              int(w.dtype == torch.bfloat16), torch.get_num_threads())
-    return w
+    return w.t()
 
 
 def dequant_int4(packed: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group_size: int,
@@ -110,4 +111,4 @@ def dequant_int4(packed: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group_s
     w = _dense_out(n, k, dtype)
     _library().tm_dequant_u4(packed.data_ptr(), s.data_ptr(), z.data_ptr(), w.data_ptr(), n, k, group_size,
                              int(w.dtype == torch.bfloat16), torch.get_num_threads())
-    return w
+    return w.t()

@@ -106,7 +106,9 @@ class Int8LinearMethod(LinearMethod):
             rows = padded_rows(m)  # a bounded set of shapes for oneDNN's primitive cache
             if rows != m:
                 xq = F.pad(xq, (0, 0, 0, rows - m))
-            y = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, layer.qlinear, layer.wscale, layer.zero_points, None,
+            # oneDNN's fast int8 path wants unsigned activations: xq + 128 (flip the sign bit), zero point 128
+            xu = xq.view(torch.uint8).bitwise_xor_(128)
+            y = torch.ops.onednn.qlinear_pointwise(xu, 1.0, 128, layer.qlinear, layer.wscale, layer.zero_points, None,
                                                    1.0, 0, torch.float32, "none", [None], "")[:m].mul_(t[:, None])
         else:
             acc = torch._int_mm(xq, layer.qweight.t()) if layer.use_int_mm else \
