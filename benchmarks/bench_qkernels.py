@@ -70,9 +70,13 @@ def main():
         r = {
             "bf16 oneDNN": timed(lambda: [onednn_linear(x, p, None) for p in packed], L),
             "int8 GEMV per row": timed(lambda: [per_row(lambda v: cpu_qgemv.gemv_int8(v, p, s), x) for p, s in s8], L),
+            "int8 multi-row kernel": timed(lambda: [cpu_qgemv.gemv_int8(x, p, s) for p, s in s8], L)
+            if m <= cpu_qgemv.MAX_ROWS else float("nan"),
             "int8 dequant + GEMM": timed(lambda: [F.linear(x, cpu_qgemv.dequant_int8(p, s, x.dtype)) for p, s in s8], L),
             "int8 torch int8pack": timed(lambda: [torch._weight_int8pack_mm(x, q, s) for q, s in t8], L),
             "int4 GEMV per row": timed(lambda: [per_row(lambda v: cpu_qgemv.gemv_int4(v, *p, g), x) for p in u4], L),
+            "int4 multi-row kernel": timed(lambda: [cpu_qgemv.gemv_int4(x, *p, g) for p in u4], L)
+            if m <= cpu_qgemv.MAX_ROWS else float("nan"),
             "int4 dequant + GEMM": timed(lambda: [F.linear(x, cpu_qgemv.dequant_int4(*p, g, x.dtype)) for p in u4], L),
             "int4 torch int4pack": timed(lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(x, p, g, sz) for p in t4], L),
             "w8a8 oneDNN qlinear": timed(lambda: [torch.ops.onednn.qlinear_pointwise(
@@ -83,7 +87,7 @@ def main():
         if m == 1:
             r["bf16 GEMV"] = timed(lambda: [cpu_gemv.gemv(x, p, None) for p in gemv], L)
         res["rows"][m] = r
-        print(m, {key: round(v) for key, v in r.items()}, flush=True)
+        print(m, {key: round(v) for key, v in r.items() if v == v}, flush=True)
     write_json(res, a.out)
 
 

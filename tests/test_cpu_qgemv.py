@@ -59,3 +59,24 @@ def test_dequantized_panels_are_the_twins_weights(dtype):
     exact = dict(atol=0, rtol=0) if dtype == torch.float32 else dict(atol=0, rtol=2 ** -8)
     torch.testing.assert_close(w8.float(), q.float() * s[:, None], **exact)
     torch.testing.assert_close(w4.float(), dequantize_w4(qweight, qzeros, scales, 32), **exact)
+
+
+@pytest.mark.parametrize("rows", [2, 5, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_multi_row_kernels_match_twins(rows, dtype):
+    g = torch.Generator().manual_seed(rows)
+    n, k, group = 48, 256, 64
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    s = torch.rand(n, generator=g) * 0.01
+    y8 = cpu_qgemv.gemv_int8(x, cpu_qgemv.pack_int8(q), s, bias)
+    ref8 = w8a16_linear_ref(x.float(), q, s, bias)
+    qweight, qzeros, scales = quantize_w4(torch.randn(n, k, generator=g), group)
+    panels = cpu_qgemv.pack_int4(unpack_int4(qweight).t(), scales, unpack_int4(qzeros), group)
+    y4 = cpu_qgemv.gemv_int4(x, *panels, group, bias)
+    ref4 = x.float() @ dequantize_w4(qweight, qzeros, scales, group).t() + bias
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for y, ref in ((y8, ref8), (y4, ref4)):
+        assert y.shape == (rows, n) and y.dtype == dtype
+        torch.testing.assert_close(y.float(), ref, atol=tol * ref.abs().max().item(), rtol=0)

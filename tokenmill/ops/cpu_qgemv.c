@@ -198,3 +198,74 @@ void tm_dequant_u4(const uint8_t *P, const float *S, const float *Z, void *out, 
         }
     }
 }
+
+/* Several rows (M <= 8) at once: each weight line is read and widened once for all rows, so small
+ * decode batches cost little more than one row. x [M, K] and y [M, N] are row-major. */
+#define MAX_ROWS 8
+
+void tm_qgemm_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t M,
+                 int64_t N, int64_t K, int y_bf16, int nthreads) {
+    float *owned;
+    const float *x = widen(x_in, M * K, y_bf16, &owned);
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < N / 16; b++) {
+        const int8_t *blk = P + b * K * 16;
+        __m512 acc[MAX_ROWS];
+        for (int64_t r = 0; r < M; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k++) {
+            __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + k * 16))));
+            for (int64_t r = 0; r < M; r++) acc[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r * K + k]), acc[r]);
+        }
+        const __m512 s = _mm512_loadu_ps(scales + b * 16);
+        for (int64_t r = 0; r < M; r++)
+            store_row(0, _mm512_mul_ps(acc[r], s), bias, b * 16,
+                      y_bf16 ? (void *)((uint16_t *)y + r * N) : (void *)((float *)y + r * N), y_bf16);
+    }
+    free(owned);
+}
+
+void tm_qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, const uint16_t *x, const float *bias,
+                      void *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
+    const int64_t ngroups = K / G;
+    const __m512i nib = _mm512_set1_epi32(0x000F000F), magic = _mm512_set1_epi32(0x43004300);
+    float *xsum = malloc(M * ngroups * sizeof(float));
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t g = 0; g < ngroups; g++) {
+            float t = 0.f;
+            for (int64_t k = g * G; k < (g + 1) * G; k++) t += bf16_to_f32(x[r * K + k]);
+            xsum[r * ngroups + g] = t;
+        }
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < N / 16; b++) {
+        const uint8_t *blk = P + b * (K / 2) * 16;
+        __m512 acc[MAX_ROWS];
+        for (int64_t r = 0; r < M; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < ngroups; g++) {
+            __m512 d0[MAX_ROWS], d1[MAX_ROWS];
+            for (int64_t r = 0; r < M; r++) d0[r] = d1[r] = _mm512_setzero_ps();
+            for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
+                const __m128i *line = (const __m128i *)(blk + (k / 2) * 16);
+                __m512i w[4];
+                for (int j = 0; j < 4; j++) {
+                    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(line + j));
+                    w[j] = _mm512_or_si512(_mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), nib, 0xA8), magic);
+                }
+                for (int64_t r = 0; r < M; r++) {
+                    const uint32_t *xp = (const uint32_t *)(x + r * K) + k / 2;
+                    d0[r] = _mm512_dpbf16_ps(d0[r], (__m512bh)w[0], (__m512bh)_mm512_set1_epi32(xp[0]));
+                    d1[r] = _mm512_dpbf16_ps(d1[r], (__m512bh)w[1], (__m512bh)_mm512_set1_epi32(xp[1]));
+                    d0[r] = _mm512_dpbf16_ps(d0[r], (__m512bh)w[2], (__m512bh)_mm512_set1_epi32(xp[2]));
+                    d1[r] = _mm512_dpbf16_ps(d1[r], (__m512bh)w[3], (__m512bh)_mm512_set1_epi32(xp[3]));
+                }
+            }
+            const int64_t sz = (b * ngroups + g) * 16;
+            const __m512 s = _mm512_loadu_ps(S + sz);
+            const __m512 zz = _mm512_add_ps(_mm512_loadu_ps(Z + sz), _mm512_set1_ps(128.0f));
+            for (int64_t r = 0; r < M; r++)
+                acc[r] = _mm512_fmadd_ps(s, _mm512_fnmadd_ps(zz, _mm512_set1_ps(xsum[r * ngroups + g]),
+                                                             _mm512_add_ps(d0[r], d1[r])), acc[r]);
+        }
+        for (int64_t r = 0; r < M; r++) store_row(0, acc[r], bias, b * 16, (uint16_t *)y + r * N, 1);
+    }
+    free(xsum);
+}

@@ -25,6 +25,9 @@ def _library():
         return None
     lib.tm_qgemv_s8.argtypes = [_P, _P, _P, _P, _P, _I, _I, ctypes.c_int, ctypes.c_int]
     lib.tm_qgemv_u4.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int]
+    lib.tm_qgemm_s8.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int]
+    lib.tm_qgemm_u4_bf16.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]
+    lib.tm_qgemm_s8.restype = lib.tm_qgemm_u4_bf16.restype = None
     lib.tm_dequant_s8.argtypes = [_P, _P, _P, _I, _I, ctypes.c_int, ctypes.c_int]
     lib.tm_dequant_u4.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int]
     lib.tm_qgemv_s8.restype = lib.tm_qgemv_u4.restype = lib.tm_dequant_s8.restype = lib.tm_dequant_u4.restype = None
@@ -59,8 +62,11 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_
     return packed, panels(scales), panels(zeros)
 
 
+MAX_ROWS = 8  # the multi-row kernels take up to this many rows per call
+
+
 def _out(x: torch.Tensor, n: int):
-    return torch.empty(1, n, dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
+    return torch.empty(x.shape[0], n, dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
 
 
 def _args(x, bias):
@@ -71,12 +77,18 @@ def _args(x, bias):
 
 
 def gemv_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
-    """x [1, K] -> [1, N]; scales float32 [N]; bias float32 [N] or None. Output in bf16 for a bf16 x."""
+    """x [M, K] (M <= MAX_ROWS) -> [M, N]; scales float32 [N]; bias float32 [N] or None. Output in bf16 for a
+    bf16 x."""
     n, k = packed.shape[0] * 16, packed.shape[1]
     xf, bf = _args(x, bias)
     y = _out(x, n)
-    _library().tm_qgemv_s8(packed.data_ptr(), scales.data_ptr(), xf.data_ptr(), None if bf is None else bf.data_ptr(),
-                           y.data_ptr(), n, k, int(y.dtype == torch.bfloat16), torch.get_num_threads())
+    args = (None if bf is None else bf.data_ptr(), y.data_ptr())
+    if x.shape[0] == 1:
+        _library().tm_qgemv_s8(packed.data_ptr(), scales.data_ptr(), xf.data_ptr(), *args, n, k,
+                               int(y.dtype == torch.bfloat16), torch.get_num_threads())
+    else:
+        _library().tm_qgemm_s8(packed.data_ptr(), scales.data_ptr(), xf.data_ptr(), *args, x.shape[0], n, k,
+                               int(y.dtype == torch.bfloat16), torch.get_num_threads())
     return y if x.dtype in (torch.bfloat16, torch.float32) else y.to(x.dtype)
 
 
@@ -85,6 +97,13 @@ def gemv_int4(x: torch.Tensor, packed: torch.Tensor, s: torch.Tensor, z: torch.T
     n, k = packed.shape[0] * 16, packed.shape[1] * 2
     xf, bf = _args(x, bias)
     y = _out(x, n)
+    if x.shape[0] > 1:
+        if x.dtype != torch.bfloat16:  # the multi-row int4 kernel is bf16-only: one row at a time
+            return torch.cat([gemv_int4(r, packed, s, z, group_size, bias) for r in x.split(1)])
+        _library().tm_qgemm_u4_bf16(packed.data_ptr(), s.data_ptr(), z.data_ptr(), xf.data_ptr(),
+                                    None if bf is None else bf.data_ptr(), y.data_ptr(), x.shape[0], n, k, group_size,
+                                    torch.get_num_threads())
+        return y
     _library().tm_qgemv_u4(packed.data_ptr(), s.data_ptr(), z.data_ptr(), xf.data_ptr(),
                            None if bf is None else bf.data_ptr(), y.data_ptr(), n, k, group_size,
                            int(y.dtype == torch.bfloat16), torch.get_num_threads())

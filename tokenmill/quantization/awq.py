@@ -61,8 +61,7 @@ class AWQLinearMethod(LinearMethod):
     def apply(self, layer, x):
         if layer.panels is not None:
             if x.shape[0] <= GEMV_MAX_ROWS:
-                rows = [cpu_qgemv.gemv_int4(r, *layer.panels, self.group_size, layer.bias_f32) for r in x.split(1)]
-                return rows[0] if len(rows) == 1 else torch.cat(rows)
+                return cpu_qgemv.gemv_int4(x, *layer.panels, self.group_size, layer.bias_f32)
             w = cpu_qgemv.dequant_int4(*layer.panels, self.group_size, x.dtype)
             return F.linear(x, w.to(x.dtype), layer.bias)
         if layer.int4_packed is not None and x.dtype in (torch.float32, torch.bfloat16, torch.float16):

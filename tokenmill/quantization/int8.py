@@ -19,9 +19,9 @@ from tokenmill.ops import cpu_qgemv
 from tokenmill.quantization.awq_format import quantize_w8
 from tokenmill.quantization.config import QuantizationConfig
 
-# Up to this many rows the GEMV kernel runs once per row (each pass re-reads the int8 weights); above it
-# the weight is dequantized once per call, which larger batches amortize. Measured: BENCHMARKS.md.
-GEMV_MAX_ROWS = 4
+# Up to this many rows the GEMV kernels read each weight line once for all rows; above it the weight is
+# dequantized once per call and a dense GEMM runs, which larger batches amortize (benchmarks/bench_qkernels.py).
+GEMV_MAX_ROWS = cpu_qgemv.MAX_ROWS
 
 
 def qlinear_available() -> bool:
@@ -92,8 +92,7 @@ class Int8LinearMethod(LinearMethod):
         if self.activations:
             return self._w8a8(layer, x)
         if layer.gemv_panels and x.shape[0] <= GEMV_MAX_ROWS:
-            rows = [cpu_qgemv.gemv_int8(r, layer.qweight, layer.wscale, layer.bias_f32) for r in x.split(1)]
-            return rows[0] if len(rows) == 1 else torch.cat(rows)
+            return cpu_qgemv.gemv_int8(x, layer.qweight, layer.wscale, layer.bias_f32)
         if layer.gemv_panels:
             w = cpu_qgemv.dequant_int8(layer.qweight, layer.wscale, x.dtype)
             return F.linear(x, w.to(x.dtype), layer.bias)
