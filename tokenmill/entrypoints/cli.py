@@ -1,4 +1,4 @@
-"""`tokenmill` command line: generate, eval ppl, serve. `python -m tokenmill` is the same."""
+"""`tokenmill` command line: generate, eval ppl, serve, quantize. `python -m tokenmill` is the same."""
 from __future__ import annotations
 
 import argparse
@@ -64,6 +64,37 @@ def cmd_serve(args) -> int:
     return run_server(args) or 0
 
 
+def cmd_quantize(args) -> int:
+    from tokenmill.quantization.awq_calibrate import quantize_model
+
+    _, summary = quantize_model(args.model, args.output, method=args.method, bits=args.bits,
+                                group_size=args.group_size, calib_data=args.calib_data,
+                                num_samples=args.num_samples, seq_len=args.seq_len, seed=args.seed)
+    summary.pop("layers")
+    print(json.dumps(summary))
+    return 0
+
+
+def add_quantize_parser(sub) -> None:
+    from tokenmill.config import DEFAULT_MODEL
+
+    q = sub.add_parser("quantize", help="AWQ (or round-to-nearest) weight quantization of a float model",
+                       description="Writes an AutoAWQ GEMM checkpoint (4-bit) or tokenmill's 8-bit AWQ format; "
+                                   "see tokenmill/quantization/awq_calibrate.py for the format.")
+    q.add_argument("--model", default=DEFAULT_MODEL, help="float model directory (default: the shipped model)")
+    q.add_argument("--output", required=True, help="new (or empty) output directory")
+    q.add_argument("--method", choices=["awq", "rtn"], default="awq", help="rtn: round-to-nearest, no calibration")
+    q.add_argument("--bits", type=int, default=4, help="4 (AutoAWQ GEMM) or 8 (tokenmill-w8)")
+    q.add_argument("--group-size", type=int, default=128, help="4-bit quantization group along K: 32, 64 or 128")
+    q.add_argument("--calib-data", default=None,
+                   help="calibration text (.txt, or .jsonl with a \"text\" field); default: the shipped "
+                        "sample of the tiny model's training split")
+    q.add_argument("--num-samples", type=int, default=128, help="calibration samples")
+    q.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sample")
+    q.add_argument("--seed", type=int, default=0, help="which calibration windows are drawn")
+    q.set_defaults(func=cmd_quantize)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    add_quantize_parser(sub)
     return parser
 
 

@@ -61,9 +61,9 @@ def dequantize_w8(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     return (qweight.to(torch.float32) * scales.to(torch.float32)[:, None]).to(dtype)
 
 
-def quantize_w4(weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None):
-    """Round-to-nearest asymmetric 4-bit of float W [N, K] per group along K. `clip` [N, K/G] (optional)
-    caps each group's absolute range (AWQ's clipping search). Returns (qweight, qzeros, scales)."""
+def grid_w4(weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None):
+    """The unpacked numbers of `quantize_w4`: (q [N, K/G, G], zeros [N, K/G], scales [N, K/G]), float32
+    (scales already rounded to fp16). `fake_w4` and `quantize_w4` both start here, so they agree exactly."""
     n, k = weight.shape
     w = weight.detach().to(torch.float32).view(n, k // group_size, group_size)
     hi, lo = w.amax(-1), w.amin(-1)
@@ -72,7 +72,21 @@ def quantize_w4(weight: torch.Tensor, group_size: int, clip: torch.Tensor | None
     scales = ((hi - lo).clamp(min=1e-5) / 15).to(torch.float16).to(torch.float32)
     zeros = (-lo / scales).round().clamp(0, 15)
     q = (w / scales[..., None] + zeros[..., None]).round().clamp(0, 15)
+    return q, zeros, scales
+
+
+def quantize_w4(weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None):
+    """Round-to-nearest asymmetric 4-bit of float W [N, K] per group along K. `clip` [N, K/G] (optional)
+    caps each group's absolute range (AWQ's clipping search). Returns (qweight, qzeros, scales)."""
+    n, k = weight.shape
+    q, zeros, scales = grid_w4(weight, group_size, clip)
     return (pack_int4(q.view(n, k).t()), pack_int4(zeros.t()), scales.t().contiguous().to(torch.float16))
+
+
+def fake_w4(weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None) -> torch.Tensor:
+    """dequantize_w4(*quantize_w4(W, G, clip), G), bit for bit, without packing (AWQ's searches call it often)."""
+    q, zeros, scales = grid_w4(weight, group_size, clip)
+    return ((q - zeros[..., None]) * scales[..., None]).view(weight.shape)
 
 
 def quantize_w8(weight: torch.Tensor, clip: torch.Tensor | None = None):
