@@ -23,7 +23,8 @@ from common import QWEN25_05B, machine, read_bandwidth_gbs, write_json  # noqa: 
 
 ROOT = os.path.join("/tmp", "tokenmill-bench")
 ANCHOR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "anchors", "llamacpp.py")
-ENGINE = {"bf16": {}, "int8": {"quantization": "int8"}, "awq": {}, "w8a8": {"quantization": "w8a8"}}
+ENGINE = {"bf16": {}, "int8": {"quantization": "int8"}, "awq": {}, "w8a8": {"quantization": "w8a8"},
+          "int8+head": {"quantization": "int8", "quantize_lm_head": True}, "awq+head": {"quantize_lm_head": True}}
 
 
 def random_checkpoint() -> str:
@@ -130,7 +131,7 @@ def main():
         print(json.dumps(worker(a.worker, a.model, batches, a.threads)))
         return
     src = random_checkpoint()
-    models = {f: (awq_checkpoint(src) if f == "awq" else src) for f in a.formats.split(",")}
+    models = {f: (awq_checkpoint(src) if f.startswith("awq") else src) for f in a.formats.split(",")}
     result = {"machine": machine(), "workload": "B x (128 prompt + 128 new), greedy", "rounds": []}
     for r in range(a.rounds):
         rnd = {"bandwidth_gbs_before": read_bandwidth_gbs(a.threads), "tokenmill": {}}
