@@ -41,9 +41,9 @@ exactly the folded norms the calibration measured with, and any loader casts to 
 Refused with a ValueError before any weights are loaded: bits not 4 or 8; a 4-bit group size not 32,
 64 or 128; a linear whose input features are not a multiple of the group size (named, with its
 shape) or whose outputs are not a multiple of 8 (4-bit packing); an unsupported architecture; an
-already-quantized model (a quantization_config, or `.qweight` tensors); an output directory that
-exists and is not empty (there is no --force: nothing of the user's is ever overwritten); a
-calibration file that is missing or too short (calib_data.py).
+already-quantized model (a quantization_config, or `.qweight` tensors); weights not in safetensors;
+an output directory that exists and is not empty (there is no --force: nothing of the user's is ever
+overwritten); a calibration file that is missing or too short (calib_data.py).
 """
 from __future__ import annotations
 
