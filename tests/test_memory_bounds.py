@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.linear import Linear, onednn_linear_available, padded_rows
+from tokenmill.layers.linear import Linear, LoadContext, onednn_linear_available, padded_rows
 
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="needs a PyTorch build with oneDNN")
 
 _RSS_PROBE = """
 import os, torch
-from tokenmill.layers.linear import Linear
+from tokenmill.layers.linear import Linear, LoadContext
 
 def rss_mib():
     for line in open(f"/proc/{os.getpid()}/status"):
@@ -28,7 +28,7 @@ def rss_mib():
 torch.set_num_threads(2)
 lin = Linear(256, 768)
 lin.weight.data.normal_()
-lin.pack_for_cpu()
+lin.process_after_loading(LoadContext("cpu", torch.float32, "onednn"))
 x = torch.randn(1024, 256)
 with torch.inference_mode():
     lin(x[:40])
@@ -56,7 +56,7 @@ def test_padded_linear_matches_the_plain_one(m):
     lin.weight.data.normal_(generator=g)
     lin.bias.data.normal_(generator=g)
     w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
-    lin.pack_for_cpu()
+    lin.process_after_loading(LoadContext("cpu", torch.float32, "onednn"))  # the oneDNN-packed path
     x = torch.randn(m, 64, generator=g)
     y = lin(x)
     assert y.shape == (m, 96) and y.is_contiguous()
