@@ -147,7 +147,7 @@ def test_awq_beats_rtn_on_the_outlier_model(tmp_path):
     err = {}
     for method in ("rtn", "awq"):
         model, summary = ac.quantize_model(src, tmp_path / method, method=method, bits=4, group_size=64,
-                                           num_samples=8, seq_len=128, progress=False)
+                                           num_samples=4, seq_len=128, n_grid=10, progress=False)
         err[method] = (logits(model, ids) - ref).pow(2).mean().item()
     assert err["awq"] < 0.5 * err["rtn"], err
     assert list(summary["layers"][0]["alpha"]) == [  # GQA: no v_proj -> o_proj group
