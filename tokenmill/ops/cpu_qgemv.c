@@ -20,7 +20,7 @@
 
 #include "bf16.h"
 
-static inline void store_row(float *out16, __m512 acc, const float *bias, int64_t n0, void *y, int y_bf16) {
+static inline void store_row(__m512 acc, const float *bias, int64_t n0, void *y, int y_bf16) {
     if (bias)
         acc = _mm512_add_ps(acc, _mm512_loadu_ps(bias + n0));
     if (y_bf16) {
@@ -30,7 +30,28 @@ static inline void store_row(float *out16, __m512 acc, const float *bias, int64_
     } else {
         _mm512_storeu_ps((float *)y + n0, acc);
     }
-    (void)out16;
+}
+
+/* sum(x) per group of G along K for each of M rows of x (bf16 or fp32): one pass, shared by every panel */
+static float *group_sums(const void *x, int64_t M, int64_t K, int64_t G, int x_bf16) {
+    const int64_t ngroups = K / G;
+    float *sums = malloc(M * ngroups * sizeof(float));
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t g = 0; g < ngroups; g++) {
+            float t = 0.f;
+            for (int64_t k = g * G; k < (g + 1) * G; k++)
+                t += x_bf16 ? bf16_to_f32(((const uint16_t *)x)[r * K + k]) : ((const float *)x)[r * K + k];
+            sums[r * ngroups + g] = t;
+        }
+    return sums;
+}
+
+/* 16 bytes of two nibbles each -> 16 bf16 pairs (128 + lo, 128 + hi), exact */
+static inline __m512i nibbles_to_bf16_pairs(const __m128i *src) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(src));
+    /* lo nibble -> bits 0-3, hi nibble -> bits 16-19, then OR in 128.0's bits */
+    return _mm512_or_si512(_mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x000F000F), 0xA8),
+                           _mm512_set1_epi32(0x43004300));
 }
 
 static const float *widen(const void *x, int64_t K, int x_bf16, float **owned) {
@@ -67,7 +88,7 @@ void tm_qgemv_s8(const int8_t *P, const float *scales, const void *x_in, const f
             a0 = _mm512_fmadd_ps(w, _mm512_set1_ps(x[k]), a0);
         }
         __m512 acc = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
-        store_row(0, _mm512_mul_ps(acc, _mm512_loadu_ps(scales + b * 16)), bias, b * 16, y, y_bf16);
+        store_row(_mm512_mul_ps(acc, _mm512_loadu_ps(scales + b * 16)), bias, b * 16, y, y_bf16);
     }
     free(owned);
 }
@@ -79,13 +100,7 @@ static void qgemv_u4_bf16(const uint8_t *P, const float *S, const float *Z, cons
                           void *y, int64_t N, int64_t K, int64_t G, int nthreads) {
     const int64_t ngroups = K / G;
     const uint32_t *xpairs = (const uint32_t *)x;
-    const __m512i nib = _mm512_set1_epi32(0x000F000F), magic = _mm512_set1_epi32(0x43004300);
-    float *xsum = malloc(ngroups * sizeof(float));  /* sum(x) per group, shared by every row */
-    for (int64_t g = 0; g < ngroups; g++) {
-        float t = 0.f;
-        for (int64_t k = g * G; k < (g + 1) * G; k++) t += bf16_to_f32(x[k]);
-        xsum[g] = t;
-    }
+    float *xsum = group_sums(x, 1, K, G, 1);  /* shared by every row */
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < N / 16; b++) {
         const uint8_t *blk = P + b * (K / 2) * 16;
@@ -94,11 +109,8 @@ static void qgemv_u4_bf16(const uint8_t *P, const float *S, const float *Z, cons
             __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
             for (int64_t k = g * G; k < (g + 1) * G; k += 8) {  /* one 64-byte line: 8 k of 16 rows */
                 const __m128i *line = (const __m128i *)(blk + (k / 2) * 16);
-                __m512i v[4] = {_mm512_cvtepu8_epi32(_mm_loadu_si128(line)), _mm512_cvtepu8_epi32(_mm_loadu_si128(line + 1)),
-                                _mm512_cvtepu8_epi32(_mm_loadu_si128(line + 2)), _mm512_cvtepu8_epi32(_mm_loadu_si128(line + 3))};
                 __m512i w[4];
-                for (int j = 0; j < 4; j++)  /* lo nibble -> bits 0-3, hi nibble -> bits 16-19 */
-                    w[j] = _mm512_or_si512(_mm512_ternarylogic_epi32(v[j], _mm512_slli_epi32(v[j], 12), nib, 0xA8), magic);
+                for (int j = 0; j < 4; j++) w[j] = nibbles_to_bf16_pairs(line + j);
                 a0 = _mm512_dpbf16_ps(a0, (__m512bh)w[0], (__m512bh)_mm512_set1_epi32(xpairs[k / 2 + 0]));
                 a1 = _mm512_dpbf16_ps(a1, (__m512bh)w[1], (__m512bh)_mm512_set1_epi32(xpairs[k / 2 + 1]));
                 a2 = _mm512_dpbf16_ps(a2, (__m512bh)w[2], (__m512bh)_mm512_set1_epi32(xpairs[k / 2 + 2]));
@@ -109,7 +121,7 @@ static void qgemv_u4_bf16(const uint8_t *P, const float *S, const float *Z, cons
             __m512 zz = _mm512_add_ps(_mm512_loadu_ps(Z + sz), _mm512_set1_ps(128.0f));
             acc = _mm512_fmadd_ps(_mm512_loadu_ps(S + sz), _mm512_fnmadd_ps(zz, _mm512_set1_ps(xsum[g]), dot), acc);
         }
-        store_row(0, acc, bias, b * 16, y, 1);
+        store_row(acc, bias, b * 16, y, 1);
     }
     free(xsum);
 }
@@ -123,6 +135,7 @@ void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const void *x
     float *owned;
     const float *x = widen(x_in, K, y_bf16, &owned);
     const int64_t ngroups = K / G;
+    float *xsum = group_sums(x, 1, K, G, 0);  /* shared by every row */
     const __m512i low4 = _mm512_set1_epi32(0xF);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < N / 16; b++) {
@@ -130,7 +143,6 @@ void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const void *x
         __m512 acc = _mm512_setzero_ps();
         for (int64_t g = 0; g < ngroups; g++) {
             __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-            float xs = 0.f;
             const int64_t k_end = (g + 1) * G;
             for (int64_t k = g * G; k < k_end; k += 8) {  /* one 64-byte line: 8 k of 16 rows */
                 __m512i line = _mm512_loadu_si512(blk + (k / 2) * 16);
@@ -146,15 +158,15 @@ void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const void *x
                 a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v2, 4)), _mm512_set1_ps(x[k + 5]), a1);
                 a2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v3, low4)), _mm512_set1_ps(x[k + 6]), a2);
                 a3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v3, 4)), _mm512_set1_ps(x[k + 7]), a3);
-                xs += x[k] + x[k + 1] + x[k + 2] + x[k + 3] + x[k + 4] + x[k + 5] + x[k + 6] + x[k + 7];
             }
             __m512 dot = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
             const int64_t sz = (b * ngroups + g) * 16;
-            __m512 corrected = _mm512_fnmadd_ps(_mm512_loadu_ps(Z + sz), _mm512_set1_ps(xs), dot);
+            __m512 corrected = _mm512_fnmadd_ps(_mm512_loadu_ps(Z + sz), _mm512_set1_ps(xsum[g]), dot);
             acc = _mm512_fmadd_ps(_mm512_loadu_ps(S + sz), corrected, acc);
         }
-        store_row(0, acc, bias, b * 16, y, y_bf16);
+        store_row(acc, bias, b * 16, y, y_bf16);
     }
+    free(xsum);
     free(owned);
 }
 
@@ -218,7 +230,7 @@ void tm_qgemm_s8(const int8_t *P, const float *scales, const void *x_in, const f
         }
         const __m512 s = _mm512_loadu_ps(scales + b * 16);
         for (int64_t r = 0; r < M; r++)
-            store_row(0, _mm512_mul_ps(acc[r], s), bias, b * 16,
+            store_row(_mm512_mul_ps(acc[r], s), bias, b * 16,
                       y_bf16 ? (void *)((uint16_t *)y + r * N) : (void *)((float *)y + r * N), y_bf16);
     }
     free(owned);
@@ -227,14 +239,7 @@ void tm_qgemm_s8(const int8_t *P, const float *scales, const void *x_in, const f
 void tm_qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, const uint16_t *x, const float *bias,
                       void *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
     const int64_t ngroups = K / G;
-    const __m512i nib = _mm512_set1_epi32(0x000F000F), magic = _mm512_set1_epi32(0x43004300);
-    float *xsum = malloc(M * ngroups * sizeof(float));
-    for (int64_t r = 0; r < M; r++)
-        for (int64_t g = 0; g < ngroups; g++) {
-            float t = 0.f;
-            for (int64_t k = g * G; k < (g + 1) * G; k++) t += bf16_to_f32(x[r * K + k]);
-            xsum[r * ngroups + g] = t;
-        }
+    float *xsum = group_sums(x, M, K, G, 1);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < N / 16; b++) {
         const uint8_t *blk = P + b * (K / 2) * 16;
@@ -246,10 +251,7 @@ void tm_qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, const ui
             for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
                 const __m128i *line = (const __m128i *)(blk + (k / 2) * 16);
                 __m512i w[4];
-                for (int j = 0; j < 4; j++) {
-                    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(line + j));
-                    w[j] = _mm512_or_si512(_mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), nib, 0xA8), magic);
-                }
+                for (int j = 0; j < 4; j++) w[j] = nibbles_to_bf16_pairs(line + j);
                 for (int64_t r = 0; r < M; r++) {
                     const uint32_t *xp = (const uint32_t *)(x + r * K) + k / 2;
                     d0[r] = _mm512_dpbf16_ps(d0[r], (__m512bh)w[0], (__m512bh)_mm512_set1_epi32(xp[0]));
@@ -265,7 +267,7 @@ void tm_qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, const ui
                 acc[r] = _mm512_fmadd_ps(s, _mm512_fnmadd_ps(zz, _mm512_set1_ps(xsum[r * ngroups + g]),
                                                              _mm512_add_ps(d0[r], d1[r])), acc[r]);
         }
-        for (int64_t r = 0; r < M; r++) store_row(0, acc[r], bias, b * 16, (uint16_t *)y + r * N, 1);
+        for (int64_t r = 0; r < M; r++) store_row(acc[r], bias, b * 16, (uint16_t *)y + r * N, 1);
     }
     free(xsum);
 }
