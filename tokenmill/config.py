@@ -117,6 +117,18 @@ class EngineConfig:
         choices=(None, "int8", "awq", "w8a8"), aliases=("-q",))
     quantize_lm_head: bool = option(False, "also run the LM head in int8 weight-only (made at load time; the other "
                                     "methods keep it in float, as AutoAWQ and vLLM do)")
+    kv_host_cache_gb: float = option(0.0, "KV tier in host RAM below the KV pool, GiB (0: off): evicted prefix "
+                                     "blocks are kept there and loaded back on a hit (pinned memory on a GPU)")
+    kv_disk_cache_dir: str | None = option(None, "KV tier on local disk: one file per block under this directory, "
+                                           "reused across restarts and shared by engines on the same model")
+    kv_disk_cache_gb: float = option(16.0, "size cap of the disk tier in GiB (least recently used blocks go first)")
+    kv_remote_cache_url: str | None = option(None, "KV tier on a Redis server shared by replicas, e.g. "
+                                             "redis://127.0.0.1:6379/0 (bound it with Redis's maxmemory + "
+                                             "allkeys-lru)")
+    kv_cache_store_policy: str = option("evict", "when blocks go down the tiers: evict (as they leave the pool) or "
+                                        "write_through (as they fill)", choices=("evict", "write_through"))
+    kv_load_timeout_s: float = option(10.0, "a tier load not done after this long is abandoned; the rest of the "
+                                      "prompt is recomputed")
     tensor_parallel_size: int = option(1, "tensor-parallel workers (1 only, for now)", aliases=("-tp",))
     pipeline_parallel_size: int = option(1, "pipeline-parallel stages (1 only, for now)", aliases=("-pp",))
     device: str = option("auto", "auto or cpu (the GPU path has not landed yet)")
@@ -161,8 +173,22 @@ class EngineConfig:
             self.device = "cpu"  # the GPU path (Triton kernels, device-side sampling) has not landed yet
         if self.device != "cpu":
             raise ValueError(f"device={self.device!r} is not supported yet; tokenmill runs on CPU for now")
+        self._check_kv_tiers()
         if not os.path.isdir(self.model):
             raise ValueError(f"model directory not found: {self.model!r} (models load from local directories only)")
+
+    def _check_kv_tiers(self) -> None:
+        if self.kv_host_cache_gb < 0 or self.kv_disk_cache_gb <= 0:
+            raise ValueError("kv_host_cache_gb must be >= 0 and kv_disk_cache_gb > 0")
+        if self.kv_load_timeout_s <= 0:
+            raise ValueError(f"kv_load_timeout_s must be > 0, got {self.kv_load_timeout_s}")
+        if not (self.kv_host_cache_gb or self.kv_disk_cache_dir or self.kv_remote_cache_url):
+            return
+        if not self.enable_prefix_caching or self.kv_layout != "paged":
+            raise ValueError("KV tiers store prefix-cache blocks: they need enable_prefix_caching and the paged layout")
+        url = self.kv_remote_cache_url
+        if url and not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"kv_remote_cache_url must be a redis://, rediss:// or unix:// URL, got {url!r}")
 
     def resolve(self, model_config: ModelConfig) -> None:
         """Fill defaults that depend on the model."""

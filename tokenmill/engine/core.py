@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -10,9 +11,12 @@ from tokenmill import cpu_threads
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.variants import build_attention_backend, build_kv_manager, build_scheduler
-from tokenmill.kv.manager import cdiv
+from tokenmill.kv.manager import KVCacheManager, cdiv
+from tokenmill.kv.tiers.build import build_tier_chain
 from tokenmill.models.loader import load_hf_config, load_model
 from tokenmill.sample.sampler import TokenLogprobs
+from tokenmill.sched.output import BlockStore
+from tokenmill.worker.kv_transfer import KVTransferWorker
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("tokenmill")
@@ -43,6 +47,9 @@ class EngineStats:
     prefix_cache_hit_rate: float
     num_preemptions: int
     num_steps: int
+    num_loading_kv: int = 0  # requests waiting for their prefix to load from the KV tiers
+    # per tier (host, disk, remote): TierStats counters (kv/tiers/connector.py)
+    kv_tiers: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -63,7 +70,15 @@ class EngineCore:
         mc = self.model_config
         self.runner = ModelRunner(self.model, build_attention_backend(config), num_blocks, config.block_size,
                                   mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, config.device, config.seed)
-        self.kv = build_kv_manager(config, num_blocks)
+        backend = self.runner.backend
+        block_shape = (mc.num_layers, 2, *self.runner.kv_cache.shape[3:])
+        tiers = build_tier_chain(config, mc.architecture, self.dtype, block_shape,
+                                 kv_layout=f"{type(backend).__name__}{tuple(backend.kv_cache_shape(1, 1, 1, 1))}")
+        self.kv = build_kv_manager(config, num_blocks, tiers)
+        self.kv_transfer = None
+        if tiers is not None:
+            self.kv_transfer = KVTransferWorker(self.runner.kv_cache, tiers, config.kv_load_timeout_s)
+            self._finalizer = weakref.finalize(self, _close_tiers, self.kv_transfer, self.kv)
         self.scheduler = build_scheduler(config, self.kv)
         self.num_steps = 0
         self.governor = None
@@ -98,7 +113,12 @@ class EngineCore:
         self.scheduler.add_request(req)
 
     def abort(self, request_ids) -> list[str]:
-        return [r.request_id for r in self.scheduler.abort(request_ids)]
+        aborted = [r.request_id for r in self.scheduler.abort(request_ids)]
+        if self.kv_transfer is not None and self.scheduler.loading:
+            # a cancelled load is final at once: free its blocks now, not at the next step
+            self.kv_transfer.cancel(aborted)
+            self.scheduler.finish_loads(self.kv_transfer.poll())
+        return aborted
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -107,12 +127,23 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if self.governor is not None:
             self.governor.tick()
+        xfer = self.kv_transfer
+        if xfer is not None:
+            self.scheduler.finish_loads(xfer.poll())
         sched = self.scheduler.schedule()
+        if xfer is not None:
+            xfer.store(sched.kv_stores)  # before the forward, which may overwrite the evicted blocks
+            xfer.start_loads(sched.kv_loads)
+            xfer.cancel(sched.kv_load_cancels)
         if sched.is_empty:
             self.runner.release_requests(sched.finished_ids)
+            if xfer is not None and xfer.num_in_flight:
+                xfer.wait(0.01)  # only loads are in flight: sleep until one lands instead of spinning
             return []
         self.num_steps += 1
         result = self.runner.execute(sched)
+        if xfer is not None:
+            xfer.store(sched.kv_backups)
         outputs: dict[str, EngineCoreOutput] = {}
         for rid, rows in result.prompt_logprobs.items():
             outputs[rid] = EngineCoreOutput(rid, [], prompt_logprobs=rows)
@@ -136,14 +167,31 @@ class EngineCore:
     def stats(self) -> EngineStats:
         s, kv = self.scheduler, self.kv
         return EngineStats(
-            num_running=len(s.running), num_waiting=len(s.waiting), num_kv_blocks=kv.pool.num_blocks,
+            num_running=len(s.running), num_waiting=len(s.waiting) + len(s.loading), num_kv_blocks=kv.pool.num_blocks,
             num_free_kv_blocks=kv.num_free_blocks, kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
-            prefix_cache_hit_rate=kv.stats.hit_rate, num_preemptions=s.num_preemptions, num_steps=self.num_steps)
+            prefix_cache_hit_rate=kv.stats.hit_rate, num_preemptions=s.num_preemptions, num_steps=self.num_steps,
+            num_loading_kv=len(s.loading), kv_tiers=kv.tiers.snapshot() if kv.tiers is not None else {})
+
+    def close(self) -> None:
+        """Write the pool's cached blocks down the tiers and stop the transfer threads (also at exit)."""
+        if self.kv_transfer is not None:
+            self._finalizer()
 
     def check_invariants(self) -> None:
         """KV accounting is exact; when idle, every block is back in the pool."""
         self.kv.check_invariants()
+        if self.kv.tiers is not None:
+            self.kv.tiers.check_invariants()
         if not self.has_unfinished():
             assert self.kv.num_free_blocks == self.kv.pool.num_blocks, (
                 f"idle engine holds {self.kv.pool.num_blocks - self.kv.num_free_blocks} KV blocks")
+
+
+def _close_tiers(transfer: KVTransferWorker, kv: KVCacheManager) -> None:
+    """Blocks still cached in the pool would die with the process: store them in the lower tiers first, so a
+    restarted engine finds them on disk (or in Redis)."""
+    cached = [BlockStore(b.block_id, b.block_hash) for b in kv.pool.blocks if b.block_hash is not None]
+    if transfer.lower and cached:
+        transfer.store_lower(cached)
+    transfer.close()

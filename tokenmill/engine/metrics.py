@@ -51,6 +51,34 @@ class _EngineStatsCollector:
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield counter("num_preemptions", "Preemptions (requests evicted and later recomputed).", s.num_preemptions)
         yield counter("engine_steps", "Engine steps run.", s.num_steps)
+        yield gauge("num_requests_loading_kv", "Requests waiting for their prefix to load from the KV tiers.",
+                    s.num_loading_kv)
+        yield from _tier_metrics(s.kv_tiers, self.model_name)
+
+
+# TierStats field -> (metric name, kind, help); one series per tier (host, disk, remote)
+_TIER_METRICS = {
+    "hit_tokens": ("kv_tier_hit_tokens", "counter", "Prompt tokens served from a KV tier."),
+    "blocks_stored": ("kv_tier_blocks_stored", "counter", "KV blocks written to a tier."),
+    "bytes_stored": ("kv_tier_bytes_stored", "counter", "KV bytes written to a tier."),
+    "blocks_loaded": ("kv_tier_blocks_loaded", "counter", "KV blocks read from a tier."),
+    "bytes_loaded": ("kv_tier_bytes_loaded", "counter", "KV bytes read from a tier."),
+    "store_seconds": ("kv_tier_store_seconds", "counter", "Time spent writing blocks to a tier."),
+    "load_seconds": ("kv_tier_load_seconds", "counter", "Time spent reading blocks from a tier."),
+    "errors": ("kv_tier_errors", "counter", "Failed tier reads and writes (corrupt blocks included)."),
+    "blocks": ("kv_tier_blocks", "gauge", "KV blocks held by a tier."),
+    "bytes": ("kv_tier_bytes", "gauge", "KV bytes held by a tier."),
+    "capacity_bytes": ("kv_tier_capacity_bytes", "gauge", "Size cap of a tier."),
+}
+
+
+def _tier_metrics(tiers: dict[str, dict[str, float]], model_name: str):
+    for field_name, (name, kind, doc) in _TIER_METRICS.items():
+        family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        m = family(f"tokenmill:{name}", doc, labels=["model_name", "tier"])
+        for tier, stats in tiers.items():
+            m.add_metric([model_name, tier], stats.get(field_name, 0))
+        yield m
 
 
 class ServerMetrics:

@@ -10,6 +10,7 @@ from tokenmill.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # its prefix is being loaded from the KV tiers
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -53,6 +54,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    kv_load_failed: bool = False  # a tier load fell short once: recompute instead of trying again
+    kv_loaded: bool = False  # back from a tier load; its next prefix lookup finds the loaded blocks
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -13,14 +13,16 @@ from tokenmill.attention.registry import attention_backend_class
 from tokenmill.config import EngineConfig
 from tokenmill.kv.contiguous import ContiguousKVCacheManager
 from tokenmill.kv.manager import KVCacheManager
+from tokenmill.kv.tiers.chain import TierChain
 from tokenmill.sched.scheduler import Scheduler
 from tokenmill.sched.static import StaticBatchScheduler
 
 
-def build_kv_manager(config: EngineConfig, num_blocks: int) -> KVCacheManager:
+def build_kv_manager(config: EngineConfig, num_blocks: int, tiers: TierChain | None = None) -> KVCacheManager:
     if config.kv_layout == "contiguous":
         return ContiguousKVCacheManager(num_blocks, config.block_size, reserve_tokens=config.max_model_len)
-    return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, tiers,
+                          config.kv_cache_store_policy)
 
 
 def build_scheduler(config: EngineConfig, kv: KVCacheManager) -> Scheduler:

@@ -72,6 +72,13 @@ class BlockPool:
             self._emit(BlockRemoved(b.block_id, b.block_hash))
             b.block_hash = None
 
+    def uncache(self, b: KVBlock) -> None:
+        """Forget a held block's hash because its KV was never computed (see KVCacheManager.free)."""
+        if b.block_hash is not None and self._cached.get(b.block_hash) is b:
+            del self._cached[b.block_hash]
+            self._emit(BlockRemoved(b.block_id, b.block_hash, kv_valid=False))
+        b.block_hash = None
+
     def take_free(self, b: KVBlock) -> None:
         """Allocate one particular free block (a baseline that needs adjacent ids picks its own)."""
         del self._free[b.block_id]

@@ -18,9 +18,11 @@ class BlockStored:
 
 @dataclass(frozen=True)
 class BlockRemoved:
-    """`block_hash` no longer maps to `block_id`: the block was evicted to hold new tokens."""
+    """`block_hash` no longer maps to `block_id`: the block was evicted to hold new tokens, or (kv_valid
+    False) its request was preempted before the step that would have computed it ran."""
     block_id: int
     block_hash: bytes
+    kv_valid: bool = True
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from tokenmill.engine.request import Request
 from tokenmill.kv.block_pool import BlockPool, KVBlock
 from tokenmill.kv.hashing import extend_block_hashes
+from tokenmill.kv.tiers.chain import StoreCollector, TierChain
 
 
 def cdiv(a: int, b: int) -> int:
@@ -31,13 +32,22 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    """`tiers`, when given, are consulted after the pool (find_tier_prefix) and receive what the pool
+    evicts (take_stores); see kv/tiers/chain.py."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 tiers: TierChain | None = None, store_policy: str = "evict"):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._num_cached: dict[str, int] = {}
         self.stats = PrefixCacheStats()
+        self.tiers = tiers
+        self._stores = None
+        if tiers is not None:
+            self._stores = StoreCollector(tiers, store_policy)
+            self.pool.subscribe(self._stores)
 
     @property
     def num_free_blocks(self) -> int:
@@ -55,7 +65,7 @@ class KVCacheManager:
         extend_block_hashes(req.block_hashes, req.token_ids, num_tokens, self.block_size, req.block_hash_extra_keys)
         return req.block_hashes
 
-    def find_cached_prefix(self, req: Request) -> list[KVBlock]:
+    def find_cached_prefix(self, req: Request, count_stats: bool = True) -> list[KVBlock]:
         """Longest run of cached full blocks at the start of the request. At least one token is left
         to compute, because sampling needs the last position's logits."""
         if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
@@ -67,11 +77,45 @@ class KVCacheManager:
             if b is None:
                 break
             hit.append(b)
-        self.stats.queries += req.num_tokens
-        self.stats.hits += len(hit) * self.block_size
+        if count_stats:
+            self.stats.queries += req.num_tokens
+            self.stats.hits += len(hit) * self.block_size
         return hit
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, cached: list[KVBlock] = ()) -> bool:
+    def find_tier_prefix(self, req: Request, num_pool_blocks: int) -> list[int]:
+        """After `num_pool_blocks` pool hits: the tier of each following block the tiers hold (same limit
+        as the pool: the last token is always computed)."""
+        if self.tiers is None or not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        return self.tiers.lookup(req.block_hashes[num_pool_blocks:max_blocks])
+
+    def allocate_for_load(self, req: Request, cached: list[KVBlock], num_blocks: int) -> bool:
+        """Adopt the pool hits and take `num_blocks` fresh blocks for a tier load; their hashes are
+        registered only once the load lands (finish_load)."""
+        if not self.allocate_slots(req, num_blocks * self.block_size, cached, register=False):
+            return False
+        self._num_cached[req.request_id] = len(cached)
+        return True
+
+    def finish_load(self, req: Request, num_loaded: int) -> None:
+        """Register the first `num_loaded` loaded blocks in the prefix cache, then give every block back:
+        the loaded ones stay findable there, so the request's admission finds them as pool hits."""
+        blocks = self.req_blocks.get(req.request_id, [])
+        start = self._num_cached.get(req.request_id, 0)
+        for i in range(start, start + num_loaded):
+            self.pool.cache(blocks[i], req.block_hashes[i], req.block_hashes[i - 1] if i else None)
+        self._num_cached[req.request_id] = start + num_loaded
+        req.num_computed_tokens = (start + num_loaded) * self.block_size
+        self.free(req)
+        req.num_computed_tokens = 0
+
+    def take_stores(self):
+        """(evicted, filled) blocks to copy down the tiers this step; see StoreCollector."""
+        return self._stores.take() if self._stores is not None else ([], [])
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, cached: list[KVBlock] = (),
+                       register: bool = True) -> bool:
         """Reserve slots for `num_new_tokens` after `req.num_computed_tokens`, adopting `cached`
         (prefix hits, whose tokens `req.num_computed_tokens` already counts). False if blocks run out."""
         blocks = self.req_blocks.get(req.request_id, [])
@@ -85,7 +129,7 @@ class KVCacheManager:
         blocks.extend(cached)
         if need > 0:
             blocks.extend(self.pool.allocate(need))
-        if self.enable_caching:
+        if self.enable_caching and register:
             # Blocks that will be full once this step runs are registered now; their tokens are known.
             done = self._num_cached.get(req.request_id, 0)
             full = total // self.block_size
@@ -96,10 +140,16 @@ class KVCacheManager:
                 self._num_cached[req.request_id] = full
         return True
 
-    def free(self, req: Request) -> None:
+    def free(self, req: Request, num_valid_tokens: int | None = None) -> None:
+        """Give the request's blocks back. With `num_valid_tokens` (a preemption inside the step that
+        scheduled the request), blocks registered for tokens past it were never computed: they lose their
+        hash first, so no later request can hit them."""
         blocks = self.req_blocks.pop(req.request_id, None)
-        self._num_cached.pop(req.request_id, None)
+        registered = self._num_cached.pop(req.request_id, 0)
         if blocks:
+            if num_valid_tokens is not None:
+                for b in blocks[num_valid_tokens // self.block_size:registered]:
+                    self.pool.uncache(b)
             self.pool.free(reversed(blocks))  # tail blocks first: they are the least likely to be shared
 
     def reset_prefix_cache(self) -> None:

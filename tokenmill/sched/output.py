@@ -15,6 +15,13 @@ worker keeps its own per-request state (worker/request_state.py) and updates it 
                                            preemption (prompt, output so far, params, whole block table)
       preempted_ids                        their block tables are gone; tokens and generator stay
       finished_ids                         finished since the last step: the worker drops their state
+      kv_stores: [BlockStore]              blocks evicted this step: copy them down a tier *before* the
+                                           forward, which may overwrite them
+      kv_backups: [BlockStore]             write-through: blocks that fill this step, copied *after* it
+      kv_loads: [KVLoad]                   fill these blocks from the tiers, off the step (async)
+      kv_load_cancels                      request ids whose loads to stop (aborted)
+
+    Load results come back as KVLoadResult, polled before each schedule().
 
     ModelRunnerOutput (worker/model_runner.py) comes back with a list of token ids per request that
     sampled: one today, several once speculative decoding accepts draft tokens.
@@ -49,11 +56,39 @@ class ScheduledRequest:
 
 
 @dataclass
+class BlockStore:
+    block_id: int
+    block_hash: bytes
+
+
+@dataclass
+class KVLoad:
+    """Read `block_hashes` from the tiers into `block_ids`, in order; `tiers` names where each was found."""
+    request_id: str
+    block_ids: list[int]
+    block_hashes: list[bytes]
+    tiers: list[int]
+
+
+@dataclass
+class KVLoadResult:
+    """The first `num_loaded` blocks of a KVLoad hold their KV; the rest are to be recomputed."""
+    request_id: str
+    num_loaded: int
+    tiers: list[int]  # the tier each loaded block came from
+    failed: bool  # something was listed but could not be read (a miss, an error or the deadline)
+
+
+@dataclass
 class SchedulerOutput:
     seqs: list[ScheduledRequest] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # finished since the last step: drop their state
+    kv_stores: list[BlockStore] = field(default_factory=list)
+    kv_backups: list[BlockStore] = field(default_factory=list)
+    kv_loads: list[KVLoad] = field(default_factory=list)
+    kv_load_cancels: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -5,6 +5,13 @@ the budget (chunked prefill); when blocks run out the lowest-priority running re
 (its blocks freed, recomputed later). Then waiting requests join while budget, sequence slots and
 blocks last. Because one request never needs more blocks than the cache holds (checked at startup),
 preempting everyone else always makes room: no deadlock, and every request finishes.
+
+With KV tiers, a waiting request whose prefix continues in a tier first gets blocks and a load
+(SchedulerOutput.kv_loads) and waits aside (`loading`) while other requests run. When the load lands,
+its blocks join the prefix cache and are given back, and the request rejoins the queue's front, where
+its admission finds them as ordinary pool hits:
+
+    waiting --(tier hit)--> loading --(KVLoadResult)--> waiting (front) --> running
 """
 from __future__ import annotations
 
@@ -15,7 +22,7 @@ from collections import deque
 
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.kv.manager import KVCacheManager
-from tokenmill.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
+from tokenmill.sched.output import KVLoad, KVLoadResult, NewRequestData, ScheduledRequest, SchedulerOutput
 
 
 class WaitingQueue:
@@ -74,6 +81,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._finished_since_last_step: list[str] = []
+        self.loading: dict[str, Request] = {}  # tier loads in flight (aborted ones too, until they land)
+        self._loading_hashes: dict[bytes, str] = {}  # block hash -> the request loading it
+        self._new_loads: list[KVLoad] = []
+        self._load_cancels: list[str] = []
 
     # -- admission -------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -92,19 +103,41 @@ class Scheduler:
         return aborted
 
     def finish(self, req: Request, status: RequestStatus) -> None:
+        loading = req.status == RequestStatus.WAITING_FOR_KV
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
-        self.kv.free(req)
+        if loading:  # the load may still write its blocks: they are freed when its result comes back
+            self._load_cancels.append(req.request_id)
+        else:
+            self.kv.free(req)
         del self.requests[req.request_id]
         self._blocks_sent.pop(req.request_id, None)
         self._finished_since_last_step.append(req.request_id)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.requests)
+        """Live requests, plus aborted ones whose blocks a load still holds."""
+        return len(self.requests) + sum(1 for r in self.loading.values() if r.is_finished)
+
+    def finish_loads(self, results: list[KVLoadResult]) -> None:
+        """Tier loads that landed (fully, partly or not at all): see the module docstring."""
+        for res in results:
+            req = self.loading.pop(res.request_id)
+            for h in req.block_hashes:
+                if self._loading_hashes.get(h) == req.request_id:
+                    del self._loading_hashes[h]
+            if req.is_finished:
+                self.kv.free(req)
+                continue
+            self.kv.finish_load(req, res.num_loaded)
+            self.kv.tiers.count_hits(res.tiers, self.kv.block_size)
+            req.kv_load_failed = res.failed
+            req.kv_loaded = True
+            req.status = RequestStatus.WAITING
+            self.waiting.add(req, front=True)
 
     # -- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -139,6 +172,9 @@ class Scheduler:
 
         out.seqs = [self._scheduled(self.requests[rid], n) for rid, n in scheduled.items()]
         out.num_scheduled_tokens = sum(scheduled.values())
+        out.kv_stores, out.kv_backups = self.kv.take_stores()
+        out.kv_loads, self._new_loads = self._new_loads, []
+        out.kv_load_cancels, self._load_cancels = self._load_cancels, []
         for rid, n in scheduled.items():
             self.requests[rid].num_computed_tokens += n
         return out
@@ -154,7 +190,15 @@ class Scheduler:
             leader = req.prefix_leader
             if leader is not None and not leader.is_finished and leader.num_computed_tokens < leader.num_prompt_tokens:
                 continue  # n > 1: wait until the leader's prompt blocks are cached, then share them
-            cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            fresh = req.num_computed_tokens == 0
+            # a request back from a tier load was counted in the prefix stats when its load started
+            cached = self.kv.find_cached_prefix(req, count_stats=not req.kv_loaded) if fresh else []
+            if fresh and not req.kv_loaded and not req.kv_load_failed:
+                started = self._start_tier_load(req, cached)
+                if started is not None:
+                    if started:
+                        continue
+                    break
             num_cached = len(cached) * self.kv.block_size
             n = req.num_tokens - num_cached
             if n > budget:
@@ -166,6 +210,7 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 break
             self.waiting.remove(req)
+            req.kv_loaded = False
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
             if req.first_scheduled_time is None:
@@ -176,6 +221,27 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _start_tier_load(self, req: Request, cached: list) -> bool | None:
+        """None: no tier holds the next blocks; True: a load started (or another request is loading them,
+        and this one waits to find them in the pool); False: no free blocks for it."""
+        tiers = self.kv.find_tier_prefix(req, len(cached))
+        if not tiers:
+            return None
+        start = len(cached)
+        hashes = req.block_hashes[start:start + len(tiers)]
+        if hashes[0] in self._loading_hashes:
+            return True  # skipped this step; the other load's blocks will be pool hits
+        req.num_computed_tokens = start * self.kv.block_size
+        if not self.kv.allocate_for_load(req, cached, len(tiers)):
+            req.num_computed_tokens = 0
+            return False
+        self.waiting.remove(req)
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.loading[req.request_id] = req
+        self._loading_hashes.update((h, req.request_id) for h in hashes)
+        self._new_loads.append(KVLoad(req.request_id, self.kv.block_ids(req.request_id, start), hashes, tiers))
+        return True
+
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
@@ -183,7 +249,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self.kv.free(req)
+        self.kv.free(req, num_valid_tokens=req.num_computed_tokens)  # before this step's tokens: never run
         self._blocks_sent.pop(req.request_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0

@@ -1,0 +1,452 @@
+"""KV tiers below the pool (host RAM, disk, Redis): byte format, LRU bounds, prefix lookups across tiers,
+greedy identity with hits from each tier, restarts, and faults that must degrade to recompute."""
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.conftest import make_llm, random_prompts
+from tokenmill import SamplingParams
+from tokenmill.engine.request import Request
+from tokenmill.kv.manager import KVCacheManager
+from tokenmill.kv.tiers import disk as disk_mod
+from tokenmill.kv.tiers.blockfile import HEADER_SIZE, CorruptBlock, decode_block, encode_block
+from tokenmill.kv.tiers.chain import TierChain
+from tokenmill.kv.tiers.disk import DiskTier
+from tokenmill.kv.tiers.host import HostTier
+
+FP, SHAPE, DT = b"f" * 16, (2, 2, 4, 2, 8), torch.bfloat16
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+
+
+def _block(seed):
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(DT)
+
+
+def _key(i):
+    return i.to_bytes(16, "little")
+
+
+# -- the byte format and the tiers on their own ------------------------------------------------------------
+def test_block_format_round_trips_and_rejects_every_kind_of_damage():
+    b = _block(0)
+    data = encode_block(FP, _key(1), b)
+    assert torch.equal(decode_block(data, FP, _key(1), SHAPE, DT), b)
+    flipped = bytearray(data)
+    flipped[HEADER_SIZE + 5] ^= 0xFF
+    damaged = {"truncated": data[:-3], "header only": data[:HEADER_SIZE - 1], "flipped byte": bytes(flipped)}
+    for why, bad in damaged.items():
+        with pytest.raises(CorruptBlock):
+            decode_block(bad, FP, _key(1), SHAPE, DT)
+    with pytest.raises(CorruptBlock, match="another model"):
+        decode_block(data, b"g" * 16, _key(1), SHAPE, DT)
+    with pytest.raises(CorruptBlock, match="another block"):
+        decode_block(data, FP, _key(2), SHAPE, DT)
+    with pytest.raises(CorruptBlock, match="shape"):
+        decode_block(data, FP, _key(1), SHAPE, torch.float32)
+
+
+def test_host_tier_is_a_byte_bounded_lru():
+    per = _block(0).nbytes
+    host = HostTier(capacity_bytes=3 * per)
+    for i in range(3):
+        host.put(_key(i), _block(i))
+    assert host.get(_key(0)) is not None  # 0 is now the most recent
+    host.put(_key(3), _block(3))  # evicts 1, the least recently used
+    assert [host.exists(_key(i)) for i in range(4)] == [True, False, True, True]
+    assert host.occupancy() == (3, 3 * per)
+    host.check_invariants()
+
+
+def test_disk_tier_survives_a_restart_and_trims_to_its_cap(tmp_path):
+    per = len(encode_block(FP, _key(0), _block(0)))
+    d = DiskTier(str(tmp_path), 4 * per, FP, SHAPE, DT)
+    for i in range(3):
+        d.put(_key(i), _block(i))
+    assert not any(n.endswith(".tmp") for _, _, files in os.walk(tmp_path) for n in files)  # atomic writes
+    again = DiskTier(str(tmp_path), 2 * per, FP, SHAPE, DT)  # a new engine with a smaller cap: oldest goes
+    assert [again.exists(_key(i)) for i in range(3)] == [False, True, True]
+    assert torch.equal(again.get(_key(2)), _block(2))
+    again.check_invariants()
+    other = DiskTier(str(tmp_path), 4 * per, b"g" * 16, SHAPE, DT)  # another model: its own directory
+    assert not other.exists(_key(2))
+
+
+def test_disk_tier_sees_blocks_another_engine_wrote(tmp_path):
+    a = DiskTier(str(tmp_path), 1 << 20, FP, SHAPE, DT)
+    b = DiskTier(str(tmp_path), 1 << 20, FP, SHAPE, DT)
+    a.put(_key(7), _block(7))
+    assert b.exists(_key(7)) and torch.equal(b.get(_key(7)), _block(7))
+
+
+def test_corrupt_or_truncated_disk_block_is_a_miss_and_is_deleted(tmp_path, caplog):
+    d = DiskTier(str(tmp_path), 1 << 20, FP, SHAPE, DT)
+    d.put(_key(1), _block(1))
+    d.put(_key(2), _block(2))
+    with open(d._path(_key(1)), "r+b") as f:
+        f.seek(HEADER_SIZE + 10)
+        f.write(b"\x00\xff\x00")
+    with open(d._path(_key(2)), "r+b") as f:
+        f.truncate(HEADER_SIZE + 7)
+    assert d.get(_key(1)) is None and d.get(_key(2)) is None
+    assert not os.path.exists(d._path(_key(1))) and not d.exists(_key(2))
+    assert d.stats.errors == 2 and "checksum" in caplog.text
+    d.check_invariants()
+
+
+def test_chain_lookup_walks_tiers_block_by_block(tmp_path):
+    host, disk = HostTier(1 << 20), DiskTier(str(tmp_path), 1 << 20, FP, SHAPE, DT)
+    for i in (1, 2):
+        host.put(_key(i), _block(i))
+    for i in (0, 1, 3):
+        disk.put(_key(i), _block(i))
+    chain = TierChain([host, disk])
+    assert chain.lookup([_key(i) for i in range(5)]) == [1, 1, 0, 1]  # the docstring's picture
+
+
+def test_preemption_inside_the_step_unregisters_blocks_it_never_computed():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    r = Request("a", list(range(10)), SamplingParams())
+    assert kv.allocate_slots(r, 10)  # registers two full blocks whose KV this step would compute
+    kv.free(r, num_valid_tokens=0)  # preempted before the step ran
+    assert kv.find_cached_prefix(Request("b", list(range(10)), SamplingParams())) == []
+    kv.check_invariants()
+
+
+# -- the engine with tiers -----------------------------------------------------------------------------------
+DOC_LEN, POOL = 150, dict(num_kv_blocks=20, max_model_len=256)
+
+
+def _workload(seed=0):
+    """Rounds of prompts: questions about one shared document, with other traffic in between that evicts
+    the document's blocks from the 20-block pool (rounds 0, 3 and 6 ask about the document)."""
+    doc, q1, q2, q3, *fill = random_prompts([DOC_LEN, 12, 9, 15, 200, 200, 200, 200], seed=seed)
+    p = lambda toks: {"prompt_token_ids": toks}  # noqa: E731
+    return [[p(doc + q1)], [p(fill[0])], [p(fill[1])], [p(doc + q2), p(doc + q3)], [p(fill[2])], [p(fill[3])],
+            [p(doc + q1)]]
+
+
+def _run(llm, rounds, sp=GREEDY):
+    return [[o.outputs[0].token_ids for o in llm.generate(r, sp, use_tqdm=False)] for r in rounds]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(llama_dir):
+    return _run(make_llm(llama_dir, **POOL), _workload())
+
+
+def _tier_stats(llm):
+    return llm.llm_engine.get_stats().kv_tiers
+
+
+def _check_idle(llm):
+    llm.llm_engine.check_invariants()  # every pool block back, tier byte counts exact
+    assert llm.llm_engine.get_stats().num_loading_kv == 0
+
+
+@pytest.mark.parametrize("tiers", ["host", "disk", "host+disk"])
+def test_greedy_identical_with_hits_from_each_tier(llama_dir, tmp_path, plain_outputs, tiers):
+    kw = {}
+    if "host" in tiers:
+        kw["kv_host_cache_gb"] = 0.05
+    if "disk" in tiers:
+        kw["kv_disk_cache_dir"] = str(tmp_path)
+    llm = make_llm(llama_dir, **POOL, **kw)
+    assert _run(llm, _workload()) == plain_outputs
+    stats = _tier_stats(llm)
+    first = tiers.split("+")[0]
+    assert stats[first]["hit_tokens"] >= 2 * 144, stats  # rounds 3 and 6 came back from the tier
+    assert stats[first]["blocks_loaded"] > 0 and stats[first]["bytes_stored"] > 0
+    _check_idle(llm)
+
+
+def test_write_through_backs_blocks_up_as_they_fill(llama_dir, tmp_path, plain_outputs):
+    llm = make_llm(llama_dir, **POOL, kv_disk_cache_dir=str(tmp_path), kv_cache_store_policy="write_through")
+    first = _run(llm, _workload()[:1])
+    time.sleep(0.5)  # the store thread writes the files
+    stored = _tier_stats(llm)["disk"]["blocks_stored"]
+    assert first == plain_outputs[:1] and stored >= DOC_LEN // 16  # stored without any eviction
+    assert _run(llm, _workload()[1:]) == plain_outputs[1:]
+    _check_idle(llm)
+
+
+def test_tiers_under_chunked_prefill_and_preemption(llama_dir, tmp_path):
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kw = dict(num_kv_blocks=17, max_model_len=256, max_num_batched_tokens=32)
+    r = _workload(seed=3)
+    rounds = [r[0], r[1] + r[2], r[3], r[4] + r[5] + r[6]]  # concurrent fills: 2 x 15 blocks > 17, preempting
+    plain = _run(make_llm(llama_dir, **kw), rounds, sp)
+    llm = make_llm(llama_dir, **kw, kv_host_cache_gb=0.05, kv_disk_cache_dir=str(tmp_path))
+    assert _run(llm, rounds, sp) == plain
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.kv_tiers["host"]["hit_tokens"] > 0
+    _check_idle(llm)
+
+
+class _SlowTier(HostTier):
+    """A host tier whose reads take `delay` seconds per block: loads stay in flight for a while."""
+
+    def __init__(self, delay):
+        super().__init__(1 << 26)
+        self.delay = delay
+
+    def get(self, key):
+        time.sleep(self.delay)
+        return super().get(key)
+
+
+def _with_slow_tier(llm, delay):
+    core = llm.llm_engine.core
+    slow = _SlowTier(delay)
+    core.kv.tiers.tiers[0] = core.kv.tiers.host = core.kv_transfer.chain.host = slow
+    return slow
+
+
+def test_requests_arriving_while_a_load_is_in_flight(llama_dir, plain_outputs):
+    llm = make_llm(llama_dir, **POOL, kv_host_cache_gb=0.05)
+    _with_slow_tier(llm, 0.02)  # ~0.2 s per document load
+    rounds = _workload()
+    assert _run(llm, rounds[:3]) == plain_outputs[:3]
+    eng = llm.llm_engine
+    eng.add_request("q2", rounds[3][0], GREEDY)
+    eng.step()  # q2's load starts
+    assert eng.get_stats().num_loading_kv == 1
+    eng.add_request("other", {"prompt_token_ids": random_prompts([30], seed=9)[0]}, GREEDY)
+    eng.add_request("q3", rounds[3][1], GREEDY)  # same document: waits for q2's blocks, no second load
+    done, ran_during_load = {}, False
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+        ran_during_load |= eng.get_stats().num_loading_kv > 0 and "other" in done
+    assert [done["q2"], done["q3"]] == plain_outputs[3]
+    assert ran_during_load  # the other request finished while the load was still running
+    assert _tier_stats(llm)["host"]["blocks_loaded"] == DOC_LEN // 16  # loaded once, for q2 only
+    _check_idle(llm)
+
+
+def test_late_load_falls_back_to_recompute(llama_dir, plain_outputs, caplog):
+    llm = make_llm(llama_dir, **POOL, kv_host_cache_gb=0.05, kv_load_timeout_s=0.1)
+    _with_slow_tier(llm, 0.05)  # 9 blocks: ~0.45 s, well past the deadline
+    assert _run(llm, _workload()) == plain_outputs
+    assert "missed its 0.1 s deadline" in caplog.text
+    time.sleep(0.6)  # the abandoned read finishes and must write nothing
+    _check_idle(llm)
+
+
+def test_abort_while_loading_frees_the_blocks(llama_dir):
+    llm = make_llm(llama_dir, **POOL, kv_host_cache_gb=0.05)
+    _with_slow_tier(llm, 0.05)
+    rounds = _workload()
+    _run(llm, rounds[:3])
+    eng = llm.llm_engine
+    eng.add_request("q", rounds[3][0], GREEDY)
+    eng.step()
+    assert eng.get_stats().num_loading_kv == 1
+    eng.abort_request(["q"])
+    while eng.has_unfinished_requests():
+        eng.step()
+    _check_idle(llm)
+    assert eng.core.kv.num_free_blocks == POOL["num_kv_blocks"]
+
+
+# -- restarts and disk faults ------------------------------------------------------------------------------
+_RESTART_SCRIPT = """
+import json, sys
+from tests.conftest import make_llm
+from tokenmill import SamplingParams
+path, cache, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+llm = make_llm(path, num_kv_blocks=20, max_model_len=256, kv_disk_cache_dir=cache)
+out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+print(json.dumps([out[0].outputs[0].token_ids, llm.llm_engine.get_stats().kv_tiers["disk"]["hit_tokens"]]))
+"""
+
+
+def test_a_restarted_engine_gets_disk_hits(llama_dir, tmp_path, plain_outputs):
+    import json
+
+    rounds = _workload()
+    cache = str(tmp_path / "kv")
+
+    def run(prompt):
+        res = subprocess.run([sys.executable, "-c", _RESTART_SCRIPT, llama_dir, cache, json.dumps(prompt)],
+                             capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    tokens, hits = run(rounds[0][0]["prompt_token_ids"])  # sees the document; stores its blocks at exit
+    assert tokens == plain_outputs[0][0] and hits == 0
+    tokens, hits = run(rounds[3][0]["prompt_token_ids"])  # a new process, another question
+    assert tokens == plain_outputs[3][0] and hits == (DOC_LEN // 16) * 16
+
+
+def _disk_llm(llama_dir, cache, **kw):
+    return make_llm(llama_dir, **POOL, kv_disk_cache_dir=str(cache), **kw)
+
+
+def test_corrupt_files_on_disk_mean_recompute(llama_dir, tmp_path, plain_outputs):
+    llm = _disk_llm(llama_dir, tmp_path)
+    rounds = _workload()
+    assert _run(llm, rounds[:3]) == plain_outputs[:3]
+    llm.llm_engine.core.kv_transfer.flush(5.0)
+    files = sorted(os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs)
+    for i, f in enumerate(files):  # damage every block file: flip bytes in some, truncate the others
+        with open(f, "r+b") as fh:
+            if i % 2:
+                fh.truncate(HEADER_SIZE + 3)
+            else:
+                fh.seek(HEADER_SIZE + 1)
+                fh.write(b"\x13\x37")
+    assert _run(llm, rounds[3:]) == plain_outputs[3:]
+    assert _tier_stats(llm)["disk"]["errors"] >= 1
+    _check_idle(llm)
+
+
+def test_directory_deleted_mid_run(llama_dir, tmp_path, plain_outputs):
+    llm = _disk_llm(llama_dir, tmp_path)
+    rounds = _workload()
+    assert _run(llm, rounds[:3]) == plain_outputs[:3]
+    llm.llm_engine.core.kv_transfer.flush(5.0)
+    shutil.rmtree(tmp_path)
+    assert _run(llm, rounds[3:]) == plain_outputs[3:]
+    llm.llm_engine.core.kv_transfer.flush(5.0)
+    assert _tier_stats(llm)["disk"]["blocks"] > 0  # the directory came back and holds new blocks
+    _check_idle(llm)
+
+
+def test_permission_denied(llama_dir, tmp_path, plain_outputs, monkeypatch):
+    llm = _disk_llm(llama_dir, tmp_path)
+
+    def denied(path, *a, **k):  # root ignores chmod, so refuse every open in the disk tier directly
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(disk_mod, "open", denied, raising=False)
+    assert _run(llm, _workload()) == plain_outputs
+    stats = _tier_stats(llm)["disk"]
+    assert stats["errors"] > 0 and stats["blocks_stored"] == 0
+    _check_idle(llm)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 300 KiB tmpfs (a disk that fills for real), or a plain directory when mounting is not allowed."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(mnt)], capture_output=True)
+    yield mnt, ok.returncode == 0
+    if ok.returncode == 0:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_disk_that_fills(llama_dir, small_disk, plain_outputs, monkeypatch):
+    mnt, is_tmpfs = small_disk
+    if not is_tmpfs:  # no mount permission: make writes past 300 KiB fail the way a full disk does
+        real_write = disk_mod.DiskTier._write_atomic
+
+        def full(self, path, data):
+            if self._bytes + len(data) > 300 * 1024:
+                raise OSError(28, "No space left on device", path)
+            real_write(self, path, data)
+
+        monkeypatch.setattr(disk_mod.DiskTier, "_write_atomic", full)
+    llm = _disk_llm(llama_dir, mnt)
+    assert _run(llm, _workload()) == plain_outputs
+    llm.llm_engine.core.kv_transfer.flush(5.0)
+    stats = _tier_stats(llm)["disk"]
+    assert stats["errors"] > 0 and stats["capacity_bytes"] <= 300 * 1024  # the cap came down to the disk
+    _check_idle(llm)
+
+
+# -- the Redis tier --------------------------------------------------------------------------------------------
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _RedisServer:
+    def __init__(self):
+        exe = shutil.which("redis-server")
+        if exe is None:
+            if os.environ.get("CI"):
+                raise RuntimeError("redis-server is missing; .ci/run installs it with apt-get")
+            pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+        self.exe, self.port, self.proc = exe, _free_port(), None
+
+    def start(self):
+        self.proc = subprocess.Popen([self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--maxmemory", "64mb", "--maxmemory-policy",
+                                      "allkeys-lru"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        client = redis.Redis(port=self.port)
+        for _ in range(200):
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.02)
+        raise RuntimeError("redis-server did not start")
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
+
+    @property
+    def url(self):
+        return f"redis://127.0.0.1:{self.port}/0"
+
+
+@pytest.fixture
+def redis_server():
+    server = _RedisServer()
+    server.start()
+    yield server
+    server.kill()
+
+
+def test_greedy_identical_with_redis_hits_shared_by_two_engines(llama_dir, redis_server, plain_outputs):
+    rounds = _workload()
+    a = make_llm(llama_dir, **POOL, kv_remote_cache_url=redis_server.url)
+    assert _run(a, rounds[:3]) == plain_outputs[:3]
+    a.llm_engine.core.kv_transfer.flush(5.0)
+    b = make_llm(llama_dir, **POOL, kv_remote_cache_url=redis_server.url)  # another replica
+    assert _run(b, rounds[3:4]) == plain_outputs[3:4]
+    assert _tier_stats(b)["remote"]["hit_tokens"] == (DOC_LEN // 16) * 16  # q3 then hit b's own pool
+    _check_idle(a)
+    _check_idle(b)
+
+
+def test_redis_killed_mid_run_and_restarted(llama_dir, redis_server, plain_outputs, caplog):
+    rounds = _workload()
+    llm = make_llm(llama_dir, **POOL, kv_remote_cache_url=redis_server.url)
+    remote = llm.llm_engine.core.kv.tiers.tiers[0]
+    remote.retry_after_s = 0.2
+    assert _run(llm, rounds[:3]) == plain_outputs[:3]
+    llm.llm_engine.core.kv_transfer.flush(5.0)
+    stored_before = remote.stats.blocks_stored
+    redis_server.kill()
+    assert _run(llm, rounds[3:6]) == plain_outputs[3:6]  # misses and dropped stores, no errors
+    assert "unreachable" in caplog.text
+    redis_server.start()  # empty again: stores resume, then hits
+    time.sleep(0.3)
+    assert _run(llm, rounds[6:]) == plain_outputs[6:]
+    llm.llm_engine.core.kv_transfer.flush(5.0)
+    assert remote.stats.blocks_stored > stored_before > 0  # stores resumed once the server was back
+    _check_idle(llm)
+
+
+# -- configuration -------------------------------------------------------------------------------------------
+def test_bad_tier_configuration_is_refused(llama_dir):
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        make_llm(llama_dir, kv_host_cache_gb=1, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="redis://"):
+        make_llm(llama_dir, kv_remote_cache_url="http://localhost:6379")
+    with pytest.raises(ValueError, match="kv_cache_store_policy"):
+        make_llm(llama_dir, kv_host_cache_gb=1, kv_cache_store_policy="sometimes")

@@ -1,0 +1,186 @@
+"""Local-disk tier: one file per block, named by its hash, under a directory per model fingerprint.
+
+    <kv_disk_cache_dir>/<fingerprint hex>/<first 2 hex of key>/<key hex>.kvb      (format: blockfile.py)
+
+Writes go to a temporary file in the same directory, then `os.replace`, so a reader sees a whole file
+or none; two engines on one model can share the directory (each keeps its own LRU index and size cap,
+so together they may hold up to the sum of their caps). Every failure is a miss or a dropped block:
+a corrupt or foreign file is deleted and reported, a missing directory is recreated, a full disk lowers
+the cap to what the disk holds.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import time
+import uuid
+from collections import OrderedDict
+
+import torch
+
+from tokenmill.kv.tiers.blockfile import CorruptBlock, decode_block, encode_block
+from tokenmill.kv.tiers.connector import KVConnector
+
+_SUFFIX = ".kvb"
+_STALE_TMP_S = 3600.0  # temporary files older than this were left by a crashed writer
+
+
+class DiskTier(KVConnector):
+    name = "disk"
+
+    def __init__(self, root: str, capacity_bytes: int, fingerprint: bytes, block_shape: tuple[int, ...],
+                 dtype: torch.dtype):
+        super().__init__()
+        self.dir = os.path.join(root, fingerprint.hex())
+        self.capacity_bytes = capacity_bytes
+        self.stats.capacity_bytes = capacity_bytes
+        self.fingerprint, self.block_shape, self.dtype = fingerprint, tuple(block_shape), dtype
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recently used first
+        self._bytes = 0
+        os.makedirs(self.dir, exist_ok=True)
+        self._scan()
+
+    def _path(self, key: bytes) -> str:
+        h = key.hex()
+        return os.path.join(self.dir, h[:2], h + _SUFFIX)
+
+    def _scan(self) -> None:
+        """Index what earlier runs left, oldest first, and trim it to the cap."""
+        found = []
+        for sub in os.scandir(self.dir):
+            if not sub.is_dir():
+                continue
+            for f in os.scandir(sub.path):
+                try:
+                    st = f.stat()
+                except OSError:  # removed by another engine while we scan
+                    continue
+                if f.name.endswith(_SUFFIX):
+                    try:
+                        found.append((st.st_mtime, bytes.fromhex(f.name[:-len(_SUFFIX)]), st.st_size))
+                    except ValueError:
+                        pass
+                elif f.name.endswith(".tmp") and time.time() - st.st_mtime > _STALE_TMP_S:
+                    _unlink(f.path)
+        for _, key, size in sorted(found):
+            self._index[key] = size
+            self._bytes += size
+        self._trim()
+
+    # -- lookups ----------------------------------------------------------------------------------------
+    def exists(self, key: bytes) -> bool:
+        with self._lock:
+            if key in self._index:
+                return True
+        try:  # another engine on the same directory may have written it since we scanned
+            size = os.stat(self._path(key)).st_size
+        except OSError:
+            return False
+        self._add(key, size)
+        return True
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        t0 = time.perf_counter()
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            block = decode_block(data, self.fingerprint, key, self.block_shape, self.dtype)
+        except FileNotFoundError:  # evicted by us or by another engine, or the directory is gone
+            self._forget(key)
+            return None
+        except CorruptBlock as e:
+            self._warn("%s: %s; treating it as a miss and deleting it", path, e)
+            self._forget(key)
+            _unlink(path)
+            return None
+        except OSError as e:
+            self._warn("cannot read %s: %s", path, e)
+            return None
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+        self._count_load(block.nbytes, t0)
+        return block
+
+    # -- stores -----------------------------------------------------------------------------------------
+    def put(self, key: bytes, block: torch.Tensor) -> None:
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+                return
+        t0 = time.perf_counter()
+        data = encode_block(self.fingerprint, key, block)
+        path = self._path(key)
+        try:
+            self._write_atomic(path, data)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                with self._lock:  # hold no more than the disk could take
+                    self.capacity_bytes = max(0, min(self.capacity_bytes, self._bytes))
+                    self.stats.capacity_bytes = self.capacity_bytes
+                self._trim()
+            self._warn("cannot write %s: %s; block dropped", path, e)
+            return
+        self._add(key, len(data))
+        self._count_store(block.nbytes, t0)
+
+    def _write_atomic(self, path: str, data: bytes) -> None:
+        d = os.path.dirname(path)
+        tmp = os.path.join(d, f".{uuid.uuid4().hex}.tmp")
+        for attempt in range(2):
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, path)
+                return
+            except FileNotFoundError:  # the directory was deleted under us: make it again, once
+                if attempt:
+                    raise
+                os.makedirs(d, exist_ok=True)
+            except OSError:
+                _unlink(tmp)
+                raise
+
+    # -- the index --------------------------------------------------------------------------------------
+    def _add(self, key: bytes, size: int) -> None:
+        with self._lock:
+            if key in self._index:
+                return
+            self._index[key] = size
+            self._bytes += size
+        self._trim()
+
+    def _forget(self, key: bytes) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._bytes -= size
+
+    def _trim(self) -> None:
+        victims = []
+        with self._lock:
+            while self._bytes > self.capacity_bytes and self._index:
+                key, size = self._index.popitem(last=False)
+                self._bytes -= size
+                victims.append(key)
+        for key in victims:
+            _unlink(self._path(key))
+
+    def check_invariants(self) -> None:
+        """The index's byte count is exact and within the cap. (Files themselves may change under us:
+        another engine, a deleted directory, damage; reads catch that.)"""
+        with self._lock:
+            assert self._bytes == sum(self._index.values()), "disk tier byte count drifted"
+            assert self._bytes <= self.capacity_bytes, "disk tier over its cap"
+
+    def occupancy(self) -> tuple[int, int]:
+        with self._lock:
+            return len(self._index), self._bytes
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

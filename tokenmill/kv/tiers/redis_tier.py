@@ -1,0 +1,124 @@
+"""Remote tier on Redis: the store several engine replicas share. Values use the disk tier's byte format
+(blockfile.py), under `tokenmill:kv:<fingerprint hex>:<key hex>`.
+
+Redis bounds itself: run it with `maxmemory` and `maxmemory-policy allkeys-lru` and it evicts the least
+recently used blocks. A dead or slow server must not stall the step: every call has a short socket
+timeout, and after a failure the tier reports misses and drops stores for `retry_after_s` before it
+tries the server again (redis-py reconnects by itself).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tokenmill.kv.tiers.blockfile import CorruptBlock, decode_block, encode_block
+from tokenmill.kv.tiers.connector import KVConnector
+
+
+class RedisTier(KVConnector):
+    name = "remote"
+
+    def __init__(self, url: str, fingerprint: bytes, block_shape: tuple[int, ...], dtype: torch.dtype,
+                 timeout_s: float = 0.5, retry_after_s: float = 2.0):
+        super().__init__()
+        try:
+            import redis
+        except ImportError as e:
+            raise ValueError("kv_remote_cache_url needs the redis package: pip install redis") from e
+        self._errors = (redis.RedisError, OSError)
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.url = url
+        self.fingerprint, self.block_shape, self.dtype = fingerprint, tuple(block_shape), dtype
+        self._prefix = f"tokenmill:kv:{fingerprint.hex()}:".encode()
+        self.retry_after_s = retry_after_s
+        self._down_until = 0.0
+        self._keys_written = 0
+        self._bytes_written = 0
+
+    def _key(self, key: bytes) -> bytes:
+        return self._prefix + key.hex().encode()
+
+    def _call(self, fn, default):
+        """Run one Redis call; on failure mark the server down for a while and return `default`."""
+        if time.monotonic() < self._down_until:
+            return default
+        try:
+            return fn()
+        except self._errors as e:
+            self._down_until = time.monotonic() + self.retry_after_s
+            self._warn("%s unreachable (%s); misses for %.0f s", self.url, e, self.retry_after_s)
+            return default
+
+    def exists(self, key: bytes) -> bool:
+        return self.batched_exists([key]) == 1
+
+    def batched_exists(self, keys: list[bytes]) -> int:
+        if not keys:
+            return 0
+
+        def run():
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self._key(k))
+            return pipe.execute()
+
+        n = 0
+        for present in self._call(run, []):
+            if not present:
+                break
+            n += 1
+        return n
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        got = self.batched_get([key])
+        return got[0] if got else None
+
+    def batched_get(self, keys: list[bytes]) -> list[torch.Tensor]:
+        t0 = time.perf_counter()
+        values = self._call(lambda: self.client.mget([self._key(k) for k in keys]), [])
+        out = []
+        for k, data in zip(keys, values):
+            if data is None:
+                break
+            try:
+                out.append(decode_block(data, self.fingerprint, k, self.block_shape, self.dtype))
+            except CorruptBlock as e:
+                self._warn("block %s: %s; treating it as a miss", k.hex(), e)
+                self._call(lambda: self.client.delete(self._key(k)), None)
+                break
+        for b in out:
+            self._count_load(b.nbytes, t0)
+            t0 = time.perf_counter()
+        return out
+
+    def put(self, key: bytes, block: torch.Tensor) -> None:
+        self.batched_put([key], [block])
+
+    def batched_put(self, keys: list[bytes], blocks: list[torch.Tensor]) -> None:
+        t0 = time.perf_counter()
+        values = [encode_block(self.fingerprint, k, b) for k, b in zip(keys, blocks)]
+
+        def run():
+            pipe = self.client.pipeline(transaction=False)
+            for k, v in zip(keys, values):
+                pipe.set(self._key(k), v)
+            return pipe.execute()
+
+        if self._call(run, None) is None:
+            return
+        for b, v in zip(blocks, values):
+            self._count_store(b.nbytes, t0)
+            self._keys_written += 1
+            self._bytes_written += len(v)
+            t0 = time.perf_counter()
+
+    def occupancy(self) -> tuple[int, int]:
+        """What this engine wrote (the server's own eviction is invisible to us without a scan)."""
+        return self._keys_written, self._bytes_written
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except self._errors:
+            pass

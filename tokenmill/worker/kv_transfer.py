@@ -1,0 +1,219 @@
+"""Moves KV blocks between the paged cache and the tiers, off the step's critical path.
+
+    main thread, each step:   poll() ----------------------------> KVLoadResult (to the scheduler)
+                              store(kv_stores)   copy evicted blocks out before the forward overwrites
+                                                 them; host tier at once, lower tiers via the store thread
+                              start_loads(kv_loads) -> load thread: tier reads -> copy into pool blocks
+                              [forward]
+                              store(kv_backups)  write-through copies of blocks this step filled
+
+A load writes only blocks that its request holds, and the scheduler frees them only after the load's
+result, so nothing else reads or writes them meanwhile. A load past its deadline, or cancelled, is
+finished by the main thread under the load's lock; the load thread checks that flag under the same lock
+before each block it writes, so a late read can never land in a block that has been given back.
+On CPU, the copies are memcpys; on a GPU the same calls would run on a side stream into pinned memory.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.kv.tiers.chain import TierChain
+from tokenmill.sched.output import BlockStore, KVLoad, KVLoadResult
+
+logger = logging.getLogger("tokenmill")
+
+_READ_BATCH = 32  # blocks per batched tier read (one Redis MGET)
+
+
+@dataclass(eq=False)
+class _Load:
+    spec: KVLoad
+    deadline: float
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    num_loaded: int = 0
+    tiers: list[int] = field(default_factory=list)
+    done: bool = False  # the load thread finished it
+    cancelled: bool = False  # the main thread finished it first
+
+
+class KVTransferWorker:
+    def __init__(self, kv_cache: torch.Tensor, chain: TierChain, load_timeout_s: float = 10.0,
+                 max_queued_stores: int = 4096):
+        self.kv_cache = kv_cache  # [layers, 2, num_blocks, *block layout]
+        self.chain = chain
+        self.load_timeout_s = load_timeout_s
+        self.lower = [t for t in chain.tiers if t is not chain.host]
+        self.stores_dropped = 0
+        self._store_q: queue.Queue = queue.Queue(maxsize=max_queued_stores)
+        self._load_q: queue.Queue = queue.Queue()
+        self._loads: dict[str, _Load] = {}
+        self._landed = threading.Event()
+        self._threads = [threading.Thread(target=self._store_loop, name="kv-store", daemon=True),
+                         threading.Thread(target=self._load_loop, name="kv-load", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def block(self, block_id: int) -> torch.Tensor:
+        return self.kv_cache[:, :, block_id]
+
+    # -- stores -----------------------------------------------------------------------------------------
+    def store(self, stores: list[BlockStore]) -> None:
+        for s in stores:
+            data = self.block(s.block_id).clone()  # contiguous [layers, 2, block_size, heads, head_dim]
+            if self.chain.host is not None:
+                self.chain.host.put(s.block_hash, data)
+            if self.lower:
+                try:
+                    self._store_q.put_nowait((s.block_hash, data))
+                except queue.Full:  # the disk or the network is behind: drop rather than stall the step
+                    self.stores_dropped += 1
+
+    def store_lower(self, stores: list[BlockStore], timeout_s: float = 10.0) -> int:
+        """Write blocks to the lower tiers now, on this thread (shutdown); returns how many it wrote."""
+        self.flush(timeout_s)
+        end, n = time.monotonic() + timeout_s, 0
+        for s in stores:
+            if time.monotonic() >= end:
+                break
+            data = self.block(s.block_id).clone()
+            for tier in self.lower:
+                if not tier.exists(s.block_hash):
+                    tier.put(s.block_hash, data)
+            n += 1
+        return n
+
+    def _store_loop(self) -> None:
+        while True:
+            item = self._store_q.get()
+            try:
+                if item is None:
+                    return
+                key, data = item
+                for tier in self.lower:
+                    try:
+                        if not tier.exists(key):
+                            tier.put(key, data)
+                    except Exception:  # a tier bug must not kill the thread; tiers report I/O errors themselves
+                        logger.exception("KV %s tier: store failed", tier.name)
+            finally:
+                self._store_q.task_done()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until queued stores have reached the lower tiers; False if `timeout_s` ran out first."""
+        end = time.monotonic() + timeout_s
+        while self._store_q.unfinished_tasks:
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.005)
+        return True
+
+    # -- loads ------------------------------------------------------------------------------------------
+    def start_loads(self, loads: list[KVLoad]) -> None:
+        now = time.monotonic()
+        for spec in loads:
+            job = _Load(spec, now + self.load_timeout_s)
+            self._loads[spec.request_id] = job
+            self._load_q.put(job)
+
+    def cancel(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            job = self._loads.get(rid)
+            if job is not None:
+                with job.lock:
+                    job.cancelled = True
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._loads)
+
+    def poll(self) -> list[KVLoadResult]:
+        """Loads that landed, were cancelled or ran past their deadline; each is reported once."""
+        now, out = time.monotonic(), []
+        for rid, job in list(self._loads.items()):
+            with job.lock:
+                if not job.done and not job.cancelled and now < job.deadline:
+                    continue
+                if not job.done and not job.cancelled:
+                    logger.warning("KV load for %s missed its %.1f s deadline after %d of %d blocks; recomputing "
+                                   "the rest", rid, self.load_timeout_s, job.num_loaded, len(job.spec.block_ids))
+                job.cancelled = True
+                failed = job.num_loaded < len(job.spec.block_ids)
+                out.append(KVLoadResult(rid, job.num_loaded, list(job.tiers), failed))
+            del self._loads[rid]
+        return out
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until some load lands (or `timeout`): an idle engine waiting on loads must not spin."""
+        self._landed.wait(timeout)
+        self._landed.clear()
+
+    def _load_loop(self) -> None:
+        while True:
+            job = self._load_q.get()
+            if job is None:
+                return
+            try:
+                self._run_load(job)
+            except Exception:
+                logger.exception("KV load for %s failed; recomputing", job.spec.request_id)
+            with job.lock:
+                job.done = True
+            self._landed.set()
+
+    def _run_load(self, job: _Load) -> None:
+        spec = job.spec
+        i = 0
+        while i < len(spec.block_ids):
+            if job.cancelled:
+                return
+            tier = spec.tiers[i]
+            j = i + 1  # a run of blocks listed in the same tier, read in one call
+            while j < len(spec.tiers) and j - i < _READ_BATCH and spec.tiers[j] == tier:
+                j += 1
+            wanted = j - i
+            got = self._read(spec.block_hashes[i:j], tier)
+            for block, where in got:
+                with job.lock:
+                    if job.cancelled:
+                        return
+                    self.block(spec.block_ids[i]).copy_(block)
+                    job.num_loaded += 1
+                    job.tiers.append(where)
+                if self.chain.host is not None and self.chain.tiers[where] is not self.chain.host:
+                    self.chain.host.put(spec.block_hashes[i], block)  # promote: the next hit is a RAM hit
+                i += 1
+            if len(got) < wanted:
+                return  # a block could not be read from any tier: the rest is recomputed
+
+    def _read(self, keys: list[bytes], tier: int) -> list[tuple[torch.Tensor, int]]:
+        """The leading run of `keys` readable from `tier`, then from the other tiers block by block."""
+        got = [(b, tier) for b in self.chain.tiers[tier].batched_get(keys)]
+        for key in keys[len(got):]:
+            for i, t in enumerate(self.chain.tiers):
+                if i == tier:
+                    continue
+                block = t.get(key)
+                if block is not None:
+                    got.append((block, i))
+                    break
+            else:
+                break
+        return got
+
+    def close(self, flush_timeout_s: float = 10.0) -> None:
+        """Finish queued stores (up to `flush_timeout_s`), stop the threads, close the tiers."""
+        self.flush(flush_timeout_s)
+        for q in (self._store_q, self._load_q):
+            try:
+                q.put(None, timeout=1.0)
+            except queue.Full:
+                pass
+        for t in self._threads:
+            t.join(timeout=2.0)
+        self.chain.close()
