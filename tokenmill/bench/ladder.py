@@ -35,6 +35,9 @@ RUNGS = [
     ("+ int8 weights", "weight-only INT8 (W8A16, per output channel, made at load time): half the bytes of bf16 per "
      "decode step; AWQ checkpoints from `tokenmill quantize` run the same way with --model",
      dict(quantization="int8")),
+    ("+ tiered KV cache", "prefix blocks evicted from the KV pool go to a host-RAM tier and load back on a hit "
+     "instead of being recomputed (docs/kv_tiers.md); it pays when the shared prefixes outgrow the pool, e.g. "
+     "--num-prefixes 48 --prefix-len 448", dict(kv_host_cache_gb=1.0)),
 ]
 PENDING: list[tuple[str, str]] = []
 
@@ -135,7 +138,8 @@ def add_ladder_parser(sub) -> None:
 
 
 _RUN_LADDER_ARGS = {"model", "dtype", "max_model_len", "max_num_seqs", "num_kv_blocks", "seed"}
-_SET_BY_RUNGS = {"batching", "kv_layout", "attention_impl", "cpu_linear_kernel", "enable_prefix_caching", "quantization"}
+_SET_BY_RUNGS = {"batching", "kv_layout", "attention_impl", "cpu_linear_kernel", "enable_prefix_caching", "quantization",
+                 "kv_host_cache_gb"}
 
 
 def cmd_ladder(args) -> int:

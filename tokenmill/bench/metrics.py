@@ -205,6 +205,20 @@ def format_table(result: dict, metrics: list[str], percentiles: list[float], tit
                        ("peak_gpu_memory_mb", "Peak GPU memory (MiB):")):
         if result.get(key) is not None:
             row(label, result[key])
+    kv = result.get("kv_cache")
+    if kv:
+        row("Prefix cache hit rate (%):", 100 * kv["prefix_cache_hit_rate"])
+        for tier, t in kv["tiers"].items():
+            lines.append(f"{' KV tier: ' + tier + ' ':-^60}")
+            row("Hit tokens:", t["hit_tokens"], "{:<10}")
+            row("Blocks stored / loaded:", f"{t['blocks_stored']} / {t['blocks_loaded']}")
+            row("MiB stored / loaded:", f"{t['bytes_stored'] / 2**20:.1f} / {t['bytes_loaded'] / 2**20:.1f}")
+            if t["blocks_loaded"]:
+                row("Mean load latency per block (ms):", 1000 * t["load_seconds"] / t["blocks_loaded"])
+            if t["blocks_stored"]:
+                row("Mean store latency per block (ms):", 1000 * t["store_seconds"] / t["blocks_stored"])
+            row("Occupancy (MiB of cap):", f"{t['bytes'] / 2**20:.1f} of {t['capacity_bytes'] / 2**20:.0f}")
+            row("Errors:", t["errors"], "{:<10}")
     for m in metrics:
         name = METRIC_NAMES[m]
         lines.append(f"{METRIC_HEADERS[m]:-^60}")

@@ -130,6 +130,10 @@ def run_offline(requests: list[SampleRequest], engine_kwargs: dict | None = None
         "percentiles": list(percentiles), "goodput_slos_ms": goodput_slos_ms or None,
     }
     result.update(compute_metrics(results, duration, list(percentiles), goodput_slos_ms))
+    if hasattr(engine, "get_stats"):
+        st = engine.get_stats()
+        result["kv_cache"] = {"prefix_cache_hit_rate": st.prefix_cache_hit_rate,
+                              "num_preemptions": st.num_preemptions, "tiers": st.kv_tiers}
     result.update(mon.summary())
     result.update(per_request_fields(results))
     return result

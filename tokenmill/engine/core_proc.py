@@ -136,6 +136,10 @@ class CoreProc:
         self.out.send(self.enc.encode(msg), copy=False)
 
     def close(self) -> None:
+        try:
+            self.core.close()  # KV tiers: write the pool's cached blocks down, stop the transfer threads
+        except Exception:
+            logger.exception("engine core: closing the KV tiers failed")
         self.inp.close(linger=0)
         self.out.close()
         self.ctx.term()
