@@ -4,7 +4,7 @@ recomputing it, plus a mixed workload with tiers on and off.
 Qwen2.5-0.5B shape with dummy weights (TTFT does not depend on the weights), bf16. The KV pool holds one
 8K sequence, so a second document evicts the first between rounds. Each scenario is a fresh process:
 
-    no tiers         D0+q1 (cold), D1+q1 (cold)
+    no tiers         D0+q1 (cold), D1+q1 (cold), D1+q2 (a pool hit: the floor for any tier hit)
     host+disk+redis  D0+q1 (cold), D1+q1 (cold, evicts D0 into every tier), D0+q2 (host hit)
     disk, restart    a new process on the same directory: D0+q3 (disk hit), then, page cache dropped where
                      the machine allows it, D1+q3 (disk hit, cold page cache)
@@ -84,9 +84,11 @@ def _drop_page_cache() -> bool:
 
 def _run(name: str, job: dict) -> dict:
     print(f"[kv tiers] {name}", flush=True)
-    with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as f, tempfile.NamedTemporaryFile("w", suffix=".json") as j:
         job["result"] = f.name
-        subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], check=True)
+        json.dump(job, j)  # 8K-token prompts are too long for a command line
+        j.flush()
+        subprocess.run([sys.executable, __file__, "--worker", j.name], check=True)
         res = json.load(open(f.name))
     res["scenario"] = name
     return res
@@ -115,7 +117,7 @@ def _mixed(model: str, base: dict, tiers: dict, num_kv_blocks: int, args) -> dic
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--worker")
+    ap.add_argument("--worker", help="(internal) run one scenario from this job file")
     ap.add_argument("--doc-len", type=int, default=8192)
     ap.add_argument("--question-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=16)
@@ -124,11 +126,14 @@ def main() -> None:
     ap.add_argument("--mixed-prefix-len", type=int, default=768)
     ap.add_argument("--mixed-prefixes", type=int, default=6)
     ap.add_argument("--mixed-output-len", type=int, default=32)
+    ap.add_argument("--mixed-repeats", type=int, default=1, help="A/B pairs per pool size, alternating off/on")
     ap.add_argument("--skip-mixed", action="store_true")
+    ap.add_argument("--only-mixed", action="store_true", help="skip the TTFT scenarios")
     ap.add_argument("--out", default="benchmarks/results/kv_tiers.json")
     args = ap.parse_args()
     if args.worker:
-        job = json.loads(args.worker)
+        with open(args.worker) as f:
+            job = json.load(f)
         res = _worker(job)
         with open(job["result"], "w") as f:
             json.dump(res, f)
@@ -144,48 +149,77 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="tokenmill-kv-bench-")
     disk_x, disk_y = os.path.join(work, "x"), os.path.join(work, "y")
     redis_proc, port = None, args.redis_port
-    results = {}
+    results, mixed = {}, {}
     try:
-        if not port:
-            redis_proc, port = _start_redis()
-        url = f"redis://127.0.0.1:{port}/0"
-        job = lambda engine, prompts, **kw: dict(engine={**base, **engine}, prompts=prompts,  # noqa: E731
-                                                output_len=out_len, **kw)
-        cold = [("cold D0+q1", d0 + q[1]), ("cold D1+q1", d1 + q[1])]
-        results["no_tiers"] = _run("no tiers", job({}, cold))
-        results["host"] = _run("host+disk+redis", job(
-            dict(kv_host_cache_gb=1.0, kv_disk_cache_dir=disk_x, kv_remote_cache_url=url),
-            cold + [("host hit D0+q2", d0 + q[2])]))
-        results["restart"] = _run("disk after restart", job(
-            dict(kv_disk_cache_dir=disk_x),
-            [("disk hit (restart) D0+q3", d0 + q[3]), ("drop-page-cache", []),
-             ("disk hit (restart, cold page cache) D1+q3", d1 + q[3])]))
-        results["disk"] = _run("disk only", job(dict(kv_disk_cache_dir=disk_y),
-                                                cold + [("disk hit D0+q2", d0 + q[2])]))
-        results["redis"] = _run("redis only", job(dict(kv_remote_cache_url=url),
-                                                  [("redis hit D0+q4", d0 + q[4])]))
-        block_bytes = results["host"]["tiers"]["host"]["bytes_stored"] / max(
-            1, results["host"]["tiers"]["host"]["blocks_stored"])
-        disk_files = [os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(disk_x) for f in fs]
-        mixed = {}
+        if not args.only_mixed:
+            if not port:
+                redis_proc, port = _start_redis()
+            results = _scenarios(base, out_len, d0, d1, q, disk_x, disk_y, f"redis://127.0.0.1:{port}/0")
+            host = results["host"]["tiers"]["host"]
+            block_bytes = host["bytes_stored"] / max(1, host["blocks_stored"])
+            disk_files = [os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(disk_x) for f in fs]
         if not args.skip_mixed:
-            mb = dict(model=model, load_format="dummy", dtype="bfloat16")
-            per_prefix = -(-(args.mixed_prefix_len + 32 + args.mixed_output_len) // bs)
-            for pool_name, blocks in (("large pool", per_prefix * (args.mixed_prefixes + 4) * 2),
-                                      ("small pool", max(per_prefix * 3, -(-2048 // bs)))):
-                for tier_name, tiers in (("off", {}), ("host", dict(kv_host_cache_gb=1.0))):
-                    print(f"[kv tiers] mixed workload, {pool_name}, tiers {tier_name}", flush=True)
-                    mixed[f"{pool_name}, tiers {tier_name}"] = _mixed(model, mb, tiers, blocks, args)
+            mixed = _mixed_ab(model, args)
     finally:
         if redis_proc is not None:
             redis_proc.kill()
         shutil.rmtree(work, ignore_errors=True)
+    summary = _summary(results, mixed, block_bytes, disk_files, bs) if results else _summary_mixed(mixed)
+    print(json.dumps(summary, indent=2))
+    write_json({"machine": machine(), "args": vars(args), "summary": summary, "scenarios": results, "mixed": mixed},
+               args.out)
 
+
+def _scenarios(base, out_len, d0, d1, q, disk_x, disk_y, url) -> dict:
+    job = lambda engine, prompts: dict(engine={**base, **engine}, prompts=prompts, output_len=out_len)  # noqa: E731
+    cold = [("cold D0+q1", d0 + q[1]), ("cold D1+q1", d1 + q[1])]
+    results = {"no_tiers": _run("no tiers", job({}, cold + [("pool hit D1+q2", d1 + q[2])]))}
+    results["host"] = _run("host+disk+redis", job(
+        dict(kv_host_cache_gb=1.0, kv_disk_cache_dir=disk_x, kv_remote_cache_url=url),
+        cold + [("host hit D0+q2", d0 + q[2])]))
+    results["restart"] = _run("disk after restart", job(
+        dict(kv_disk_cache_dir=disk_x),
+        [("disk hit (restart) D0+q3", d0 + q[3]), ("drop-page-cache", []),
+         ("disk hit (restart, cold page cache) D1+q3", d1 + q[3])]))
+    results["disk"] = _run("disk only", job(dict(kv_disk_cache_dir=disk_y), cold + [("disk hit D0+q2", d0 + q[2])]))
+    results["redis"] = _run("redis only", job(dict(kv_remote_cache_url=url), [("redis hit D0+q4", d0 + q[4])]))
+    return results
+
+
+def _mixed_ab(model: str, args) -> dict:
+    """Tiers off and on, alternating, for a pool that holds every prefix and one that holds three."""
+    bs, mb = 16, dict(model=model, load_format="dummy", dtype="bfloat16")
+    per_prefix = -(-(args.mixed_prefix_len + 32 + args.mixed_output_len) // bs)
+    mixed: dict[str, list] = {}
+    for pool_name, blocks in (("large pool", per_prefix * (args.mixed_prefixes + 4) * 2),
+                              ("small pool", max(per_prefix * 3, -(-2048 // bs)))):
+        for _ in range(args.mixed_repeats):
+            for tier_name, tiers in (("off", {}), ("host", dict(kv_host_cache_gb=1.0))):
+                print(f"[kv tiers] mixed workload, {pool_name}, tiers {tier_name}", flush=True)
+                mixed.setdefault(f"{pool_name}, tiers {tier_name}", []).append(_mixed(model, mb, tiers, blocks, args))
+    return mixed
+
+
+def _summary_mixed(mixed: dict) -> dict:
+    out = {}
+    for pool in ("large pool", "small pool"):
+        if f"{pool}, tiers off" not in mixed:
+            continue
+        off, on = mixed[f"{pool}, tiers off"], mixed[f"{pool}, tiers host"]
+        for key, label in (("output_throughput", "output tok/s"), ("median_tpot_ms", "median TPOT"),
+                           ("p99_tpot_ms", "P99 TPOT"), ("p99_ttft_ms", "P99 TTFT")):
+            ratios = [b[key] / a[key] for a, b in zip(off, on)]
+            out[f"mixed {pool}: {label} on/off"] = sum(ratios) / len(ratios)
+            out[f"mixed {pool}: {label} on/off, per pair"] = ratios
+    return out
+
+
+def _summary(results, mixed, block_bytes, disk_files, bs) -> dict:
     def ttft(scenario, name):
         return next(r["ttft_s"] for r in results[scenario]["requests"] if r["name"].startswith(name))
 
     cold_s = min(ttft("no_tiers", "cold D0"), ttft("no_tiers", "cold D1"))
-    hits = {"host hit": ttft("host", "host hit"), "disk hit": ttft("disk", "disk hit"),
+    hits = {"pool hit": ttft("no_tiers", "pool hit"), "host hit": ttft("host", "host hit"), "disk hit": ttft("disk", "disk hit"),
             "disk hit after restart": ttft("restart", "disk hit (restart) D0"),
             "disk hit after restart, cold page cache": ttft("restart", "disk hit (restart, cold"),
             "redis hit": ttft("redis", "redis hit")}
@@ -199,14 +233,8 @@ def main() -> None:
     summary["greedy_tokens_identical"] = (same["host hit D0+q2"] == same["disk hit D0+q2"] and
                                           results["no_tiers"]["requests"][1]["tokens"] ==
                                           results["host"]["requests"][1]["tokens"])
-    if mixed:
-        for pool in ("large pool", "small pool"):
-            off, on = mixed[f"{pool}, tiers off"], mixed[f"{pool}, tiers host"]
-            summary[f"mixed {pool}: output tok/s on/off"] = on["output_throughput"] / off["output_throughput"]
-            summary[f"mixed {pool}: median TPOT on/off"] = on["median_tpot_ms"] / off["median_tpot_ms"]
-    print(json.dumps(summary, indent=2))
-    write_json({"machine": machine(), "args": vars(args), "summary": summary, "scenarios": results, "mixed": mixed},
-               args.out)
+    summary.update(_summary_mixed(mixed))
+    return summary
 
 
 def _start_redis():

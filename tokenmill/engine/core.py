@@ -188,10 +188,14 @@ class EngineCore:
                 f"idle engine holds {self.kv.pool.num_blocks - self.kv.num_free_blocks} KV blocks")
 
 
+_SHUTDOWN_BUDGET_S = 4.0  # the API process waits 5 s for the core to exit
+
+
 def _close_tiers(transfer: KVTransferWorker, kv: KVCacheManager) -> None:
     """Blocks still cached in the pool would die with the process: store them in the lower tiers first, so a
-    restarted engine finds them on disk (or in Redis)."""
-    cached = [BlockStore(b.block_id, b.block_hash) for b in kv.pool.blocks if b.block_hash is not None]
+    restarted engine finds them on disk (or in Redis). Most recently used first, within a time budget."""
+    recent_first = [*kv.pool.blocks_in_use(), *reversed(kv.pool.free_blocks())]
+    cached = [BlockStore(b.block_id, b.block_hash) for b in recent_first if b.block_hash is not None]
     if transfer.lower and cached:
-        transfer.store_lower(cached)
-    transfer.close()
+        transfer.store_lower(cached, timeout_s=_SHUTDOWN_BUDGET_S / 2)
+    transfer.close(flush_timeout_s=_SHUTDOWN_BUDGET_S / 4)

@@ -44,6 +44,13 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self._free)
 
+    def free_blocks(self) -> list[KVBlock]:
+        """Free blocks, least recently used first."""
+        return list(self._free.values())
+
+    def blocks_in_use(self) -> list[KVBlock]:
+        return [b for b in self.blocks if b.ref_cnt > 0]
+
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self._cached.get(block_hash)
 

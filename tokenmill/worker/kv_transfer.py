@@ -75,9 +75,10 @@ class KVTransferWorker:
                     self.stores_dropped += 1
 
     def store_lower(self, stores: list[BlockStore], timeout_s: float = 10.0) -> int:
-        """Write blocks to the lower tiers now, on this thread (shutdown); returns how many it wrote."""
-        self.flush(timeout_s)
+        """Write blocks to the lower tiers now, on this thread (shutdown), after the queued stores; stops
+        when `timeout_s` is spent. Returns how many it wrote."""
         end, n = time.monotonic() + timeout_s, 0
+        self.flush(timeout_s)
         for s in stores:
             if time.monotonic() >= end:
                 break
