@@ -10,6 +10,7 @@ import torch
 
 from tokenmill.models.registry import check_architecture
 from tokenmill.quantization.config import resolve_quantization
+from tokenmill.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("tokenmill")
 
@@ -129,6 +130,10 @@ class EngineConfig:
                                         "write_through (as they fill)", choices=("evict", "write_through"))
     kv_load_timeout_s: float = option(10.0, "a tier load not done after this long is abandoned; the rest of the "
                                       "prompt is recomputed")
+    speculative_config: str | None = option(
+        None, "speculative decoding, vLLM's shape, as a dict or JSON: {\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 5, \"prompt_lookup_min\": 2}; k adapts to "
+        "measured acceptance and step cost unless \"adaptive\": false")
     tensor_parallel_size: int = option(1, "tensor-parallel workers (1 only, for now)", aliases=("-tp",))
     pipeline_parallel_size: int = option(1, "pipeline-parallel stages (1 only, for now)", aliases=("-pp",))
     device: str = option("auto", "auto or cpu (the GPU path has not landed yet)")
@@ -174,6 +179,7 @@ class EngineConfig:
         if self.device != "cpu":
             raise ValueError(f"device={self.device!r} is not supported yet; tokenmill runs on CPU for now")
         self._check_kv_tiers()
+        self.speculative = SpeculativeConfig.parse(self.speculative_config)
         if not os.path.isdir(self.model):
             raise ValueError(f"model directory not found: {self.model!r} (models load from local directories only)")
 

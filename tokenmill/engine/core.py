@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ from tokenmill.kv.tiers.build import build_tier_chain
 from tokenmill.models.loader import load_hf_config, load_model
 from tokenmill.sample.sampler import TokenLogprobs
 from tokenmill.sched.output import BlockStore
+from tokenmill.spec_decode.build import build_proposer
 from tokenmill.worker.kv_transfer import KVTransferWorker
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -50,6 +52,13 @@ class EngineStats:
     num_loading_kv: int = 0  # requests waiting for their prefix to load from the KV tiers
     # per tier (host, disk, remote): TierStats counters (kv/tiers/connector.py)
     kv_tiers: dict[str, dict[str, float]] = field(default_factory=dict)
+    # speculative decoding (spec_decode/adaptive.py SpecStats); zeros when off
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+    spec_acceptance_rate: float = 0.0
+    spec_mean_acceptance_length: float = 0.0
 
 
 class EngineCore:
@@ -69,7 +78,8 @@ class EngineCore:
         num_blocks = self._num_kv_blocks()
         mc = self.model_config
         self.runner = ModelRunner(self.model, build_attention_backend(config), num_blocks, config.block_size,
-                                  mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, config.device, config.seed)
+                                  mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, config.device, config.seed,
+                                  proposer=build_proposer(config.speculative))
         backend = self.runner.backend
         block_shape = (mc.num_layers, 2, *self.runner.kv_cache.shape[3:])
         tiers = build_tier_chain(config, mc.architecture, self.dtype, block_shape,
@@ -141,7 +151,11 @@ class EngineCore:
                 xfer.wait(0.01)  # only loads are in flight: sleep until one lands instead of spinning
             return []
         self.num_steps += 1
+        spec = self.scheduler.spec
+        t0 = time.perf_counter()
         result = self.runner.execute(sched)
+        if spec is not None:  # the draft policy's cost model learns from real step times
+            spec.cost.observe(sched.num_scheduled_tokens, time.perf_counter() - t0)
         if xfer is not None:
             xfer.store(sched.kv_backups)
         outputs: dict[str, EngineCoreOutput] = {}
@@ -154,6 +168,8 @@ class EngineCore:
             o.num_cached_tokens = max(req.num_cached_tokens, 0)
             if req.request_id in result.logprobs:
                 o.logprobs.extend(result.logprobs[req.request_id][:len(tokens)])
+        if result.draft_token_ids:
+            self.scheduler.set_drafts(result.draft_token_ids)
         return list(outputs.values())
 
     def finish_request(self, request_id: str, status: RequestStatus, stop_reason=None) -> None:
@@ -171,7 +187,8 @@ class EngineCore:
             num_free_kv_blocks=kv.num_free_blocks, kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
             prefix_cache_hit_rate=kv.stats.hit_rate, num_preemptions=s.num_preemptions, num_steps=self.num_steps,
-            num_loading_kv=len(s.loading), kv_tiers=kv.tiers.snapshot() if kv.tiers is not None else {})
+            num_loading_kv=len(s.loading), kv_tiers=kv.tiers.snapshot() if kv.tiers is not None else {},
+            **_spec_stats(s.spec))
 
     def close(self) -> None:
         """Write the pool's cached blocks down the tiers and stop the transfer threads (also at exit)."""
@@ -186,6 +203,15 @@ class EngineCore:
         if not self.has_unfinished():
             assert self.kv.num_free_blocks == self.kv.pool.num_blocks, (
                 f"idle engine holds {self.kv.pool.num_blocks - self.kv.num_free_blocks} KV blocks")
+
+
+def _spec_stats(spec) -> dict:
+    if spec is None:
+        return {}
+    st = spec.stats
+    return dict(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
+                spec_num_accepted_tokens=st.num_accepted_tokens, spec_accepted_per_pos=list(st.accepted_per_pos),
+                spec_acceptance_rate=st.acceptance_rate, spec_mean_acceptance_length=st.mean_acceptance_length)
 
 
 _SHUTDOWN_BUDGET_S = 4.0  # the API process waits 5 s for the core to exit

@@ -36,10 +36,14 @@ class IncrementalDetokenizer:
         return "" if new.endswith("\ufffd") else new
 
     def update(self, new_token_ids: list[int]) -> str | None:
-        """Append tokens' text. Returns the stop string if one matched (text is then truncated)."""
+        """Append tokens' text. Returns the stop string if one matched (text is then truncated, and
+        `num_used` says how many of the new tokens it took: tokens after the match are not output,
+        which matters when a step brings several, as speculative decoding does)."""
+        self.num_used = 0
         for t in new_token_ids:
             before = len(self.output_text)
             self.output_text += self._decode_next(t)
+            self.num_used += 1
             if self.stop:
                 hit = self._find_stop(before)
                 if hit is not None:

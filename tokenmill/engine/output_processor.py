@@ -119,17 +119,20 @@ class OutputProcessor:
         if st.metrics.first_token_time is None:
             st.metrics.first_token_time = now
         st.metrics.last_token_time = now
-        c.token_ids.extend(o.new_token_ids)
-        for row in o.logprobs:
+        ids, stop = o.new_token_ids, None
+        if c.detok is not None:
+            stop = c.detok.update(ids)
+            if stop is not None:
+                ids = ids[:c.detok.num_used]  # tokens past the stop string (one step may bring several)
+        c.token_ids.extend(ids)
+        for row in o.logprobs[:len(ids)]:
             c.logprobs.append(self._logprob_dict(row))
             c.cumulative_logprob += row[0][1]
         c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
-        if c.detok is not None:
-            stop = c.detok.update(o.new_token_ids)
-            if stop is not None:
-                newly = c.finish_reason is None
-                c.finish_reason, c.stop_reason = "stop", stop
-                return stop if newly else None
+        if stop is not None:
+            newly = c.finish_reason is None
+            c.finish_reason, c.stop_reason = "stop", stop
+            return stop if newly else None
         return None
 
     def _logprob_dict(self, row: TokenLogprobs) -> dict[int, Logprob]:

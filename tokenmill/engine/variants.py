@@ -16,6 +16,7 @@ from tokenmill.kv.manager import KVCacheManager
 from tokenmill.kv.tiers.chain import TierChain
 from tokenmill.sched.scheduler import Scheduler
 from tokenmill.sched.static import StaticBatchScheduler
+from tokenmill.spec_decode.build import build_draft_policy
 
 
 def build_kv_manager(config: EngineConfig, num_blocks: int, tiers: TierChain | None = None) -> KVCacheManager:
@@ -27,7 +28,7 @@ def build_kv_manager(config: EngineConfig, num_blocks: int, tiers: TierChain | N
 
 def build_scheduler(config: EngineConfig, kv: KVCacheManager) -> Scheduler:
     args = (kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len, config.scheduling_policy,
-            config.enable_chunked_prefill)
+            config.enable_chunked_prefill, build_draft_policy(config.speculative))
     if config.batching == "static":
         return StaticBatchScheduler(*args, batch_wait_s=config.static_batch_wait_s)
     return Scheduler(*args)

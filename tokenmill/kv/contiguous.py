@@ -17,7 +17,7 @@ class ContiguousKVCacheManager(KVCacheManager):
         super().__init__(num_blocks, block_size, enable_caching=False)
         self.reserve_blocks = cdiv(reserve_tokens, block_size)
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, cached: list[KVBlock] = ()) -> bool:
+    def allocate_slots(self, req: Request, num_new_tokens: int, cached: list[KVBlock] = (), **_) -> bool:
         if req.request_id in self.req_blocks:
             return True  # the first allocation reserved room for max_model_len
         run = self._free_run(self.reserve_blocks)

@@ -115,9 +115,10 @@ class KVCacheManager:
         return self._stores.take() if self._stores is not None else ([], [])
 
     def allocate_slots(self, req: Request, num_new_tokens: int, cached: list[KVBlock] = (),
-                       register: bool = True) -> bool:
+                       register: bool = True, num_draft_tokens: int = 0) -> bool:
         """Reserve slots for `num_new_tokens` after `req.num_computed_tokens`, adopting `cached`
-        (prefix hits, whose tokens `req.num_computed_tokens` already counts). False if blocks run out."""
+        (prefix hits, whose tokens `req.num_computed_tokens` already counts). False if blocks run out.
+        The last `num_draft_tokens` are speculative: they get slots but never enter the prefix cache."""
         blocks = self.req_blocks.get(req.request_id, [])
         total = req.num_computed_tokens + num_new_tokens
         need = cdiv(total, self.block_size) - len(blocks) - len(cached)
@@ -132,7 +133,7 @@ class KVCacheManager:
         if self.enable_caching and register:
             # Blocks that will be full once this step runs are registered now; their tokens are known.
             done = self._num_cached.get(req.request_id, 0)
-            full = total // self.block_size
+            full = (total - num_draft_tokens) // self.block_size
             if full > done:
                 hashes = self._hashes(req, full * self.block_size)
                 for i in range(done, full):

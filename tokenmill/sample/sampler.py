@@ -92,38 +92,49 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
-        want_logprobs = any(r.params.logprobs is not None for r in rows)
-        raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+        adjusted = self.adjusted_logits(logits, rows)
+        tokens = adjusted.argmax(dim=-1)
+        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if rand:
+            sub = [rows[i] for i in rand]
+            tokens[rand] = exponential_sample(self.probs(adjusted[rand], sub), [r.generator for r in sub],
+                                              self.generator)
+        return SamplerOutput(tokens.tolist(), self.logprobs(logits, tokens, rows))
+
+    @staticmethod
+    def adjusted_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Penalties and min_tokens applied (to a copy: the caller's logits stay raw)."""
         penalties = any(r.params.needs_penalties for r in rows)
         min_tokens = any(len(r.output_token_ids) < r.params.min_tokens for r in rows)
         if penalties or min_tokens:
-            logits = logits.clone()  # the caller's logits stay raw
+            logits = logits.clone()
             apply_penalties(logits, rows)
             apply_min_tokens(logits, rows)
+        return logits
 
-        tokens = logits.argmax(dim=-1)
-        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if rand:
-            tokens[rand] = self._sample(logits[rand], [rows[i] for i in rand])
-        token_list = tokens.tolist()
-        lps: list[TokenLogprobs | None] = [None] * len(rows)
-        if want_logprobs:
-            idx = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-            top_n = max(rows[i].params.logprobs for i in idx)
-            batch = batch_token_logprobs(raw_logprobs[idx], tokens[idx], top_n)
-            for i, row in zip(idx, batch):
-                lps[i] = row[: 1 + rows[i].params.logprobs]
-        return SamplerOutput(token_list, lps)
-
-    def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        temp = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
-        logits = logits / temp.unsqueeze(1)
+    @staticmethod
+    def probs(adjusted: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """The distribution a non-greedy row samples from: temperature, then top-k / top-p / min-p."""
+        temp = torch.tensor([r.params.temperature for r in rows], dtype=adjusted.dtype)
+        logits = adjusted / temp.unsqueeze(1)
         top_k = torch.tensor([r.params.top_k for r in rows])
         top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype)
         min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype)
         logits = filter_logits(logits, top_k, top_p, min_p, bool((top_k > 0).any()),
                                bool((top_p < 1).any()), bool((min_p > 0).any()))
-        return exponential_sample(logits.softmax(dim=-1), [r.generator for r in rows], self.generator)
+        return logits.softmax(dim=-1)
+
+    @staticmethod
+    def logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> list[TokenLogprobs | None]:
+        """Per row that asked: the chosen token's logprob under the raw logits, and the top-N."""
+        lps: list[TokenLogprobs | None] = [None] * len(rows)
+        idx = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if idx:
+            top_n = max(rows[i].params.logprobs for i in idx)
+            batch = batch_token_logprobs(raw_logits[idx].log_softmax(dim=-1), tokens[idx], top_n)
+            for i, row in zip(idx, batch):
+                lps[i] = row[: 1 + rows[i].params.logprobs]
+        return lps
 
 
 def batch_token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, top_n: int) -> list[TokenLogprobs]:

@@ -10,6 +10,9 @@ worker keeps its own per-request state (worker/request_state.py) and updates it 
         new_block_ids                      blocks appended to its block table this step
         num_sampled_positions              0: a prefill chunk short of the prompt's end (nothing sampled)
                                            1: the chunk's last position samples the next token
+                                           1 + k: the last token and k drafts, all verified at once
+        draft_token_ids                    the k drafts: the step's last k input tokens
+        propose_k                          drafts to propose after this step (speculation)
         wants_prompt_logprobs
         new_request: NewRequestData | None set the first time the worker sees it, and again after a
                                            preemption (prompt, output so far, params, whole block table)
@@ -24,7 +27,7 @@ worker keeps its own per-request state (worker/request_state.py) and updates it 
     Load results come back as KVLoadResult, polled before each schedule().
 
     ModelRunnerOutput (worker/model_runner.py) comes back with a list of token ids per request that
-    sampled: one today, several once speculative decoding accepts draft tokens.
+    sampled (the accepted drafts, then one token of the target's), and the drafts for the next step.
 """
 from __future__ import annotations
 
@@ -53,6 +56,8 @@ class ScheduledRequest:
     num_sampled_positions: int  # the chunk's last N positions produce tokens (see the module docstring)
     wants_prompt_logprobs: bool = False
     new_request: NewRequestData | None = None
+    draft_token_ids: list[int] = field(default_factory=list)
+    propose_k: int = 0
 
 
 @dataclass

@@ -12,6 +12,10 @@ its blocks join the prefix cache and are given back, and the request rejoins the
 its admission finds them as ordinary pool hits:
 
     waiting --(tier hit)--> loading --(KVLoadResult)--> waiting (front) --> running
+
+With speculation (`spec`), a decoding request that carries drafts runs 1 + k tokens: its last token and
+the drafts. The drafts get KV slots but are never hashed into the prefix cache; after the step,
+`num_computed_tokens` rolls back over the rejected ones, whose slots the next step overwrites.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from collections import deque
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.sched.output import KVLoad, KVLoadResult, NewRequestData, ScheduledRequest, SchedulerOutput
+from tokenmill.spec_decode.adaptive import DraftPolicy
 
 
 class WaitingQueue:
@@ -67,7 +72,8 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, policy: str = "fcfs", enable_chunked_prefill: bool = True):
+                 max_model_len: int, policy: str = "fcfs", enable_chunked_prefill: bool = True,
+                 spec: DraftPolicy | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -85,6 +91,8 @@ class Scheduler:
         self._loading_hashes: dict[bytes, str] = {}  # block hash -> the request loading it
         self._new_loads: list[KVLoad] = []
         self._load_cancels: list[str] = []
+        self.spec = spec
+        self._drafts: dict[str, list[int]] = {}  # this step's drafts per request
 
     # -- admission -------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -116,6 +124,8 @@ class Scheduler:
         del self.requests[req.request_id]
         self._blocks_sent.pop(req.request_id, None)
         self._finished_since_last_step.append(req.request_id)
+        if self.spec is not None:
+            self.spec.release(req.request_id)
 
     @property
     def num_unfinished(self) -> int:
@@ -155,10 +165,13 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
-            while not self.kv.allocate_slots(req, n):
+            drafts = self._fit_drafts(req, n, budget)
+            n += len(drafts)
+            while not self.kv.allocate_slots(req, n, num_draft_tokens=len(drafts)):
                 victim = self._pick_victim()
                 if victim.request_id in scheduled:  # priority policy may pick one already placed
                     budget += scheduled.pop(victim.request_id)
+                    self._drafts.pop(victim.request_id, None)
                 self._preempt(victim, out)
                 preempted_now = True
                 if victim is req:
@@ -166,12 +179,16 @@ class Scheduler:
             else:
                 scheduled[req.request_id] = n
                 budget -= n
+                if drafts:
+                    self._drafts[req.request_id] = drafts
 
         if not preempted_now and self._may_admit():
             budget = self._admit_waiting(budget, scheduled)
 
-        out.seqs = [self._scheduled(self.requests[rid], n) for rid, n in scheduled.items()]
+        propose = self._plan_drafts(scheduled)
+        out.seqs = [self._scheduled(self.requests[rid], n, propose.get(rid, 0)) for rid, n in scheduled.items()]
         out.num_scheduled_tokens = sum(scheduled.values())
+        self._drafts = {}
         out.kv_stores, out.kv_backups = self.kv.take_stores()
         out.kv_loads, self._new_loads = self._new_loads, []
         out.kv_load_cancels, self._load_cancels = self._load_cancels, []
@@ -253,13 +270,45 @@ class Scheduler:
         self._blocks_sent.pop(req.request_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(req, front=True)
         out.preempted_ids.append(req.request_id)
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+    # -- speculation ---------------------------------------------------------------------------------
+    def _fit_drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """The request's drafts that fit this step: only after its last token (a decode), within the
+        budget, and no further than max_model_len and max_tokens could use."""
+        drafts, req.spec_token_ids = req.spec_token_ids, []
+        if not drafts or n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
+            return []
+        room = min(budget - 1, self.max_model_len - req.num_tokens)
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - req.num_output_tokens - 1)
+        return drafts[:max(0, room)]
+
+    def _plan_drafts(self, scheduled: dict[str, int]) -> dict[str, int]:
+        """Drafts each request that samples this step proposes for its next step (DraftPolicy)."""
+        if self.spec is None:
+            return {}
+        sampling = [rid for rid, n in scheduled.items()
+                    if self.requests[rid].num_computed_tokens + n == self.requests[rid].num_tokens
+                    + len(self._drafts.get(rid, ()))]
+        base = sum(scheduled.values()) - sum(len(d) for d in self._drafts.values())
+        return self.spec.plan(sampling, base)
+
+    def set_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """The proposer's drafts, to verify at each request's next step."""
+        for rid, d in drafts.items():
+            req = self.requests.get(rid)
+            if req is not None and req.status == RequestStatus.RUNNING:
+                req.spec_token_ids = d
+
+    def _scheduled(self, req: Request, n: int, propose_k: int = 0) -> ScheduledRequest:
         rid, start = req.request_id, req.num_computed_tokens
+        drafts = self._drafts.get(rid, [])
         sent = self._blocks_sent.get(rid)
         new = None
         if sent is None:  # just admitted (or resumed after preemption): the worker gets everything once
@@ -272,9 +321,9 @@ class Scheduler:
             self._blocks_sent[rid] = sent + len(new_blocks)
         return ScheduledRequest(
             request_id=rid, start_pos=start, num_new_tokens=n, new_block_ids=new_blocks,
-            num_sampled_positions=1 if start + n == req.num_tokens else 0,
+            num_sampled_positions=1 + len(drafts) if start + n == req.num_tokens + len(drafts) else 0,
             wants_prompt_logprobs=req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens,
-            new_request=new)
+            new_request=new, draft_token_ids=list(drafts), propose_k=propose_k)
 
     # -- after the model ran -----------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, list[int]]]:
@@ -287,6 +336,10 @@ class Scheduler:
             req = self.requests.get(seq.request_id)
             if not tokens or req is None:
                 continue
+            if seq.draft_token_ids:  # the rejected drafts' KV is not the sequence's: roll back over it
+                accepted = len(tokens) - 1
+                req.num_computed_tokens -= len(seq.draft_token_ids) - accepted
+                self.spec.record(req.request_id, len(seq.draft_token_ids), accepted)
             kept = []
             for token in tokens:
                 req.output_token_ids.append(token)

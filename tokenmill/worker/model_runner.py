@@ -3,6 +3,8 @@
     step diff -> request states (worker/request_state.py): tokens, block tables, generators
     scheduled requests -> input_ids, positions, slot_mapping, block_tables, query_start_loc, seq_lens
                    -> model -> hidden at sampling rows -> logits -> sampler -> token ids
+    with drafts:   the last 1 + k rows -> logits -> verify (spec_decode/verify.py) -> accepted + 1 tokens
+    then           proposer -> the next step's drafts (spec_decode/)
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.sample.sampler import SampleRow, Sampler, TokenLogprobs, batch_token_logprobs
 from tokenmill.sched.output import ScheduledRequest, SchedulerOutput
+from tokenmill.spec_decode.verify import DraftCheck, verify
 from tokenmill.worker.request_state import RequestState, RequestStates
 
 
@@ -23,13 +26,15 @@ class ModelRunnerOutput:
     and one logprobs row per token when it asked for them."""
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # to verify at the next step
     # per request: logprob rows for the prompt tokens this chunk predicted (positions start+1 ..)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class ModelRunner:
     def __init__(self, model, backend: AttentionBackend, num_blocks: int, block_size: int, num_layers: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str, seed: int = 0):
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str, seed: int = 0,
+                 proposer=None):
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -40,10 +45,13 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(num_layers)]
         self.sampler = Sampler(seed)
         self.requests = RequestStates()
+        self.proposer = proposer  # spec_decode: propose(request_id, prompt, output, k) -> drafts
 
     def release_requests(self, request_ids) -> None:
         """Drop finished requests' state (also when a step schedules nothing)."""
         self.requests.release(request_ids)
+        if self.proposer is not None:
+            self.proposer.release(request_ids)
 
     def prepare(self, seqs: list[ScheduledRequest]):
         bs = self.block_size
@@ -61,7 +69,8 @@ class ModelRunner:
         positions = np.arange(qsl[-1]) - qsl[:-1][seq_of_token] + starts[seq_of_token]
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
         input_ids = [t for s, st in zip(seqs, states)
-                     for t in st.token_ids(s.start_pos, s.start_pos + s.num_new_tokens)]
+                     for t in st.token_ids(s.start_pos, s.start_pos + s.num_new_tokens - len(s.draft_token_ids))
+                     + s.draft_token_ids]
         num_decodes = 0
         while num_decodes < len(seqs) and n_tok[num_decodes] == 1:
             num_decodes += 1
@@ -82,6 +91,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if self.proposer is not None:
+            self.proposer.release(sched.finished_ids)
         self.requests.apply(sched)
         # decodes first: the attention backend batches them as one group
         seqs = sorted(sched.seqs, key=lambda s: s.num_new_tokens != 1)
@@ -89,9 +100,15 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         qsl = meta.query_start_loc_host
         out = ModelRunnerOutput()
-        sample_idx = [i for i, s in enumerate(seqs) if s.num_sampled_positions]
-        if sample_idx:
-            self._sample(out, [seqs[i] for i in sample_idx], hidden[[qsl[i + 1] - 1 for i in sample_idx]])
+        plain = [i for i, s in enumerate(seqs) if s.num_sampled_positions and not s.draft_token_ids]
+        if plain:
+            self._sample(out, [seqs[i] for i in plain], hidden[[qsl[i + 1] - 1 for i in plain]])
+        drafted = [i for i, s in enumerate(seqs) if s.draft_token_ids]
+        if drafted:
+            rows = [r for i in drafted for r in range(qsl[i + 1] - seqs[i].num_sampled_positions, qsl[i + 1])]
+            self._verify(out, [seqs[i] for i in drafted], hidden[rows])
+        if self.proposer is not None:
+            self._propose(out, seqs)
         for i, s in enumerate(seqs):
             if s.wants_prompt_logprobs:
                 out.prompt_logprobs[s.request_id] = self._prompt_logprobs(s, self.requests[s.request_id],
@@ -109,6 +126,27 @@ class ModelRunner:
             out.sampled_token_ids[s.request_id] = [res.token_ids[j]]
             if res.logprobs[j] is not None:
                 out.logprobs[s.request_id] = [res.logprobs[j]]
+
+    def _verify(self, out: ModelRunnerOutput, seqs: list[ScheduledRequest], hidden: torch.Tensor) -> None:
+        """Drafts against the target's logits at their k + 1 rows; the accepted tokens are appended."""
+        states = [self.requests[s.request_id] for s in seqs]
+        checks = [DraftCheck(SampleRow(st.sampling_params, st.prompt_token_ids, st.output_token_ids,
+                                       self.requests.generator(s.request_id)), s.draft_token_ids)
+                  for s, st in zip(seqs, states)]
+        tokens, logprobs = verify(self.sampler, self.model.compute_logits(hidden), checks)
+        for s, st, toks, lps in zip(seqs, states, tokens, logprobs):
+            st.output_token_ids.extend(toks)
+            out.sampled_token_ids[s.request_id] = toks
+            if lps is not None:
+                out.logprobs[s.request_id] = lps
+
+    def _propose(self, out: ModelRunnerOutput, seqs: list[ScheduledRequest]) -> None:
+        for s in seqs:
+            if s.propose_k and s.request_id in out.sampled_token_ids:
+                st = self.requests[s.request_id]
+                drafts = self.proposer.propose(s.request_id, st.prompt_token_ids, st.output_token_ids, s.propose_k)
+                if drafts:
+                    out.draft_token_ids[s.request_id] = drafts
 
     def _prompt_logprobs(self, seq: ScheduledRequest, state: RequestState, hidden: torch.Tensor) -> list[TokenLogprobs]:
         """Position p's logits score prompt token p + 1; only positions inside the prompt count."""

@@ -1,0 +1,264 @@
+"""Speculative decoding: n-gram drafts, lossless verification (greedy and sampled), rollback of rejected
+drafts, multi-token steps downstream (stop strings, max_tokens, logprobs), adaptive depth, bad config."""
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import make_llm, random_prompts
+from tokenmill import SamplingParams
+from tokenmill.sample.sampler import SampleRow, Sampler
+from tokenmill.spec_decode.adaptive import DraftPolicy
+from tokenmill.spec_decode.config import SpeculativeConfig
+from tokenmill.spec_decode.ngram import NgramProposer, ngram_propose
+from tokenmill.spec_decode.verify import DraftCheck, verify
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+
+
+# -- the proposer -------------------------------------------------------------------------------------------
+def test_ngram_takes_the_longest_suffix_match_and_its_latest_occurrence():
+    t = np.array([7, 1, 2, 3, 9, 9, 2, 3, 4, 4, 1, 2, 3])
+    assert ngram_propose(t, 2, 1, 3) == [9, 9]  # "1 2 3" matched at 1 (n=3 beats the later "2 3")
+    assert ngram_propose(t, 2, 1, 2) == [4, 4]  # only up to 2 tokens: the latest "2 3" is at 6
+    assert ngram_propose(np.array([1, 2, 3, 4]), 3, 1, 3) == []
+    assert ngram_propose(np.array([5, 5, 5]), 4, 2, 2) == [5]  # the tail runs out
+
+
+def test_ngram_proposer_follows_growing_sequences():
+    p = NgramProposer(1, 3)
+    assert p.propose("a", [1, 2, 3, 1], [2], 2) == [3, 1]
+    assert p.propose("a", [1, 2, 3, 1], [2, 3], 3) == [1, 2, 3]
+    p.release(["a"])
+    assert p.propose("a", [4, 5], [], 3) == []
+
+
+# -- verification on its own ----------------------------------------------------------------------------------
+def _row(**kw):
+    return SampleRow(SamplingParams(**kw), [1, 2], [], None)
+
+
+def test_greedy_verification_accepts_the_matching_prefix_then_corrects():
+    logits = torch.full((4, 10), -5.0)
+    for i, t in enumerate([3, 4, 7, 8]):  # the target's argmax at each of the k + 1 rows
+        logits[i, t] = 5.0
+    out, _ = verify(Sampler(0), logits, [DraftCheck(_row(temperature=0), [3, 4, 5])])
+    assert out == [[3, 4, 7]]  # two accepted, then the target's token
+    out, _ = verify(Sampler(0), logits, [DraftCheck(_row(temperature=0), [3, 4, 7])])
+    assert out == [[3, 4, 7, 8]]  # all accepted, plus the bonus token
+
+
+def _chi_square_ok(counts: np.ndarray, probs: np.ndarray) -> bool:
+    from scipy.stats import chisquare
+
+    keep = probs * counts.sum() >= 5
+    obs = np.append(counts[keep], counts[~keep].sum())
+    exp = np.append(probs[keep], probs[~keep].sum()) * counts.sum()
+    return chisquare(obs[exp > 0], exp[exp > 0]).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("proposer", ["one-hot", "full q"])
+def test_rejection_sampling_follows_the_target_distribution(proposer):
+    """A draft that disagrees often: the first emitted token must still follow p (chi-square)."""
+    V = 8
+    g = torch.Generator().manual_seed(0)
+    p_logits = torch.randn(V, generator=g) * 1.5
+    q = torch.softmax(torch.randn(V, generator=g) * 1.5, -1)
+    p = torch.softmax(p_logits, -1).numpy()
+    counts = np.zeros(V)
+    sampler, gen = Sampler(0), torch.Generator().manual_seed(1)
+    rows = p_logits.repeat(3, 1)
+    for _ in range(4000):
+        d = int(torch.multinomial(q, 1, generator=gen)) if proposer == "full q" else int(np.argmin(p))
+        dq = q.repeat(2, 1) if proposer == "full q" else None
+        check = DraftCheck(SampleRow(SamplingParams(temperature=1.0, seed=1), [1], [], gen), [d, d], dq)
+        out, _ = verify(sampler, rows, [check])
+        counts[out[0][0]] += 1
+    assert _chi_square_ok(counts, p)
+
+
+# -- the engine: greedy identity ----------------------------------------------------------------------------
+def _repetitive(n, seed=0):
+    """Prompts that repeat themselves, so prompt lookup has something to find."""
+    out = []
+    for i, base in enumerate(random_prompts([12] * n, seed=seed)):
+        out.append({"prompt_token_ids": (base * 6)[: 40 + 7 * i]})
+    return out
+
+
+def _tokens(llm, prompts, sp):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(llama_dir):
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    return _tokens(make_llm(llama_dir), _repetitive(6), sp)
+
+
+def _check(llm):
+    llm.llm_engine.check_invariants()  # every block back: rejected drafts leaked nothing
+    return llm.llm_engine.get_stats()
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_is_token_identical_with_ngram_drafts(llama_dir, greedy_reference, adaptive):
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = make_llm(llama_dir, speculative_config={**NGRAM, "adaptive": adaptive})
+    assert _tokens(llm, _repetitive(6), sp) == greedy_reference
+    st = _check(llm)
+    assert st.spec_num_draft_tokens > 0 and st.spec_num_accepted_tokens > 0
+    assert sum(st.spec_accepted_per_pos) == st.spec_num_accepted_tokens
+    assert st.spec_mean_acceptance_length > 1
+
+
+def test_greedy_identical_with_chunked_prefill_prefix_hits_and_preemption(llama_dir):
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    shared = random_prompts([40], seed=5)[0]
+    prompts = [{"prompt_token_ids": shared + p["prompt_token_ids"]} for p in _repetitive(5, seed=2)]
+    kw = dict(num_kv_blocks=24, max_num_batched_tokens=24, max_model_len=256)
+    plain = _tokens(make_llm(llama_dir, **kw), prompts, sp)
+    llm = make_llm(llama_dir, **kw, speculative_config=NGRAM)
+    assert _tokens(llm, prompts, sp) == plain
+    st = _check(llm)
+    assert st.num_preemptions > 0 and st.prefix_cache_hits > 0 and st.spec_num_accepted_tokens > 0
+
+
+def test_requests_arriving_mid_run(llama_dir, greedy_reference):
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = make_llm(llama_dir, speculative_config=NGRAM)
+    eng, prompts, done = llm.llm_engine, _repetitive(6), {}
+    eng.add_request("0", prompts[0], sp)
+    for step in range(200):
+        if step % 5 == 0 and step // 5 < len(prompts) - 1:
+            i = step // 5 + 1
+            eng.add_request(str(i), prompts[i], sp)
+        for o in eng.step():
+            if o.finished:
+                done[int(o.request_id)] = o.outputs[0].token_ids
+        if len(done) == len(prompts):
+            break
+    assert [done[i] for i in range(len(prompts))] == greedy_reference
+    _check(llm)
+
+
+def test_stop_strings_and_max_tokens_inside_an_accepted_run(llama_dir, monkeypatch):
+    """A stop string or max_tokens that lands inside a run of accepted drafts must cut the output exactly
+    where plain decoding stops. Stop strings are tried at many offsets; at least one must have cut a
+    multi-token step short (spied on the detokenizer)."""
+    from tokenmill.engine import detokenizer
+
+    cuts = []
+    real_update = detokenizer.IncrementalDetokenizer.update
+
+    def spy(self, new_token_ids):
+        stop = real_update(self, new_token_ids)
+        if stop is not None:
+            cuts.append(len(new_token_ids) - self.num_used)
+        return stop
+
+    monkeypatch.setattr(detokenizer.IncrementalDetokenizer, "update", spy)
+    prompt = _repetitive(1, seed=4)[0]
+    plain_llm, spec_llm = make_llm(llama_dir), make_llm(llama_dir, speculative_config=NGRAM)
+    base = plain_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)[0].outputs[0]
+    params = [SamplingParams(temperature=0, max_tokens=60, stop=[base.text[i:i + 3]])
+              for i in range(4, len(base.text) - 3, 5) if base.text[i:i + 3].strip()]
+    params += [SamplingParams(temperature=0, max_tokens=m, logprobs=2) for m in (7, 13, 22)]
+    for sp in params:
+        a = plain_llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+        b = spec_llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+        assert (b.text, b.token_ids, b.finish_reason) == (a.text, a.token_ids, a.finish_reason)
+        if sp.logprobs:
+            assert [sorted(x) for x in b.logprobs] == [sorted(x) for x in a.logprobs]
+            assert [x[t].logprob for x, t in zip(b.logprobs, b.token_ids)] == pytest.approx(
+                [x[t].logprob for x, t in zip(a.logprobs, a.token_ids)], abs=1e-4)
+    assert any(c > 0 for c in cuts), cuts  # some stop string landed inside an accepted run
+    _check(spec_llm)
+
+
+# -- the engine: sampling ---------------------------------------------------------------------------------------
+def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(llama_dir):
+    """With a deterministic proposer each emitted token costs one draw, in order (spec_decode/verify.py),
+    so a seed reproduces plain decoding exactly, penalties and filters included."""
+    prompts = _repetitive(4, seed=7)
+    sps = [SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, ignore_eos=True),
+           SamplingParams(temperature=1.2, top_k=5, min_p=0.05, repetition_penalty=1.1, seed=3, max_tokens=40,
+                          ignore_eos=True),
+           SamplingParams(temperature=0.5, presence_penalty=0.3, frequency_penalty=0.2, seed=5, max_tokens=40,
+                          ignore_eos=True, min_tokens=10)]
+    plain = make_llm(llama_dir)
+    spec = make_llm(llama_dir, speculative_config={**NGRAM, "num_speculative_tokens": 3})
+    for sp in sps:
+        assert _tokens(spec, prompts, sp) == _tokens(plain, prompts, sp)
+    assert _check(spec).spec_num_accepted_tokens > 0
+
+
+# -- adaptive depth -------------------------------------------------------------------------------------------
+class _AlwaysWrong:
+    def propose(self, request_id, prompt, output, k):
+        return [1] * k  # token 1 is never the model's choice here
+
+    def release(self, request_ids):
+        pass
+
+
+def test_adaptive_depth_falls_to_zero_for_a_draft_that_is_always_wrong(llama_dir):
+    sp = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    llm = make_llm(llama_dir, max_model_len=256, speculative_config=NGRAM)
+    eng = llm.llm_engine
+    eng.core.runner.proposer = _AlwaysWrong()
+    eng.add_request("a", {"prompt_token_ids": random_prompts([20], seed=1)[0]}, sp)
+    for _ in range(40):
+        eng.step()
+    early = eng.get_stats().spec_num_draft_tokens
+    steps = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+    late = eng.get_stats().spec_num_draft_tokens - early
+    assert eng.get_stats().spec_num_accepted_tokens == 0 and early > 0
+    assert late <= steps // 16 + 1  # only the periodic one-draft probes
+    _check(llm)
+
+
+def test_draft_policy_weighs_acceptance_against_step_cost():
+    policy = DraftPolicy(k_max=5)
+    for n in range(1, 40):  # memory-bound: a step costs nearly the same for 1 or 40 tokens
+        policy.cost.observe(n, 0.010 + 1e-6 * n)
+    for _ in range(10):
+        policy.record("good", 5, 5)
+        policy.record("bad", 5, 0)
+    plan = policy.plan(["good", "bad", "new"], base_tokens=3)
+    assert plan["good"] == 5 and plan["bad"] == 0 and 1 <= plan["new"] <= 5  # new: the prior, 0.6
+    busy = DraftPolicy(k_max=5)
+    for n in range(100, 400, 10):  # compute-bound: cost grows with every token
+        busy.cost.observe(n, 1e-4 * n)
+    rids = [f"r{i}" for i in range(300)]
+    for rid in rids:
+        busy.record(rid, 5, 3)
+    assert set(busy.plan(rids, base_tokens=300).values()) == {0}  # a draft gives < 1 token for a token's cost
+
+
+# -- configuration ------------------------------------------------------------------------------------------------
+def test_bad_speculative_configs_are_refused(llama_dir):
+    for cfg, why in [({"method": "ngram", "num_speculative_tokens": 0}, ">= 1"),
+                     ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+                     ({"method": "ngram"}, "num_speculative_tokens"),
+                     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown keys"),
+                     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+                       "prompt_lookup_max": 2}, "prompt_lookup_min"),
+                     ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+                     ("{not json", "JSON")]:
+        with pytest.raises(ValueError, match=why):
+            make_llm(llama_dir, speculative_config=cfg)
+    assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}').num_speculative_tokens == 3
+
+
+def test_cli_takes_speculative_config_json():
+    import argparse
+
+    from tokenmill.engine.arg_utils import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert SpeculativeConfig.parse(engine_kwargs(args)["speculative_config"]).method == "ngram"

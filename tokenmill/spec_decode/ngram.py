@@ -1,0 +1,57 @@
+"""Prompt-lookup (n-gram) drafts: find the longest suffix of the sequence, between `min_n` and `max_n`
+tokens long, that occurred earlier, and propose the tokens that followed its latest earlier occurrence.
+
+    tokens   ... the cat sat on the mat . the cat sat  <- suffix "the cat sat" (n = 3)
+                 ^^^^^^^^^^^ earlier match  -> propose "on the mat ..." (up to k tokens)
+"""
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+def ngram_propose(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
+    """`tokens` int64 [L] (prompt + output). Up to k draft tokens; [] when no suffix repeats."""
+    L = len(tokens)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        suffix = tokens[L - n:]
+        # windows starting at 0 .. L-n-1: each is followed by at least one token
+        windows = sliding_window_view(tokens[:L - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return tokens[start:start + k].tolist()
+    return []
+
+
+class NgramProposer:
+    """Keeps a growing numpy copy of each request's tokens, so a step converts only what is new."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self._arrays: dict[str, np.ndarray] = {}
+        self._lens: dict[str, int] = {}
+
+    def propose(self, request_id: str, prompt: list[int], output: list[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        arr = self._tokens(request_id, prompt, output)
+        return ngram_propose(arr, k, self.min_n, self.max_n)
+
+    def _tokens(self, rid: str, prompt: list[int], output: list[int]) -> np.ndarray:
+        total = len(prompt) + len(output)
+        arr, have = self._arrays.get(rid), self._lens.get(rid, 0)
+        if arr is None or have > total or len(arr) < total:
+            arr = np.empty(max(2 * total, 64), dtype=np.int64)
+            arr[:len(prompt)] = prompt
+            have = len(prompt)
+            self._arrays[rid] = arr
+        if have < total:
+            arr[have:total] = output[have - len(prompt):]
+        self._lens[rid] = total
+        return arr[:total]
+
+    def release(self, request_ids) -> None:
+        for rid in request_ids:
+            self._arrays.pop(rid, None)
+            self._lens.pop(rid, None)

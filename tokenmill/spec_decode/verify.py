@@ -1,0 +1,102 @@
+"""Lossless verification of draft tokens against the target model's logits.
+
+One request with k drafts d_1..d_k runs k + 1 positions; row j of its logits predicts the token after
+d_j (row 0: after the last accepted token). Row j's penalties and min_tokens see the output *as if*
+d_1..d_j were accepted, which is exactly the history plain decoding would have had there.
+
+    greedy:   accept d_{j+1} while it equals row j's argmax; then emit row j's argmax (the correction,
+              or the bonus token when every draft was accepted). Token-identical to plain greedy.
+    sampling: accept d_{j+1} with probability min(1, p_j(d) / q_j(d)); on the first rejection emit a
+              sample of norm(max(0, p_j - q_j)); after k acceptances emit a sample of p_k (the bonus).
+              p is the target's distribution after temperature / top-k / top-p / min-p, q the
+              proposer's. The emitted tokens follow p exactly.
+
+For a deterministic proposer (n-gram, or a draft model proposing its argmax), q is one-hot and the rule
+becomes: draw x ~ p_j with the request's generator; accept the draft iff x == d_{j+1}, else emit x
+(x given x != d is exactly norm(max(0, p_j - q_j))). Each emitted token costs one draw, in order, as in
+plain decoding, so a seeded request gives the *same* tokens with or without speculation, whatever k.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.sample.sampler import SampleRow, Sampler, TokenLogprobs, exponential_sample
+
+
+@dataclass
+class DraftCheck:
+    """One request's verification input: its k + 1 sampling rows and its drafts."""
+    row: SampleRow  # history before this step
+    drafts: list[int]
+    draft_probs: torch.Tensor | None = None  # [k, V] the proposer's distributions; None: one-hot (n-gram)
+
+
+def expanded_rows(check: DraftCheck) -> list[SampleRow]:
+    r = check.row
+    return [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids + check.drafts[:j], r.generator)
+            for j in range(len(check.drafts) + 1)]
+
+
+def verify(sampler: Sampler, logits: torch.Tensor, checks: list[DraftCheck]
+           ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+    """`logits` [sum(k_i + 1), V], each request's rows in order. Returns the emitted tokens per request
+    (accepted drafts, then one more) and, for requests that asked, one logprobs row per emitted token."""
+    rows = [row for c in checks for row in expanded_rows(c)]
+    adjusted = sampler.adjusted_logits(logits, rows)
+    greedy_tokens = adjusted.argmax(dim=-1).tolist()
+    rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+    probs = {}
+    if rand:
+        p = sampler.probs(adjusted[rand], [rows[i] for i in rand])
+        probs = {i: p[j] for j, i in enumerate(rand)}
+    emitted, emitted_rows, start = [], [], 0
+    for c in checks:
+        n = len(c.drafts) + 1
+        gen = c.row.generator or sampler.generator
+        if c.draft_probs is not None and not c.row.params.greedy:
+            out = _verify_against_q(c, [probs[start + j] for j in range(n)], gen)
+        else:
+            out = []
+            for j in range(n):
+                x = greedy_tokens[start + j] if c.row.params.greedy else _draw(probs[start + j], gen)
+                out.append(x)
+                if j == n - 1 or x != c.drafts[j]:
+                    break
+        emitted.append(out)
+        emitted_rows.append(list(range(start, start + len(out))))
+        start += n
+    logprobs: list[list[TokenLogprobs] | None] = [None] * len(checks)
+    want = [i for i, c in enumerate(checks) if c.row.params.logprobs is not None]
+    if want:
+        idx = [r for i in want for r in emitted_rows[i]]
+        toks = torch.tensor([t for i in want for t in emitted[i]])
+        lps = sampler.logprobs(logits[idx], toks, [rows[r] for r in idx])
+        pos = 0
+        for i in want:
+            logprobs[i] = lps[pos:pos + len(emitted[i])]
+            pos += len(emitted[i])
+    return emitted, logprobs
+
+
+def _draw(p: torch.Tensor, gen: torch.Generator) -> int:
+    """One token from p, as the plain sampler draws it (exponential race, one [V] draw)."""
+    return int(exponential_sample(p.unsqueeze(0), [gen], gen)[0])
+
+
+def _verify_against_q(c: DraftCheck, p: list[torch.Tensor], gen: torch.Generator) -> list[int]:
+    """Rejection sampling for a proposer with a full distribution q (a sampling draft model)."""
+    out = []
+    for j, d in enumerate(c.drafts):
+        q = c.draft_probs[j]
+        u = torch.rand((), generator=gen).item()
+        if float(q[d]) > 0 and u < min(1.0, float(p[j][d]) / float(q[d])):
+            out.append(d)
+            continue
+        residual = (p[j] - q).clamp_min(0.0)
+        total = float(residual.sum())
+        out.append(_draw(residual / total if total > 0 else p[j], gen))
+        return out
+    out.append(_draw(p[len(c.drafts)], gen))  # every draft accepted: the bonus token
+    return out
