@@ -193,12 +193,12 @@ def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(llam
 
 
 # -- adaptive depth -------------------------------------------------------------------------------------------
-class _AlwaysWrong:
+class _AlwaysWrong(NgramProposer):
+    def __init__(self):
+        super().__init__(1, 1)
+
     def propose(self, request_id, prompt, output, k):
         return [1] * k  # token 1 is never the model's choice here
-
-    def release(self, request_ids):
-        pass
 
 
 def test_adaptive_depth_falls_to_zero_for_a_draft_that_is_always_wrong(llama_dir):
@@ -262,3 +262,71 @@ def test_cli_takes_speculative_config_json():
     add_engine_args(p)
     args = p.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
     assert SpeculativeConfig.parse(engine_kwargs(args)["speculative_config"]).method == "ngram"
+
+
+def test_spec_metrics_reach_prometheus_and_the_bench_table(llama_dir):
+    from tokenmill.bench.datasets import SampleRequest
+    from tokenmill.bench.metrics import format_table
+    from tokenmill.bench.offline import run_offline
+    from tokenmill.engine.metrics import ServerMetrics
+
+    llm = make_llm(llama_dir, speculative_config=NGRAM)
+    reqs = [SampleRequest(p, len(p["prompt_token_ids"]), 30) for p in _repetitive(3)]
+    res = run_offline(reqs, engine=llm.llm_engine, ignore_eos=True, disable_tqdm=True, num_warmups=0,
+                      sampling={"temperature": 0.0})
+    spec = res["spec_decode"]
+    assert spec["num_accepted_tokens"] > 0 and 0 < spec["acceptance_rate"] <= 1
+    assert "Draft acceptance rate" in format_table(res, ["ttft"], [50.0], "t")
+    metrics = ServerMetrics("m")
+    metrics.set_engine_stats(llm.llm_engine.get_stats())
+    text = metrics.render().decode()
+    st = llm.llm_engine.get_stats()
+    assert f'tokenmill:spec_decode_num_accepted_tokens_total{{model_name="m"}} {float(st.spec_num_accepted_tokens)}' in text
+    assert 'tokenmill:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"}' in text
+
+
+# -- the draft-model proposer ------------------------------------------------------------------------------
+def _draft_cfg(path, k=4, **kw):
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": k, **kw}
+
+
+def test_draft_model_greedy_identity_with_chunking_prefix_hits_and_preemption(llama_dir, model_dirs):
+    """The target as its own draft (every draft accepted) and another architecture as a draft that is
+    mostly wrong; both must give plain greedy's tokens and give every block back."""
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    shared = random_prompts([40], seed=5)[0]
+    prompts = [{"prompt_token_ids": shared + p} for p in random_prompts([9, 17, 30, 5, 12], seed=8)]
+    kw = dict(num_kv_blocks=17, max_num_batched_tokens=24, max_model_len=256)
+    plain = _tokens(make_llm(llama_dir, **kw), prompts, sp)
+    for draft, adaptive in ((llama_dir, False), (model_dirs["mistral"][0], True)):
+        llm = make_llm(llama_dir, **kw, speculative_config=_draft_cfg(draft, adaptive=adaptive))
+        assert _tokens(llm, prompts, sp) == plain
+        st = _check(llm)
+        assert st.num_preemptions > 0 and st.prefix_cache_hits > 0 and st.spec_num_draft_tokens > 0
+        if draft == llama_dir:
+            assert st.spec_acceptance_rate > 0.9  # a draft identical to the target is (almost) always right
+
+
+def test_draft_model_seeded_sampling_matches_plain(llama_dir):
+    sp = SamplingParams(temperature=0.9, top_p=0.95, seed=4, max_tokens=30, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([10, 20], seed=3)]
+    spec = make_llm(llama_dir, speculative_config=_draft_cfg(llama_dir, k=3))
+    assert _tokens(spec, prompts, sp) == _tokens(make_llm(llama_dir), prompts, sp)
+    assert _check(spec).spec_num_accepted_tokens > 0
+
+
+def test_bad_draft_models_are_refused(llama_dir, tmp_path):
+    import transformers
+    from transformers import LlamaConfig
+
+    other = str(tmp_path / "other-vocab")
+    cfg = LlamaConfig(architectures=["LlamaForCausalLM"], vocab_size=300, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(other)
+    with pytest.raises(ValueError, match="vocabulary"):
+        make_llm(llama_dir, speculative_config=_draft_cfg(other))
+    short = str(tmp_path / "short")
+    cfg.vocab_size, cfg.max_position_embeddings = 512, 64
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(short)
+    with pytest.raises(ValueError, match="max_model_len"):
+        make_llm(llama_dir, speculative_config=_draft_cfg(short))

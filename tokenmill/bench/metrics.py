@@ -219,6 +219,13 @@ def format_table(result: dict, metrics: list[str], percentiles: list[float], tit
                 row("Mean store latency per block (ms):", 1000 * t["store_seconds"] / t["blocks_stored"])
             row("Occupancy (MiB of cap):", f"{t['bytes'] / 2**20:.1f} of {t['capacity_bytes'] / 2**20:.0f}")
             row("Errors:", t["errors"], "{:<10}")
+    spec = result.get("spec_decode")
+    if spec:
+        lines.append(f"{' Speculative decoding ':-^60}")
+        row("Draft acceptance rate (%):", 100 * spec["acceptance_rate"])
+        row("Mean acceptance length (tokens/step):", spec["mean_acceptance_length"])
+        row("Drafted / accepted tokens:", f"{spec['num_draft_tokens']} / {spec['num_accepted_tokens']}")
+        row("Accepted per draft position:", " ".join(str(v) for v in spec["accepted_per_pos"]))
     for m in metrics:
         name = METRIC_NAMES[m]
         lines.append(f"{METRIC_HEADERS[m]:-^60}")

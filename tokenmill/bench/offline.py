@@ -134,6 +134,12 @@ def run_offline(requests: list[SampleRequest], engine_kwargs: dict | None = None
         st = engine.get_stats()
         result["kv_cache"] = {"prefix_cache_hit_rate": st.prefix_cache_hit_rate,
                               "num_preemptions": st.num_preemptions, "tiers": st.kv_tiers}
+        if st.spec_num_drafts:
+            result["spec_decode"] = {"num_drafts": st.spec_num_drafts, "num_draft_tokens": st.spec_num_draft_tokens,
+                                     "num_accepted_tokens": st.spec_num_accepted_tokens,
+                                     "accepted_per_pos": st.spec_accepted_per_pos,
+                                     "acceptance_rate": st.spec_acceptance_rate,
+                                     "mean_acceptance_length": st.spec_mean_acceptance_length}
     result.update(mon.summary())
     result.update(per_request_fields(results))
     return result

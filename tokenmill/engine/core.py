@@ -17,7 +17,7 @@ from tokenmill.kv.tiers.build import build_tier_chain
 from tokenmill.models.loader import load_hf_config, load_model
 from tokenmill.sample.sampler import TokenLogprobs
 from tokenmill.sched.output import BlockStore
-from tokenmill.spec_decode.build import build_proposer
+from tokenmill.spec_decode.build import build_proposer, kv_bytes_per_block, load_draft
 from tokenmill.worker.kv_transfer import KVTransferWorker
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -75,11 +75,15 @@ class EngineCore:
                            "or set %s", " ".join(f"{k}={v}" for k, v in cpu_threads.OPENMP_DEFAULTS.items()))
         torch.manual_seed(config.seed)
         self.model = load_model(config, self.model_config, self.dtype, config.device)
+        spec = config.speculative
+        self.draft = load_draft(config, self.model_config, self.dtype) if spec and spec.method == "draft_model" else None
         num_blocks = self._num_kv_blocks()
         mc = self.model_config
+        proposer = build_proposer(spec, self.draft, num_blocks, config.block_size, self.dtype, config.device,
+                                  build_attention_backend(config))
         self.runner = ModelRunner(self.model, build_attention_backend(config), num_blocks, config.block_size,
                                   mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, config.device, config.seed,
-                                  proposer=build_proposer(config.speculative))
+                                  proposer=proposer)
         backend = self.runner.backend
         block_shape = (mc.num_layers, 2, *self.runner.kv_cache.shape[3:])
         tiers = build_tier_chain(config, mc.architecture, self.dtype, block_shape,
@@ -90,6 +94,8 @@ class EngineCore:
             self.kv_transfer = KVTransferWorker(self.runner.kv_cache, tiers, config.kv_load_timeout_s)
             self._finalizer = weakref.finalize(self, _close_tiers, self.kv_transfer, self.kv)
         self.scheduler = build_scheduler(config, self.kv)
+        if self.draft is not None:
+            self.scheduler.spec_lookahead = spec.num_speculative_tokens
         self.num_steps = 0
         self.governor = None
         if config.adaptive_cpu_threads and config.device == "cpu" and torch.get_num_threads() > 1:
@@ -100,7 +106,9 @@ class EngineCore:
     def _num_kv_blocks(self) -> int:
         cfg, mc = self.config, self.model_config
         per_seq = cdiv(cfg.max_model_len, cfg.block_size)
-        bytes_per_block = 2 * mc.num_layers * cfg.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        bytes_per_block = kv_bytes_per_block(mc, cfg.block_size, self.dtype)
+        if self.draft is not None:  # the draft's KV lives in the same blocks (spec_decode/draft_model.py)
+            bytes_per_block += kv_bytes_per_block(self.draft[1], cfg.block_size, self.dtype)
         if cfg.num_kv_blocks is not None:
             n = cfg.num_kv_blocks
         elif cfg.device == "cuda":

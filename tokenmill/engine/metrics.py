@@ -54,6 +54,32 @@ class _EngineStatsCollector:
         yield gauge("num_requests_loading_kv", "Requests waiting for their prefix to load from the KV tiers.",
                     s.num_loading_kv)
         yield from _tier_metrics(s.kv_tiers, self.model_name)
+        if s.spec_num_drafts or s.spec_accepted_per_pos:
+            yield from _spec_metrics(s, self.model_name)
+
+
+def _spec_metrics(s: EngineStats, model_name: str):
+    """vLLM's spec-decode metric names, with our prefix."""
+    for name, doc, value in (
+            ("spec_decode_num_drafts", "Verification steps that checked at least one draft token.", s.spec_num_drafts),
+            ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", s.spec_num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens)):
+        c = CounterMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
+        c.add_metric([model_name], value)
+        yield c
+    per_pos = CounterMetricFamily("tokenmill:spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted, by their position in the draft.",
+                                  labels=["model_name", "position"])
+    for i, v in enumerate(s.spec_accepted_per_pos):
+        per_pos.add_metric([model_name, str(i)], v)
+    yield per_pos
+    for name, doc, value in (
+            ("spec_decode_acceptance_rate", "Accepted / proposed draft tokens so far.", s.spec_acceptance_rate),
+            ("spec_decode_mean_acceptance_length", "Tokens per verification step (accepted drafts + 1).",
+             s.spec_mean_acceptance_length)):
+        g = GaugeMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
+        g.add_metric([model_name], value)
+        yield g
 
 
 # TierStats field -> (metric name, kind, help); one series per tier (host, disk, remote)

@@ -92,6 +92,7 @@ class Scheduler:
         self._new_loads: list[KVLoad] = []
         self._load_cancels: list[str] = []
         self.spec = spec
+        self.spec_lookahead = 0  # set by the engine when a draft model proposes (slots it writes ahead)
         self._drafts: dict[str, list[int]] = {}  # this step's drafts per request
 
     # -- admission -------------------------------------------------------------------------------
@@ -167,7 +168,8 @@ class Scheduler:
                 continue
             drafts = self._fit_drafts(req, n, budget)
             n += len(drafts)
-            while not self.kv.allocate_slots(req, n, num_draft_tokens=len(drafts)):
+            ahead = self._lookahead(req, n - len(drafts))
+            while not self.kv.allocate_slots(req, n + ahead, num_draft_tokens=len(drafts) + ahead):
                 victim = self._pick_victim()
                 if victim.request_id in scheduled:  # priority policy may pick one already placed
                     budget += scheduled.pop(victim.request_id)
@@ -223,7 +225,8 @@ class Scheduler:
                     break
                 n = budget
             req.num_computed_tokens = num_cached
-            if not self.kv.allocate_slots(req, n, cached):
+            ahead = self._lookahead(req, n)
+            if not self.kv.allocate_slots(req, n + ahead, cached, num_draft_tokens=ahead):
                 req.num_computed_tokens = 0
                 break
             self.waiting.remove(req)
@@ -289,6 +292,13 @@ class Scheduler:
             room = min(room, max_tokens - req.num_output_tokens - 1)
         return drafts[:max(0, room)]
 
+    def _lookahead(self, req: Request, n: int) -> int:
+        """Slots past this step's tokens that a draft model writes while proposing (spec_decode/
+        draft_model.py): reserved only for a request that samples this step, and never past max_model_len."""
+        if not self.spec_lookahead or req.num_computed_tokens + n != req.num_tokens:
+            return 0
+        return max(0, min(self.spec_lookahead, self.max_model_len - req.num_tokens))
+
     def _plan_drafts(self, scheduled: dict[str, int]) -> dict[str, int]:
         """Drafts each request that samples this step proposes for its next step (DraftPolicy)."""
         if self.spec is None:
@@ -297,7 +307,13 @@ class Scheduler:
                     if self.requests[rid].num_computed_tokens + n == self.requests[rid].num_tokens
                     + len(self._drafts.get(rid, ()))]
         base = sum(scheduled.values()) - sum(len(d) for d in self._drafts.values())
-        return self.spec.plan(sampling, base)
+        plan = self.spec.plan(sampling, base)
+        if self.spec_lookahead:  # a draft model may not write past the slots reserved for it
+            for rid in plan:
+                req = self.requests[rid]
+                room = self.max_model_len - (req.num_computed_tokens + scheduled[rid] - len(self._drafts.get(rid, ())))
+                plan[rid] = max(0, min(plan[rid], room))
+        return plan
 
     def set_drafts(self, drafts: dict[str, list[int]]) -> None:
         """The proposer's drafts, to verify at each request's next step."""

@@ -38,6 +38,14 @@ class NgramProposer:
         arr = self._tokens(request_id, prompt, output)
         return ngram_propose(arr, k, self.min_n, self.max_n)
 
+    def propose_batch(self, runner, items) -> dict[str, list[int]]:
+        out = {}
+        for s, st in items:
+            drafts = self.propose(s.request_id, st.prompt_token_ids, st.output_token_ids, s.propose_k)
+            if drafts:
+                out[s.request_id] = drafts
+        return out
+
     def _tokens(self, rid: str, prompt: list[int], output: list[int]) -> np.ndarray:
         total = len(prompt) + len(output)
         arr, have = self._arrays.get(rid), self._lens.get(rid, 0)

@@ -53,7 +53,8 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.release(request_ids)
 
-    def prepare(self, seqs: list[ScheduledRequest]):
+    def prepare(self, seqs: list[ScheduledRequest], backend: AttentionBackend | None = None):
+        """Tensors and attention metadata for `seqs`, built for `backend` (default: the target's)."""
         bs = self.block_size
         states = [self.requests[s.request_id] for s in seqs]
         n_tok = np.fromiter((s.num_new_tokens for s in seqs), dtype=np.int64, count=len(seqs))
@@ -86,7 +87,7 @@ class ModelRunner:
             seq_lens_host=seq_lens.tolist(),
             fresh_prefill=(starts == 0).tolist(),
         )
-        self.backend.build_step_state(meta)
+        (backend or self.backend).build_step_state(meta)
         return torch.tensor(input_ids, dtype=torch.int64, device=dev), torch.from_numpy(positions).to(dev), meta
 
     @torch.inference_mode()
@@ -98,6 +99,8 @@ class ModelRunner:
         seqs = sorted(sched.seqs, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta = self.prepare(seqs)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        if hasattr(self.proposer, "forward"):  # a draft model keeps its KV in step with the target's
+            self.proposer.forward(input_ids, positions, meta)
         qsl = meta.query_start_loc_host
         out = ModelRunnerOutput()
         plain = [i for i, s in enumerate(seqs) if s.num_sampled_positions and not s.draft_token_ids]
@@ -141,12 +144,10 @@ class ModelRunner:
                 out.logprobs[s.request_id] = lps
 
     def _propose(self, out: ModelRunnerOutput, seqs: list[ScheduledRequest]) -> None:
-        for s in seqs:
-            if s.propose_k and s.request_id in out.sampled_token_ids:
-                st = self.requests[s.request_id]
-                drafts = self.proposer.propose(s.request_id, st.prompt_token_ids, st.output_token_ids, s.propose_k)
-                if drafts:
-                    out.draft_token_ids[s.request_id] = drafts
+        items = [(s, self.requests[s.request_id]) for s in seqs
+                 if s.propose_k and s.request_id in out.sampled_token_ids]
+        if items:
+            out.draft_token_ids.update(self.proposer.propose_batch(self, items))
 
     def _prompt_logprobs(self, seq: ScheduledRequest, state: RequestState, hidden: torch.Tensor) -> list[TokenLogprobs]:
         """Position p's logits score prompt token p + 1; only positions inside the prompt count."""
