@@ -38,6 +38,9 @@ RUNGS = [
     ("+ tiered KV cache", "prefix blocks evicted from the KV pool go to a host-RAM tier and load back on a hit "
      "instead of being recomputed (docs/kv_tiers.md); it pays when the shared prefixes outgrow the pool, e.g. "
      "--num-prefixes 48 --prefix-len 448", dict(kv_host_cache_gb=1.0)),
+    ("+ speculative decoding", "prompt-lookup (n-gram) drafts, up to 4 per step, verified in one pass; k adapts to "
+     "measured acceptance and step cost and drops to 0 where drafts do not pay (docs/speculative_decoding.md)",
+     dict(speculative_config='{"method": "ngram", "num_speculative_tokens": 4}')),
 ]
 PENDING: list[tuple[str, str]] = []
 
@@ -139,7 +142,7 @@ def add_ladder_parser(sub) -> None:
 
 _RUN_LADDER_ARGS = {"model", "dtype", "max_model_len", "max_num_seqs", "num_kv_blocks", "seed"}
 _SET_BY_RUNGS = {"batching", "kv_layout", "attention_impl", "cpu_linear_kernel", "enable_prefix_caching", "quantization",
-                 "kv_host_cache_gb"}
+                 "kv_host_cache_gb", "speculative_config"}
 
 
 def cmd_ladder(args) -> int:

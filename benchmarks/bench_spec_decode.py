@@ -1,0 +1,170 @@
+"""Speculative decoding against speculation off, in the same run.
+
+Workloads (each engine configuration in its own process):
+  draft   the shipped tiny-shakespeare with tiny-shakespeare-draft, batch 1, prompts from held-out
+          Shakespeare (assets/eval/shakespeare_valid.txt), sampled continuation is greedy
+  ngram   the shipped model, batch 1, a "quoting" workload: a held-out passage, then its first line
+          again, so the continuation can copy the passage (the shipped model holds 512 tokens, so the
+          passages are ~350 tokens, not 8K; the long-context training is still to come)
+  sweep   concurrency 1 .. 32 (max_num_seqs, all requests queued at once): off, fixed k, adaptive
+  qwen    the Qwen2.5-0.5B shape with dummy weights, repetitive prompts (n-gram), batch 1: what
+          verification costs at a realistic size
+
+    python benchmarks/bench_spec_decode.py [--only draft,ngram,sweep,qwen] [--out benchmarks/results/spec_decode.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import QWEN25_05B, dummy_model_dir, machine, write_json  # noqa: E402
+
+ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tokenmill", "assets")
+MODEL = os.path.join(ASSETS, "models", "tiny-shakespeare")
+DRAFT = os.path.join(ASSETS, "models", "tiny-shakespeare-draft")
+KEEP = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms",
+        "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms", "duration", "spec_decode")
+
+
+def _passages(n: int, chars: int, seed: int = 0) -> list[str]:
+    import random
+
+    text = open(os.path.join(ASSETS, "eval", "shakespeare_valid.txt")).read()
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        i = rng.randrange(0, len(text) - chars)
+        i = text.index("\n\n", i) + 2  # start at a speech
+        out.append(text[i:i + chars])
+    return out
+
+
+def _requests(kind: str, n: int, output_len: int) -> list[dict]:
+    if kind == "draft":
+        return [{"prompt": p, "output_len": output_len} for p in _passages(n, 300, seed=1)]
+    if kind == "quote":
+        reqs = []
+        for p in _passages(n, 700, seed=2):
+            first = p.split("\n")[0] + "\n"
+            reqs.append({"prompt": p + "\n\n" + first, "output_len": output_len})
+        return reqs
+    if kind == "repeat":  # token ids for the dummy Qwen shape: a random phrase, repeated
+        import random
+
+        rng = random.Random(3)
+        out = []
+        for _ in range(n):
+            phrase = [rng.randrange(100, 150000) for _ in range(24)]
+            out.append({"prompt": {"prompt_token_ids": phrase * 10}, "output_len": output_len})
+        return out
+    raise ValueError(kind)
+
+
+def _worker(job: dict) -> dict:
+    import tokenmill  # noqa: F401  (before torch: OpenMP settings)
+    from tokenmill.bench.datasets import SampleRequest
+    from tokenmill.bench.offline import run_offline
+
+    reqs = [SampleRequest(r["prompt"], 0, r["output_len"]) for r in job["requests"]]
+    res = run_offline(reqs, job["engine"], request_rate=float("inf"), seed=0, ignore_eos=True, disable_tqdm=True,
+                      sampling={"temperature": 0.0}, num_warmups=1)
+    return {k: res.get(k) for k in KEEP}
+
+
+def _run(label: str, engine: dict, requests: list[dict]) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as j, tempfile.NamedTemporaryFile("r", suffix=".json") as f:
+        json.dump({"engine": engine, "requests": requests, "result": f.name}, j)
+        j.flush()
+        subprocess.run([sys.executable, __file__, "--worker", j.name], check=True)
+        res = json.load(open(f.name))
+    spec = res.get("spec_decode") or {}
+    print(f"  {label:<36} {res['output_throughput']:8.1f} tok/s  TPOT {res['median_tpot_ms']:7.2f} ms  "
+          f"TTFT {res['median_ttft_ms']:8.1f} ms  accept {spec.get('acceptance_rate', 0):.2f}  "
+          f"len {spec.get('mean_acceptance_length', 0):.2f}", flush=True)
+    return res
+
+
+def _ab(label: str, base: dict, specs: dict[str, dict | None], requests: list[dict], repeats: int) -> dict:
+    """Each configuration `repeats` times, interleaved; ratios are against 'off' of the same round."""
+    runs: dict[str, list[dict]] = {name: [] for name in specs}
+    for _ in range(repeats):
+        for name, spec in specs.items():
+            engine = dict(base, **({"speculative_config": spec} if spec else {}))
+            runs[name].append(_run(f"{label}: {name}", engine, requests))
+    ratios = {}
+    for name in specs:
+        if name == "off":
+            continue
+        r = [s["output_throughput"] / o["output_throughput"] for s, o in zip(runs[name], runs["off"])]
+        t = [s["median_tpot_ms"] / o["median_tpot_ms"] for s, o in zip(runs[name], runs["off"])]
+        f = [s["median_ttft_ms"] / o["median_ttft_ms"] for s, o in zip(runs[name], runs["off"])]
+        ratios[name] = {"output_tok_s_vs_off": r, "median_tpot_vs_off": t, "median_ttft_vs_off": f,
+                        "mean_output_tok_s_vs_off": sum(r) / len(r)}
+    return {"runs": runs, "ratios": ratios}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", help="(internal) run one configuration from this job file")
+    ap.add_argument("--only", default="draft,ngram,sweep,qwen")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results/spec_decode.json")
+    args = ap.parse_args()
+    if args.worker:
+        with open(args.worker) as f:
+            job = json.load(f)
+        res = _worker(job)
+        with open(job["result"], "w") as f:
+            json.dump(res, f)
+        return
+
+    k, only, out = args.k, set(args.only.split(",")), {}
+    ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    draft = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": k}
+    tiny = dict(model=MODEL, max_model_len=512)
+    if "draft" in only:
+        print("[spec] draft model, batch 1, held-out Shakespeare", flush=True)
+        out["draft_batch1"] = _ab("draft", dict(tiny, max_num_seqs=1),
+                                  {"off": None, "fixed k": dict(draft, adaptive=False), "adaptive": draft},
+                                  _requests("draft", 8, 128), args.repeats)
+    if "ngram" in only:
+        print("[spec] n-gram, batch 1, quoting workload", flush=True)
+        out["ngram_batch1"] = _ab("ngram", dict(tiny, max_num_seqs=1),
+                                  {"off": None, "fixed k": dict(ngram, adaptive=False), "adaptive": ngram},
+                                  _requests("quote", 8, 128), args.repeats)
+    if "sweep" in only:
+        out["sweep"] = {}
+        for conc in (1, 4, 16, 32):
+            print(f"[spec] load sweep, concurrency {conc}", flush=True)
+            out["sweep"][conc] = _ab(f"c={conc}", dict(tiny, max_num_seqs=conc),
+                                     {"off": None, "fixed k": dict(draft, adaptive=False), "adaptive": draft},
+                                     _requests("draft", max(4, 2 * conc), 64), 1)
+    if "qwen" in only:
+        print("[spec] Qwen2.5-0.5B shape, n-gram, batch 1", flush=True)
+        qwen = dict(model=dummy_model_dir(QWEN25_05B), load_format="dummy", dtype="bfloat16", max_model_len=1024,
+                    max_num_seqs=1)
+        out["qwen_ngram_batch1"] = _ab("qwen", qwen, {"off": None, "adaptive": ngram}, _requests("repeat", 3, 64),
+                                       args.repeats)
+    summary = {}
+    for name, block in out.items():
+        if name == "sweep":
+            for conc, b in block.items():
+                for cfg, r in b["ratios"].items():
+                    summary[f"sweep c={conc} {cfg}: output tok/s vs off"] = r["mean_output_tok_s_vs_off"]
+        else:
+            for cfg, r in block["ratios"].items():
+                summary[f"{name} {cfg}: output tok/s vs off"] = r["mean_output_tok_s_vs_off"]
+                summary[f"{name} {cfg}: median TPOT vs off"] = sum(r["median_tpot_vs_off"]) / len(r["median_tpot_vs_off"])
+                summary[f"{name} {cfg}: median TTFT vs off"] = sum(r["median_ttft_vs_off"]) / len(r["median_ttft_vs_off"])
+    print(json.dumps(summary, indent=2))
+    write_json({"machine": machine(), "args": vars(args), "summary": summary, "results": out}, args.out)
+
+
+if __name__ == "__main__":
+    main()
