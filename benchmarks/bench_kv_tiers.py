@@ -25,7 +25,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import QWEN25_05B, dummy_model_dir, machine, write_json  # noqa: E402
+from common import QWEN25_05B, dummy_model_dir, machine, run_job, serve_job, write_json  # noqa: E402
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -84,12 +84,7 @@ def _drop_page_cache() -> bool:
 
 def _run(name: str, job: dict) -> dict:
     print(f"[kv tiers] {name}", flush=True)
-    with tempfile.NamedTemporaryFile("r", suffix=".json") as f, tempfile.NamedTemporaryFile("w", suffix=".json") as j:
-        job["result"] = f.name
-        json.dump(job, j)  # 8K-token prompts are too long for a command line
-        j.flush()
-        subprocess.run([sys.executable, __file__, "--worker", j.name], check=True)
-        res = json.load(open(f.name))
+    res = run_job(__file__, job)
     res["scenario"] = name
     return res
 
@@ -132,11 +127,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/kv_tiers.json")
     args = ap.parse_args()
     if args.worker:
-        with open(args.worker) as f:
-            job = json.load(f)
-        res = _worker(job)
-        with open(job["result"], "w") as f:
-            json.dump(res, f)
+        serve_job(args.worker, _worker)
         return
 
     model = dummy_model_dir(QWEN25_05B)

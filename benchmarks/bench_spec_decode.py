@@ -17,12 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import QWEN25_05B, dummy_model_dir, machine, write_json  # noqa: E402
+from common import QWEN25_05B, dummy_model_dir, machine, run_job, serve_job, write_json  # noqa: E402
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tokenmill", "assets")
 MODEL = os.path.join(ASSETS, "models", "tiny-shakespeare")
@@ -77,11 +75,7 @@ def _worker(job: dict) -> dict:
 
 
 def _run(label: str, engine: dict, requests: list[dict]) -> dict:
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as j, tempfile.NamedTemporaryFile("r", suffix=".json") as f:
-        json.dump({"engine": engine, "requests": requests, "result": f.name}, j)
-        j.flush()
-        subprocess.run([sys.executable, __file__, "--worker", j.name], check=True)
-        res = json.load(open(f.name))
+    res = run_job(__file__, {"engine": engine, "requests": requests})
     spec = res.get("spec_decode") or {}
     print(f"  {label:<36} {res['output_throughput']:8.1f} tok/s  TPOT {res['median_tpot_ms']:7.2f} ms  "
           f"TTFT {res['median_ttft_ms']:8.1f} ms  accept {spec.get('acceptance_rate', 0):.2f}  "
@@ -117,11 +111,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/spec_decode.json")
     args = ap.parse_args()
     if args.worker:
-        with open(args.worker) as f:
-            job = json.load(f)
-        res = _worker(job)
-        with open(job["result"], "w") as f:
-            json.dump(res, f)
+        serve_job(args.worker, _worker)
         return
 
     k, only, out = args.k, set(args.only.split(",")), {}

@@ -65,3 +65,24 @@ def write_json(result: dict, path: str) -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {path}")
+
+
+def run_job(script: str, job: dict) -> dict:
+    """Run `python script --worker JOBFILE` in a fresh process (its own memory, warm caches and threads) and
+    return the dict it wrote. The job travels in a file: long prompts are too big for a command line."""
+    import sys
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as j, tempfile.NamedTemporaryFile("r", suffix=".json") as f:
+        json.dump({**job, "result": f.name}, j)
+        j.flush()
+        subprocess.run([sys.executable, script, "--worker", j.name], check=True)
+        return json.load(open(f.name))
+
+
+def serve_job(job_file: str, fn) -> None:
+    """The child side of run_job: read the job, run fn(job), write its result where the job says."""
+    with open(job_file) as f:
+        job = json.load(f)
+    res = fn(job)
+    with open(job["result"], "w") as f:
+        json.dump(res, f)
