@@ -12,7 +12,9 @@ from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.ngram import NgramProposer, ngram_propose
 from tokenmill.spec_decode.verify import DraftCheck, verify
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+# fixed depth where a test needs drafts to happen; the adaptive policy is tested on its own
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
+         "adaptive": False}
 
 
 # -- the proposer -------------------------------------------------------------------------------------------
@@ -203,7 +205,7 @@ class _AlwaysWrong(NgramProposer):
 
 def test_adaptive_depth_falls_to_zero_for_a_draft_that_is_always_wrong(llama_dir):
     sp = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
-    llm = make_llm(llama_dir, max_model_len=256, speculative_config=NGRAM)
+    llm = make_llm(llama_dir, max_model_len=256, speculative_config={**NGRAM, "adaptive": True})
     eng = llm.llm_engine
     eng.core.runner.proposer = _AlwaysWrong()
     eng.add_request("a", {"prompt_token_ids": random_prompts([20], seed=1)[0]}, sp)

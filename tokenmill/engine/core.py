@@ -163,7 +163,8 @@ class EngineCore:
         t0 = time.perf_counter()
         result = self.runner.execute(sched)
         if spec is not None:  # the draft policy's cost model learns from real step times
-            spec.cost.observe(sched.num_scheduled_tokens, time.perf_counter() - t0)
+            spec.cost.observe(sched.num_scheduled_tokens, time.perf_counter() - t0 - result.propose_seconds)
+            spec.observe_proposals(sum(len(d) for d in result.draft_token_ids.values()), result.propose_seconds)
         if xfer is not None:
             xfer.store(sched.kv_backups)
         outputs: dict[str, EngineCoreOutput] = {}

@@ -5,7 +5,9 @@ A request whose drafts are accepted with probability a each emits, with k drafts
     E(k) = 1 + a + a^2 + ... + a^k     tokens per step       (a: that request's measured acceptance)
 
 and a step of n tokens costs T(n) = t0 + t1 * n seconds, a line fitted online to the engine's own step
-timings. Each step picks the k_i that maximize the batch's useful tokens per second,
+timings, plus c seconds per draft the proposer makes (timed on its own: a draft model's forward passes
+run in the step before the drafts are verified). While the line is still unknown, k cycles through
+0 .. k_max, so the fit sees steps of different sizes. Each step picks the k_i that maximize the batch's useful tokens per second,
 (base + sum (E_i(k_i) - 1)) / T(base + sum k_i), where the base tokens (the decodes' last tokens and
 prefill chunks) all count as useful: drafts must not slow other requests' prefills for less than they
 give back. While decoding is memory-bound (t1 small next to t0), drafts are nearly
@@ -72,6 +74,7 @@ class DraftPolicy:
         self.k_max, self.adaptive = k_max, adaptive
         self.prior, self.decay, self.probe_every, self.min_gain = prior, decay, probe_every, min_gain
         self.cost = StepCostModel()
+        self._propose_s = self._proposed = 0.0  # decayed seconds and drafts of the proposer
         self.stats = SpecStats(accepted_per_pos=[0] * k_max)
         self._acc: dict[str, list[float]] = {}  # request -> [decayed accepted, decayed trials]
         self._idle: dict[str, int] = {}  # request -> steps planned at k = 0 in a row
@@ -93,6 +96,15 @@ class DraftPolicy:
         acc[0] = self.decay * acc[0] + accepted
         acc[1] = self.decay * acc[1] + trials
 
+    def observe_proposals(self, drafts: int, seconds: float) -> None:
+        self._propose_s = 0.95 * self._propose_s + seconds
+        self._proposed = 0.95 * self._proposed + drafts
+
+    @property
+    def propose_cost(self) -> float:
+        """Seconds per draft token the proposer costs (0 until it has proposed)."""
+        return self._propose_s / self._proposed if self._proposed else 0.0
+
     def release(self, rid: str) -> None:
         self._acc.pop(rid, None)
         self._idle.pop(rid, None)
@@ -100,10 +112,13 @@ class DraftPolicy:
     def plan(self, rids: list[str], base_tokens: int) -> dict[str, int]:
         """Drafts to propose for each sampling request, for a next step of about `base_tokens` tokens
         before drafts."""
-        line = self.cost.line() if self.adaptive else None
-        if line is None:  # not adaptive, or still measuring: the configured depth
+        if not self.adaptive:
             return {rid: self.k_max for rid in rids}
+        line = self.cost.line()
+        if line is None:  # still measuring: vary k so the fit sees steps of different sizes
+            return {rid: self.cost.steps % (self.k_max + 1) for rid in rids}
         t0, t1 = line
+        per_draft = t1 + self.propose_cost
         total, gain, plan = float(base_tokens), float(base_tokens), {}
         for rid in rids:
             a = self.acceptance(rid)
@@ -113,7 +128,7 @@ class DraftPolicy:
                 if a ** k < self.min_gain:
                     break
                 e += a ** k
-                rate = (gain - 1.0 + e) / (t0 + t1 * (total + k))
+                rate = (gain - 1.0 + e) / (t0 + t1 * total + per_draft * k)
                 if rate > best * 1.0001:
                     best_k, best = k, rate
             if best_k == 0:

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +28,7 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # to verify at the next step
+    propose_seconds: float = 0.0  # time the proposer took this step (the draft policy's cost model)
     # per request: logprob rows for the prompt tokens this chunk predicted (positions start+1 ..)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
@@ -147,7 +149,9 @@ class ModelRunner:
         items = [(s, self.requests[s.request_id]) for s in seqs
                  if s.propose_k and s.request_id in out.sampled_token_ids]
         if items:
+            t0 = time.perf_counter()
             out.draft_token_ids.update(self.proposer.propose_batch(self, items))
+            out.propose_seconds = time.perf_counter() - t0
 
     def _prompt_logprobs(self, seq: ScheduledRequest, state: RequestState, hidden: torch.Tensor) -> list[TokenLogprobs]:
         """Position p's logits score prompt token p + 1; only positions inside the prompt count."""
