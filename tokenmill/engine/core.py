@@ -162,9 +162,10 @@ class EngineCore:
         spec = self.scheduler.spec
         t0 = time.perf_counter()
         result = self.runner.execute(sched)
-        if spec is not None:  # the draft policy's cost model learns from real step times
-            spec.cost.observe(sched.num_scheduled_tokens, time.perf_counter() - t0 - result.propose_seconds)
-            spec.observe_proposals(sum(len(d) for d in result.draft_token_ids.values()), result.propose_seconds)
+        if spec is not None:  # the draft policy learns from real step times
+            decode_only = all(s.num_sampled_positions == s.num_new_tokens for s in sched.seqs)
+            spec.observe_step(sum(len(t) for t in result.sampled_token_ids.values()),
+                              time.perf_counter() - t0 - result.propose_seconds, decode_only, result.propose_seconds)
         if xfer is not None:
             xfer.store(sched.kv_backups)
         outputs: dict[str, EngineCoreOutput] = {}

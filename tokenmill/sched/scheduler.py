@@ -306,8 +306,7 @@ class Scheduler:
         sampling = [rid for rid, n in scheduled.items()
                     if self.requests[rid].num_computed_tokens + n == self.requests[rid].num_tokens
                     + len(self._drafts.get(rid, ()))]
-        base = sum(scheduled.values()) - sum(len(d) for d in self._drafts.values())
-        plan = self.spec.plan(sampling, base)
+        plan = self.spec.plan(sampling)
         if self.spec_lookahead:  # a draft model may not write past the slots reserved for it
             for rid in plan:
                 req = self.requests[rid]

@@ -1,53 +1,26 @@
 """How many tokens each request drafts, from what the engine measures (the default when speculating).
 
-A request whose drafts are accepted with probability a each emits, with k drafts, on average
+Two things decide whether drafts pay. One is the request: with per-draft acceptance a, k drafts emit
+1 + a + ... + a^k tokens per step, so a draft position whose chance a^k is below `min_gain` is never
+worth its fixed costs; a request's a is a decayed average of its own verifications, starting at
+`prior`. The other is the step: what a verification of 1 + k tokens per request costs, against a plain
+decode, depends on the batch size, the model, the attention path and the machine, and does not follow
+a formula (on CPU, a verified sequence leaves the batched decode kernel for the prefill path). So the
+step is measured, not modelled:
 
-    E(k) = 1 + a + a^2 + ... + a^k     tokens per step       (a: that request's measured acceptance)
+    per batch-size bucket (1, 2, 4, 8, ... sampling requests) and depth K = 0 .. k_max:
+        rate[bucket][K] = decayed mean of tokens emitted / seconds, over decode-only steps at depth K
+                          (seconds = the verifying step + the proposer's time for its drafts)
 
-and a step of n tokens costs T(n) = t0 + t1 * n seconds, a line fitted online to the engine's own step
-timings, plus c seconds per draft the proposer makes (timed on its own: a draft model's forward passes
-run in the step before the drafts are verified). While the line is still unknown, k cycles through
-0 .. k_max, so the fit sees steps of different sizes. Each step picks the k_i that maximize the batch's useful tokens per second,
-(base + sum (E_i(k_i) - 1)) / T(base + sum k_i), where the base tokens (the decodes' last tokens and
-prefill chunks) all count as useful: drafts must not slow other requests' prefills for less than they
-give back. While decoding is memory-bound (t1 small next to t0), drafts are nearly
-free and k rises; once a batch is compute-bound, or drafts keep failing, k falls to 0. A draft position
-whose acceptance chance a^k is below `min_gain` is never worth its fixed costs (proposing, verifying),
-however cheap the tokens. A request at k = 0 probes with one draft every `probe_every` steps, so its
-acceptance estimate can recover. The estimate starts at `prior` (two pseudo-trials that decay away).
+Each step takes the K with the best rate for its bucket (a bandit: untried depths first, then the
+best, with an occasional neighbour to track drift), and each request drafts min(K, its useful depth).
+When the batch is compute-bound, or drafts keep failing, the best K is 0 and speculation stops; a
+request at depth 0 probes with one draft every `probe_every` steps, so its estimate can recover.
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
-
-
-class StepCostModel:
-    """Least-squares line through (tokens, seconds) with exponential forgetting of old steps."""
-
-    def __init__(self, decay: float = 0.98, min_steps: int = 16):
-        self.decay, self.min_steps = decay, min_steps
-        self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
-        self.steps = 0
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        d = self.decay
-        self.sw = d * self.sw + 1.0
-        self.sx = d * self.sx + tokens
-        self.sy = d * self.sy + seconds
-        self.sxx = d * self.sxx + tokens * tokens
-        self.sxy = d * self.sxy + tokens * seconds
-        self.steps += 1
-
-    def line(self) -> tuple[float, float] | None:
-        """(t0, t1), or None until enough steps of different sizes were seen."""
-        if self.steps < self.min_steps:
-            return None
-        var = self.sw * self.sxx - self.sx * self.sx
-        if var <= 1e-9 * max(1.0, self.sxx * self.sw):
-            return None
-        t1 = max(0.0, (self.sw * self.sxy - self.sx * self.sy) / var)
-        t0 = max(1e-6, (self.sy - t1 * self.sx) / self.sw)
-        return t0, t1
 
 
 @dataclass
@@ -68,17 +41,55 @@ class SpecStats:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
+def bucket_of(batch: int) -> int:
+    return 1 << (max(1, batch).bit_length() - 1)
+
+
+class DepthBandit:
+    """Decayed tokens-per-second of each depth, per batch-size bucket."""
+
+    def __init__(self, k_max: int, min_trials: int = 3, explore_every: int = 12, decay: float = 0.8, seed: int = 0):
+        self.k_max, self.min_trials, self.explore_every, self.decay = k_max, min_trials, explore_every, decay
+        self._rate: dict[tuple[int, int], float] = {}
+        self._trials: dict[tuple[int, int], int] = {}
+        self._choices = 0
+        self._rng = random.Random(seed)
+
+    def choose(self, bucket: int) -> int:
+        self._choices += 1
+        for k in (0, self.k_max, *range(1, self.k_max)):  # the two ends first: they decide most cases
+            if self._trials.get((bucket, k), 0) < self.min_trials:
+                return k
+        best = max(range(self.k_max + 1), key=lambda k: self._rate[(bucket, k)])
+        if self._choices % self.explore_every == 0:
+            return max(0, min(self.k_max, best + self._rng.choice((-1, 1))))
+        return best
+
+    def observe(self, bucket: int, k: int, tokens: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        key, rate = (bucket, k), tokens / seconds
+        n = self._trials.get(key, 0)
+        self._rate[key] = rate if n == 0 else self.decay * self._rate[key] + (1 - self.decay) * rate
+        self._trials[key] = n + 1
+
+    def rate(self, bucket: int, k: int) -> float | None:
+        return self._rate.get((bucket, k))
+
+
 class DraftPolicy:
     def __init__(self, k_max: int, adaptive: bool = True, prior: float = 0.6, decay: float = 0.8,
                  probe_every: int = 16, min_gain: float = 0.1):
         self.k_max, self.adaptive = k_max, adaptive
         self.prior, self.decay, self.probe_every, self.min_gain = prior, decay, probe_every, min_gain
-        self.cost = StepCostModel()
-        self._propose_s = self._proposed = 0.0  # decayed seconds and drafts of the proposer
+        self.bandit = DepthBandit(k_max)
         self.stats = SpecStats(accepted_per_pos=[0] * k_max)
         self._acc: dict[str, list[float]] = {}  # request -> [decayed accepted, decayed trials]
-        self._idle: dict[str, int] = {}  # request -> steps planned at k = 0 in a row
+        self._idle: dict[str, int] = {}  # request -> steps planned at depth 0 in a row
+        self._planned: tuple[int, int] | None = None  # (bucket, K) of the drafts in flight
+        self._propose_s = 0.0  # the proposer's time for the drafts in flight
 
+    # -- per request --------------------------------------------------------------------------------------
     def acceptance(self, rid: str) -> float:
         num, den = self._acc.get(rid, (2 * self.prior, 2.0))
         return num / den
@@ -96,49 +107,39 @@ class DraftPolicy:
         acc[0] = self.decay * acc[0] + accepted
         acc[1] = self.decay * acc[1] + trials
 
-    def observe_proposals(self, drafts: int, seconds: float) -> None:
-        self._propose_s = 0.95 * self._propose_s + seconds
-        self._proposed = 0.95 * self._proposed + drafts
-
-    @property
-    def propose_cost(self) -> float:
-        """Seconds per draft token the proposer costs (0 until it has proposed)."""
-        return self._propose_s / self._proposed if self._proposed else 0.0
-
     def release(self, rid: str) -> None:
         self._acc.pop(rid, None)
         self._idle.pop(rid, None)
 
-    def plan(self, rids: list[str], base_tokens: int) -> dict[str, int]:
-        """Drafts to propose for each sampling request, for a next step of about `base_tokens` tokens
-        before drafts."""
+    def _useful_depth(self, rid: str, cap: int) -> int:
+        a, k = self.acceptance(rid), 0
+        while k < cap and a ** (k + 1) >= self.min_gain:
+            k += 1
+        if k == 0 and cap > 0:
+            idle = self._idle.get(rid, 0) + 1
+            self._idle[rid] = idle
+            if idle % self.probe_every == 0:
+                return 1  # probe, so a recovering request is noticed
+        else:
+            self._idle[rid] = 0
+        return k
+
+    # -- per step -----------------------------------------------------------------------------------------
+    def plan(self, rids: list[str]) -> dict[str, int]:
+        """Drafts to propose for each request that samples this step."""
+        if not rids:
+            return {}
         if not self.adaptive:
             return {rid: self.k_max for rid in rids}
-        line = self.cost.line()
-        if line is None:  # still measuring: vary k so the fit sees steps of different sizes
-            return {rid: self.cost.steps % (self.k_max + 1) for rid in rids}
-        t0, t1 = line
-        per_draft = t1 + self.propose_cost
-        total, gain, plan = float(base_tokens), float(base_tokens), {}
-        for rid in rids:
-            a = self.acceptance(rid)
-            best_k, best = 0, gain / (t0 + t1 * total)
-            e = 1.0
-            for k in range(1, self.k_max + 1):
-                if a ** k < self.min_gain:
-                    break
-                e += a ** k
-                rate = (gain - 1.0 + e) / (t0 + t1 * total + per_draft * k)
-                if rate > best * 1.0001:
-                    best_k, best = k, rate
-            if best_k == 0:
-                idle = self._idle.get(rid, 0) + 1
-                self._idle[rid] = idle
-                if idle % self.probe_every == 0:
-                    best_k = 1  # probe, so a recovering request is noticed
-            else:
-                self._idle[rid] = 0
-            plan[rid] = best_k
-            total += best_k
-            gain += sum(a ** i for i in range(1, best_k + 1))
-        return plan
+        bucket = bucket_of(len(rids))
+        depth = self.bandit.choose(bucket)
+        self._planned = (bucket, depth)
+        return {rid: self._useful_depth(rid, depth) for rid in rids}
+
+    def observe_step(self, emitted: int, seconds: float, decode_only: bool, propose_seconds: float) -> None:
+        """One step ran: `emitted` tokens in `seconds` (its own proposing excluded, which belongs to the
+        drafts it verifies next). Only decode-only steps teach the bandit: prefill chunks blur the rate."""
+        if self._planned is not None and decode_only:
+            bucket, depth = self._planned
+            self.bandit.observe(bucket, depth, emitted, seconds + self._propose_s)
+        self._propose_s = propose_seconds
