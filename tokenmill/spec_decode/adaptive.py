@@ -12,8 +12,8 @@ step is measured, not modelled:
         rate[bucket][K] = decayed mean of tokens emitted / seconds, over decode-only steps at depth K
                           (seconds = the verifying step + the proposer's time for its drafts)
 
-Each step takes the K with the best rate for its bucket (a bandit: untried depths first, then the
-best, with an occasional neighbour to track drift), and each request drafts min(K, its useful depth).
+Each step takes the K with the best rate for its bucket (a bandit that climbs from K = 0, with an
+occasional neighbour to track drift), and each request drafts min(K, its useful depth).
 When the batch is compute-bound, or drafts keep failing, the best K is 0 and speculation stops; a
 request at depth 0 probes with one draft every `probe_every` steps, so its estimate can recover.
 """
@@ -46,22 +46,30 @@ def bucket_of(batch: int) -> int:
 
 
 class DepthBandit:
-    """Decayed tokens-per-second of each depth, per batch-size bucket."""
+    """Decayed tokens-per-second of each depth, per batch-size bucket, searched by hill climbing from 0:
+    depth 0 and 1 first, then one deeper while the deepest tried is the best. Where speculation does not
+    pay, that costs a couple of steps per bucket, not a sweep of every depth."""
 
-    def __init__(self, k_max: int, min_trials: int = 3, explore_every: int = 12, decay: float = 0.8, seed: int = 0):
+    def __init__(self, k_max: int, min_trials: int = 2, explore_every: int = 24, decay: float = 0.8, seed: int = 0):
         self.k_max, self.min_trials, self.explore_every, self.decay = k_max, min_trials, explore_every, decay
         self._rate: dict[tuple[int, int], float] = {}
         self._trials: dict[tuple[int, int], int] = {}
         self._choices = 0
         self._rng = random.Random(seed)
 
+    def _tried(self, bucket: int, k: int) -> bool:
+        return self._trials.get((bucket, k), 0) >= self.min_trials
+
     def choose(self, bucket: int) -> int:
         self._choices += 1
-        for k in (0, self.k_max, *range(1, self.k_max)):  # the two ends first: they decide most cases
-            if self._trials.get((bucket, k), 0) < self.min_trials:
+        for k in (0, 1):
+            if k <= self.k_max and not self._tried(bucket, k):
                 return k
-        best = max(range(self.k_max + 1), key=lambda k: self._rate[(bucket, k)])
-        if self._choices % self.explore_every == 0:
+        tried = [k for k in range(self.k_max + 1) if self._tried(bucket, k)]
+        best = max(tried, key=lambda k: self._rate[(bucket, k)])
+        if best == max(tried) and best < self.k_max:
+            return best + 1  # still climbing
+        if self._choices % self.explore_every == 0:  # track drift: look at a neighbour now and then
             return max(0, min(self.k_max, best + self._rng.choice((-1, 1))))
         return best
 
