@@ -228,12 +228,13 @@ def _simulate(step_seconds, accept: float, steps: int = 300, batch: int = 4) -> 
     rng = np.random.default_rng(0)
     policy, depths = DraftPolicy(k_max=4), []
     rids = [f"r{i}" for i in range(batch)]
+    plan = {rid: 0 for rid in rids}
     for _ in range(steps):
-        plan = policy.plan(rids)
-        depth = max(plan.values())
-        depths.append(depth)
+        verifying, plan = plan, policy.plan(rids)  # this step verifies last step's plan
+        depth = max(verifying.values())
+        depths.append(max(plan.values()))
         emitted = 0
-        for rid, k in plan.items():
+        for rid, k in verifying.items():
             acc = 0
             while acc < k and rng.random() < accept:
                 acc += 1

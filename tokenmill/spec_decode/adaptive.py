@@ -50,10 +50,13 @@ class DepthBandit:
     depth 0 and 1 first, then one deeper while the deepest tried is the best. Where speculation does not
     pay, that costs a couple of steps per bucket, not a sweep of every depth."""
 
-    def __init__(self, k_max: int, min_trials: int = 2, explore_every: int = 24, decay: float = 0.8, seed: int = 0):
+    def __init__(self, k_max: int, min_trials: int = 3, explore_every: int = 32, decay: float = 0.9,
+                 margin: float = 1.05, seed: int = 0):
         self.k_max, self.min_trials, self.explore_every, self.decay = k_max, min_trials, explore_every, decay
+        self.margin = margin  # a challenger must beat the incumbent depth by this factor: single steps are noisy
         self._rate: dict[tuple[int, int], float] = {}
         self._trials: dict[tuple[int, int], int] = {}
+        self._best: dict[int, int] = {}
         self._choices = 0
         self._rng = random.Random(seed)
 
@@ -66,7 +69,10 @@ class DepthBandit:
             if k <= self.k_max and not self._tried(bucket, k):
                 return k
         tried = [k for k in range(self.k_max + 1) if self._tried(bucket, k)]
-        best = max(tried, key=lambda k: self._rate[(bucket, k)])
+        best = self._best.get(bucket, 0)
+        challenger = max(tried, key=lambda k: self._rate[(bucket, k)])
+        if self._rate[(bucket, challenger)] > self.margin * self._rate[(bucket, best)]:
+            best = self._best[bucket] = challenger
         if best == max(tried) and best < self.k_max:
             return best + 1  # still climbing
         if self._choices % self.explore_every == 0:  # track drift: look at a neighbour now and then
@@ -94,8 +100,11 @@ class DraftPolicy:
         self.stats = SpecStats(accepted_per_pos=[0] * k_max)
         self._acc: dict[str, list[float]] = {}  # request -> [decayed accepted, decayed trials]
         self._idle: dict[str, int] = {}  # request -> steps planned at depth 0 in a row
-        self._planned: tuple[int, int] | None = None  # (bucket, K) of the drafts in flight
-        self._propose_s = 0.0  # the proposer's time for the drafts in flight
+        # (bucket, K) planned last step: the drafts this step verifies. The step that plans K does not
+        # run those drafts yet, so crediting it to K would blur the depths.
+        self._verifying: tuple[int, int] | None = None
+        self._planned: tuple[int, int] | None = None  # (bucket, K) planned this step
+        self._propose_s = 0.0  # the proposer's time for the drafts this step verifies
 
     # -- per request --------------------------------------------------------------------------------------
     def acceptance(self, rid: str) -> float:
@@ -141,13 +150,13 @@ class DraftPolicy:
             return {rid: self.k_max for rid in rids}
         bucket = bucket_of(len(rids))
         depth = self.bandit.choose(bucket)
-        self._planned = (bucket, depth)
+        self._verifying, self._planned = self._planned, (bucket, depth)
         return {rid: self._useful_depth(rid, depth) for rid in rids}
 
     def observe_step(self, emitted: int, seconds: float, decode_only: bool, propose_seconds: float) -> None:
         """One step ran: `emitted` tokens in `seconds` (its own proposing excluded, which belongs to the
         drafts it verifies next). Only decode-only steps teach the bandit: prefill chunks blur the rate."""
-        if self._planned is not None and decode_only:
-            bucket, depth = self._planned
+        if self._verifying is not None and decode_only:
+            bucket, depth = self._verifying
             self.bandit.observe(bucket, depth, emitted, seconds + self._propose_s)
         self._propose_s = propose_seconds
