@@ -3,15 +3,19 @@
 The draft runs in the same engine, on the same block tables: its KV cache has the target's number of
 blocks and block size, so block b holds the target's KV in one tensor and the draft's in another, and
 every block-table operation (allocation, prefix hits, preemption, freeing) covers both at once.
-To keep its KV in step, the draft model runs over every step's input tokens after the target does
-(`forward`). Proposing then takes k single-token steps per request, all requests batched:
 
-    accepted ... t  (t: the token the target added, at position P)
-    draft feeds t at P -> d1, d1 at P+1 -> d2, ..., d_{k-1} at P+k-2 -> d_k
+The draft's KV is brought up to date only when it proposes, so a request at depth 0 costs nothing.
+Each request remembers how far its draft KV is valid (`synced`); a proposal first runs the draft over
+the verified tokens since then, ending with t, the token the target just added at position P, and
+takes its first draft from that chunk's last row. The other k - 1 drafts are single-token steps:
+
+    draft runs tokens[synced .. P] (one chunk, t last)  -> d1
+               d1 at P+1 -> d2, ..., d_{k-1} at P+k-1 -> d_k            synced = P + 1
 
 The scheduler reserves slots up to P+k-1 (lookahead, never hashed), so these writes stay inside the
-request's own blocks; the target overwrites them when it runs those positions.
-Drafts are the draft model's argmax (a one-hot q), so verification couples exactly (verify.py).
+request's own blocks; the target overwrites them when it runs those positions. All requests are
+batched in every forward. Drafts are the draft model's argmax (a one-hot q), so verification couples
+exactly (verify.py).
 """
 from __future__ import annotations
 
@@ -26,31 +30,44 @@ class DraftModelProposer:
         self.kv_cache = kv_cache  # [draft layers, 2, num_blocks, block_size, draft kv heads, head_dim]
         self.kv_caches = [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
         self.backend = backend
+        self._synced: dict[str, int] = {}  # request -> positions whose draft KV is valid
 
     def release(self, request_ids) -> None:
-        pass
-
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
-        """Run the draft over the target's batch, writing its KV at the same slots."""
-        self.backend.build_step_state(meta)
-        self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        """Finished or preempted (its blocks are gone): its draft KV starts again from position 0."""
+        for rid in request_ids:
+            self._synced.pop(rid, None)
 
     @torch.inference_mode()
     def propose_batch(self, runner, items: list[tuple[ScheduledRequest, object]]) -> dict[str, list[int]]:
         """items: (scheduled request, its worker state) for each request that sampled and may draft."""
         active = [(s.request_id, st, s.propose_k) for s, st in items if s.propose_k > 0]
-        drafts: dict[str, list[int]] = {rid: [] for rid, _, _ in active}
-        last = {rid: st.output_token_ids[-1] for rid, st, _ in active}
+        if not active:
+            return {}
         pos = {rid: len(st.prompt_token_ids) + len(st.output_token_ids) - 1 for rid, st, _ in active}
-        for step in range(max((k for _, _, k in active), default=0)):
-            batch = [(rid, st) for rid, st, k in active if step < k]
-            seqs = [ScheduledRequest(rid, pos[rid] + step, 1, [], 1, draft_token_ids=[last[rid]])
-                    for rid, _ in batch]
-            input_ids, positions, meta = runner.prepare(seqs, self.backend)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
-            tokens = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
-            for (rid, _), t in zip(batch, tokens):
+        catch_up = [ScheduledRequest(rid, self._synced.get(rid, 0), pos[rid] + 1 - self._synced.get(rid, 0), [], 1)
+                    for rid, _, _ in active]
+        first = self._run(runner, catch_up)
+        drafts = {rid: [t] for (rid, _, _), t in zip(active, first)}
+        for rid, _, _ in active:
+            self._synced[rid] = pos[rid] + 1
+        for step in range(1, max(k for _, _, k in active)):
+            batch = [rid for rid, _, k in active if step < k]
+            seqs = [ScheduledRequest(rid, pos[rid] + step, 1, [], 1, draft_token_ids=[drafts[rid][-1]])
+                    for rid in batch]
+            for rid, t in zip(batch, self._run(runner, seqs)):
                 drafts[rid].append(t)
-                last[rid] = t
         return drafts
+
+    def _run(self, runner, seqs: list[ScheduledRequest]) -> list[int]:
+        """One draft forward over `seqs` (decodes first, as the attention backend wants); the argmax at
+        each one's last row, in the order given."""
+        order = sorted(range(len(seqs)), key=lambda i: seqs[i].num_new_tokens != 1)
+        ordered = [seqs[i] for i in order]
+        input_ids, positions, meta = runner.prepare(ordered, self.backend)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        last = [meta.query_start_loc_host[j + 1] - 1 for j in range(len(ordered))]
+        tokens = self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
+        out = [0] * len(seqs)
+        for j, i in enumerate(order):
+            out[i] = tokens[j]
+        return out

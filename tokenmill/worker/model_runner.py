@@ -95,14 +95,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         if self.proposer is not None:
-            self.proposer.release(sched.finished_ids)
+            self.proposer.release(sched.finished_ids + sched.preempted_ids)
         self.requests.apply(sched)
         # decodes first: the attention backend batches them as one group
         seqs = sorted(sched.seqs, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta = self.prepare(seqs)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
-        if hasattr(self.proposer, "forward"):  # a draft model keeps its KV in step with the target's
-            self.proposer.forward(input_ids, positions, meta)
         qsl = meta.query_start_loc_host
         out = ModelRunnerOutput()
         plain = [i for i, s in enumerate(seqs) if s.num_sampled_positions and not s.draft_token_ids]
