@@ -139,8 +139,8 @@ def main() -> None:
         print("[spec] Qwen2.5-0.5B shape, n-gram, batch 1", flush=True)
         qwen = dict(model=dummy_model_dir(QWEN25_05B), load_format="dummy", dtype="bfloat16", max_model_len=1024,
                     max_num_seqs=1)
-        out["qwen_ngram_batch1"] = _ab("qwen", qwen, {"off": None, "adaptive": ngram}, _requests("repeat", 3, 64),
-                                       args.repeats)
+        out["qwen_ngram_batch1"] = _ab("qwen", qwen, {"off": None, "fixed k": dict(ngram, adaptive=False),
+                                                      "adaptive": ngram}, _requests("repeat", 3, 64), args.repeats)
     summary = {}
     for name, block in out.items():
         if name == "sweep":

@@ -24,6 +24,7 @@ def test_ngram_takes_the_longest_suffix_match_and_its_latest_occurrence():
     assert ngram_propose(t, 2, 1, 2) == [4, 4]  # only up to 2 tokens: the latest "2 3" is at 6
     assert ngram_propose(np.array([1, 2, 3, 4]), 3, 1, 3) == []
     assert ngram_propose(np.array([5, 5, 5]), 4, 2, 2) == [5]  # the tail runs out
+    assert ngram_propose(np.array([8] * 9), 3, 2, 2) == [8, 8, 8]  # not the latest match: one token follows it
 
 
 def test_ngram_proposer_follows_growing_sequences():

@@ -1,5 +1,6 @@
 """Prompt-lookup (n-gram) drafts: find the longest suffix of the sequence, between `min_n` and `max_n`
-tokens long, that occurred earlier, and propose the tokens that followed its latest earlier occurrence.
+tokens long, that occurred earlier, and propose the tokens that followed its latest earlier occurrence
+(the latest one that k tokens follow, when there is one).
 
     tokens   ... the cat sat on the mat . the cat sat  <- suffix "the cat sat" (n = 3)
                  ^^^^^^^^^^^ earlier match  -> propose "on the mat ..." (up to k tokens)
@@ -19,7 +20,10 @@ def ngram_propose(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[in
         windows = sliding_window_view(tokens[:L - 1], n)
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if len(hits):
-            start = int(hits[-1]) + n
+            # the latest occurrence that k whole tokens follow (a repeated token's latest match is
+            # followed by one token only), else the earliest, which the most tokens follow
+            whole = hits[hits + n + k <= L]
+            start = int(whole[-1] if len(whole) else hits[0]) + n
             return tokens[start:start + k].tolist()
     return []
 
