@@ -352,3 +352,16 @@ def test_bad_draft_models_are_refused(llama_dir, tmp_path):
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(short)
     with pytest.raises(ValueError, match="max_model_len"):
         make_llm(llama_dir, speculative_config=_draft_cfg(short))
+
+
+def test_speculation_with_kv_tiers(llama_dir, model_dirs):
+    """Both proposers on top of host-tier hits: prefixes loaded from the tier carry no draft KV, which the
+    draft model's catch-up recomputes; greedy tokens stay those of the plain engine."""
+    from tests.test_kv_tiers import POOL, _run, _workload
+
+    plain = _run(make_llm(llama_dir, **POOL), _workload())
+    for spec in (NGRAM, _draft_cfg(model_dirs["qwen2"][0], adaptive=False)):
+        llm = make_llm(llama_dir, **POOL, kv_host_cache_gb=0.05, speculative_config=spec)
+        assert _run(llm, _workload()) == plain
+        st = _check(llm)
+        assert st.kv_tiers["host"]["hit_tokens"] > 0 and st.spec_num_draft_tokens > 0
