@@ -63,9 +63,9 @@ class DraftModelProposer:
         each one's last row, in the order given."""
         order = sorted(range(len(seqs)), key=lambda i: seqs[i].num_new_tokens != 1)
         ordered = [seqs[i] for i in order]
-        input_ids, positions, meta = runner.prepare(ordered, self.backend)
+        input_ids, positions, meta, starts = runner.prepare(ordered, self.backend)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
-        last = [meta.query_start_loc_host[j + 1] - 1 for j in range(len(ordered))]
+        last = [starts[j + 1] - 1 for j in range(len(ordered))]
         tokens = self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
         out = [0] * len(seqs)
         for j, i in enumerate(order):

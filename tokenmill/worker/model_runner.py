@@ -56,14 +56,25 @@ class ModelRunner:
             self.proposer.release(request_ids)
 
     def prepare(self, seqs: list[ScheduledRequest], backend: AttentionBackend | None = None):
-        """Tensors and attention metadata for `seqs`, built for `backend` (default: the target's)."""
+        """Tensors and attention metadata for `seqs`, built for `backend` (default: the target's).
+        Returns (input_ids, positions, meta, token_starts): token_starts[i] .. token_starts[i + 1] are
+        seq i's rows in the flat token batch.
+
+        Attention rows are not always sequences: a sequence verifying k drafts (which must come first,
+        with the decodes) becomes 1 + k decode rows, one per query, each seeing the keys up to its own
+        position. Its new keys are all written before attention runs, so that is exact causal attention,
+        and it keeps verification on the batched decode kernel instead of the per-sequence prefill path:
+
+            seq A: decode at 9           -> row A     seq_len 10
+            seq B: verify at 4, 2 drafts -> rows B0, B1, B2   seq_lens 5, 6, 7   (B's block table each)
+            seq C: prefill chunk         -> row C     seq_len start + n
+        """
         bs = self.block_size
         states = [self.requests[s.request_id] for s in seqs]
         n_tok = np.fromiter((s.num_new_tokens for s in seqs), dtype=np.int64, count=len(seqs))
         starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=len(seqs))
         qsl = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(n_tok, out=qsl[1:])
-        seq_lens = starts + n_tok
         max_blocks = max(len(st.block_ids) for st in states)
         tables = np.zeros((len(seqs), max_blocks), dtype=np.int64)
         for i, st in enumerate(states):
@@ -74,34 +85,38 @@ class ModelRunner:
         input_ids = [t for s, st in zip(seqs, states)
                      for t in st.token_ids(s.start_pos, s.start_pos + s.num_new_tokens - len(s.draft_token_ids))
                      + s.draft_token_ids]
-        num_decodes = 0
-        while num_decodes < len(seqs) and n_tok[num_decodes] == 1:
-            num_decodes += 1
+        num_dec_seqs = 0
+        while num_dec_seqs < len(seqs) and (n_tok[num_dec_seqs] == 1 or seqs[num_dec_seqs].draft_token_ids):
+            num_dec_seqs += 1
+        nd = int(qsl[num_dec_seqs])  # decode rows: one per token of those sequences
+        row_seq = np.concatenate([seq_of_token[:nd], np.arange(num_dec_seqs, len(seqs))])
+        row_lens = np.concatenate([positions[:nd] + 1, (starts + n_tok)[num_dec_seqs:]])
+        row_qsl = np.concatenate([np.arange(nd + 1), qsl[num_dec_seqs + 1:]])
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=torch.from_numpy(qsl).to(dev, torch.int32),
-            seq_lens=torch.from_numpy(seq_lens).to(dev, torch.int32),
-            block_tables=torch.from_numpy(tables).to(dev, torch.int32),
-            num_decodes=num_decodes,
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_host=qsl.tolist(),
-            seq_lens_host=seq_lens.tolist(),
-            fresh_prefill=(starts == 0).tolist(),
+            query_start_loc=torch.from_numpy(row_qsl).to(dev, torch.int32),
+            seq_lens=torch.from_numpy(row_lens).to(dev, torch.int32),
+            block_tables=torch.from_numpy(tables[row_seq]).to(dev, torch.int32),
+            num_decodes=nd,
+            max_seq_len=int(row_lens.max()),
+            query_start_loc_host=row_qsl.tolist(),
+            seq_lens_host=row_lens.tolist(),
+            fresh_prefill=[False] * nd + (starts[num_dec_seqs:] == 0).tolist(),
         )
         (backend or self.backend).build_step_state(meta)
-        return torch.tensor(input_ids, dtype=torch.int64, device=dev), torch.from_numpy(positions).to(dev), meta
+        return (torch.tensor(input_ids, dtype=torch.int64, device=dev), torch.from_numpy(positions).to(dev), meta,
+                qsl.tolist())
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         if self.proposer is not None:
             self.proposer.release(sched.finished_ids + sched.preempted_ids)
         self.requests.apply(sched)
-        # decodes first: the attention backend batches them as one group
-        seqs = sorted(sched.seqs, key=lambda s: s.num_new_tokens != 1)
-        input_ids, positions, meta = self.prepare(seqs)
+        # decodes (and verifications, as decode rows) first: the attention backend batches them as one group
+        seqs = sorted(sched.seqs, key=lambda s: s.num_new_tokens != 1 and not s.draft_token_ids)
+        input_ids, positions, meta, qsl = self.prepare(seqs)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
-        qsl = meta.query_start_loc_host
         out = ModelRunnerOutput()
         plain = [i for i, s in enumerate(seqs) if s.num_sampled_positions and not s.draft_token_ids]
         if plain:
