@@ -183,12 +183,16 @@ class EngineConfig:
         if not os.path.isdir(self.model):
             raise ValueError(f"model directory not found: {self.model!r} (models load from local directories only)")
 
+    @property
+    def kv_tiers_enabled(self) -> bool:
+        return bool(self.kv_host_cache_gb or self.kv_disk_cache_dir or self.kv_remote_cache_url)
+
     def _check_kv_tiers(self) -> None:
         if self.kv_host_cache_gb < 0 or self.kv_disk_cache_gb <= 0:
             raise ValueError("kv_host_cache_gb must be >= 0 and kv_disk_cache_gb > 0")
         if self.kv_load_timeout_s <= 0:
             raise ValueError(f"kv_load_timeout_s must be > 0, got {self.kv_load_timeout_s}")
-        if not (self.kv_host_cache_gb or self.kv_disk_cache_dir or self.kv_remote_cache_url):
+        if not self.kv_tiers_enabled:
             return
         if not self.enable_prefix_caching or self.kv_layout != "paged":
             raise ValueError("KV tiers store prefix-cache blocks: they need enable_prefix_caching and the paged layout")

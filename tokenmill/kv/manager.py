@@ -105,10 +105,7 @@ class KVCacheManager:
         start = self._num_cached.get(req.request_id, 0)
         for i in range(start, start + num_loaded):
             self.pool.cache(blocks[i], req.block_hashes[i], req.block_hashes[i - 1] if i else None)
-        self._num_cached[req.request_id] = start + num_loaded
-        req.num_computed_tokens = (start + num_loaded) * self.block_size
         self.free(req)
-        req.num_computed_tokens = 0
 
     def take_stores(self):
         """(evicted, filled) blocks to copy down the tiers this step; see StoreCollector."""

@@ -292,10 +292,10 @@ class Scheduler:
             room = min(room, max_tokens - req.num_output_tokens - 1)
         return drafts[:max(0, room)]
 
-    def _lookahead(self, req: Request, n: int) -> int:
-        """Slots past this step's tokens that a draft model writes while proposing (spec_decode/
-        draft_model.py): reserved only for a request that samples this step, and never past max_model_len."""
-        if not self.spec_lookahead or req.num_computed_tokens + n != req.num_tokens:
+    def _lookahead(self, req: Request, n: int, sampling: bool = False) -> int:
+        """Slots past this step's `n` tokens (drafts not counted) that a draft model writes while proposing
+        (spec_decode/draft_model.py): only for a request that samples this step, never past max_model_len."""
+        if not self.spec_lookahead or not (sampling or req.num_computed_tokens + n == req.num_tokens):
             return 0
         return max(0, min(self.spec_lookahead, self.max_model_len - req.num_tokens))
 
@@ -303,16 +303,15 @@ class Scheduler:
         """Drafts each request that samples this step proposes for its next step (DraftPolicy)."""
         if self.spec is None:
             return {}
-        sampling = [rid for rid, n in scheduled.items()
-                    if self.requests[rid].num_computed_tokens + n == self.requests[rid].num_tokens
-                    + len(self._drafts.get(rid, ()))]
-        plan = self.spec.plan(sampling)
-        if self.spec_lookahead:  # a draft model may not write past the slots reserved for it
+        plan = self.spec.plan([rid for rid, n in scheduled.items() if self._samples(self.requests[rid], n)])
+        if self.spec_lookahead:  # a draft model may not write past the slots reserved for it (_lookahead)
             for rid in plan:
-                req = self.requests[rid]
-                room = self.max_model_len - (req.num_computed_tokens + scheduled[rid] - len(self._drafts.get(rid, ())))
-                plan[rid] = max(0, min(plan[rid], room))
+                plan[rid] = min(plan[rid], self._lookahead(self.requests[rid], 0, sampling=True))
         return plan
+
+    def _samples(self, req: Request, n: int) -> bool:
+        """Whether this step's `n` tokens (drafts included) reach the end of the request's known tokens."""
+        return req.num_computed_tokens + n == req.num_tokens + len(self._drafts.get(req.request_id, ()))
 
     def set_drafts(self, drafts: dict[str, list[int]]) -> None:
         """The proposer's drafts, to verify at each request's next step."""
@@ -336,7 +335,7 @@ class Scheduler:
             self._blocks_sent[rid] = sent + len(new_blocks)
         return ScheduledRequest(
             request_id=rid, start_pos=start, num_new_tokens=n, new_block_ids=new_blocks,
-            num_sampled_positions=1 + len(drafts) if start + n == req.num_tokens + len(drafts) else 0,
+            num_sampled_positions=1 + len(drafts) if self._samples(req, n) else 0,
             wants_prompt_logprobs=req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens,
             new_request=new, draft_token_ids=list(drafts), propose_k=propose_k)
 

@@ -82,12 +82,17 @@ class KVTransferWorker:
         for s in stores:
             if time.monotonic() >= end:
                 break
-            data = self.block(s.block_id).clone()
-            for tier in self.lower:
-                if not tier.exists(s.block_hash):
-                    tier.put(s.block_hash, data)
+            self._put_lower(s.block_hash, self.block(s.block_id).clone())
             n += 1
         return n
+
+    def _put_lower(self, key: bytes, data: torch.Tensor) -> None:
+        for tier in self.lower:
+            try:
+                if not tier.exists(key):
+                    tier.put(key, data)
+            except Exception:  # a tier bug must not kill the thread; tiers report I/O errors themselves
+                logger.exception("KV %s tier: store failed", tier.name)
 
     def _store_loop(self) -> None:
         while True:
@@ -95,13 +100,7 @@ class KVTransferWorker:
             try:
                 if item is None:
                     return
-                key, data = item
-                for tier in self.lower:
-                    try:
-                        if not tier.exists(key):
-                            tier.put(key, data)
-                    except Exception:  # a tier bug must not kill the thread; tiers report I/O errors themselves
-                        logger.exception("KV %s tier: store failed", tier.name)
+                self._put_lower(*item)
             finally:
                 self._store_q.task_done()
 

@@ -47,7 +47,7 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(num_layers)]
         self.sampler = Sampler(seed)
         self.requests = RequestStates()
-        self.proposer = proposer  # spec_decode: propose(request_id, prompt, output, k) -> drafts
+        self.proposer = proposer  # spec_decode: propose_batch(runner, items) -> drafts, release(ids)
 
     def release_requests(self, request_ids) -> None:
         """Drop finished requests' state (also when a step schedules nothing)."""

@@ -13,14 +13,10 @@ logger = logging.getLogger("tokenmill")
 _GIB = 1 << 30
 
 
-def tiers_configured(config) -> bool:
-    return bool(config.kv_host_cache_gb or config.kv_disk_cache_dir or config.kv_remote_cache_url)
-
-
 def build_tier_chain(config, architecture: str, dtype: torch.dtype, block_shape: tuple[int, ...],
                      kv_layout: str, tp_rank: int = 0) -> TierChain | None:
     """`block_shape` is one block of every layer: [layers, 2, block_size, kv_heads, head_dim]."""
-    if not tiers_configured(config):
+    if not config.kv_tiers_enabled:
         return None
     from tokenmill.kv.tiers.disk import DiskTier
     from tokenmill.kv.tiers.host import HostTier

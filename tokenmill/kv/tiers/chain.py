@@ -72,9 +72,9 @@ class StoreCollector:
 
     def __call__(self, event: KVEvent) -> None:
         if isinstance(event, BlockRemoved):
-            if not event.kv_valid:  # never computed: nothing to keep
+            if not event.kv_valid:  # never computed (preempted in the step that filled it): nothing to keep
                 self.filled.pop(event.block_hash, None)
-            elif self.filled.pop(event.block_hash, None) is not None or not self._held(event.block_hash):
+            elif not self._held(event.block_hash):
                 self.evicted.append(BlockStore(event.block_id, event.block_hash))
         elif isinstance(event, BlockStored) and self.write_through and not self._held(event.block_hash):
             self.filled[event.block_hash] = BlockStore(event.block_id, event.block_hash)

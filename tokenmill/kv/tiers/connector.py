@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -37,13 +37,14 @@ class TierStats:
     capacity_bytes: int = 0
 
     def as_dict(self) -> dict[str, float]:
-        return asdict(self)
+        return dict(vars(self))  # flat numbers: no deep copy needed (this runs every step)
 
 
 class KVConnector:
     """One tier. Implementations are thread-safe: the scheduler looks up, the transfer threads read and write."""
 
     name = "tier"
+    capacity_bytes = 0  # a bounded tier sets its cap (a full disk may lower it); 0: bounded elsewhere (Redis)
 
     def __init__(self) -> None:
         self.stats = TierStats()
@@ -96,6 +97,7 @@ class KVConnector:
     # -- shared bookkeeping -------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, float]:
         self.stats.blocks, self.stats.bytes = self.occupancy()
+        self.stats.capacity_bytes = self.capacity_bytes
         return self.stats.as_dict()
 
     def _count_store(self, nbytes: int, t0: float) -> None:

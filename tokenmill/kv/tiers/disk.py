@@ -33,7 +33,6 @@ class DiskTier(KVConnector):
         super().__init__()
         self.dir = os.path.join(root, fingerprint.hex())
         self.capacity_bytes = capacity_bytes
-        self.stats.capacity_bytes = capacity_bytes
         self.fingerprint, self.block_shape, self.dtype = fingerprint, tuple(block_shape), dtype
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recently used first
         self._bytes = 0
@@ -118,7 +117,6 @@ class DiskTier(KVConnector):
             if e.errno == errno.ENOSPC:
                 with self._lock:  # hold no more than the disk could take
                     self.capacity_bytes = max(0, min(self.capacity_bytes, self._bytes))
-                    self.stats.capacity_bytes = self.capacity_bytes
                 self._trim()
             self._warn("cannot write %s: %s; block dropped", path, e)
             return

@@ -16,7 +16,6 @@ class HostTier(KVConnector):
     def __init__(self, capacity_bytes: int):
         super().__init__()
         self.capacity_bytes = capacity_bytes
-        self.stats.capacity_bytes = capacity_bytes
         self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self._bytes = 0
 
