@@ -28,7 +28,7 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # to verify at the next step
-    propose_seconds: float = 0.0  # time the proposer took this step (the draft policy's cost model)
+    propose_seconds: float = 0.0  # time the proposer took this step (charged to its drafts by the draft policy)
     # per request: logprob rows for the prompt tokens this chunk predicted (positions start+1 ..)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
