@@ -6,10 +6,18 @@ quantizing) and applies them. The model code only sees `Linear(x)`, and the load
 with a `weight_loader`, so a quantized checkpoint (`qweight`, `qzeros`, `scales`) or a tensor-parallel
 shard goes through the same code as a plain float `weight`.
 
-Parameters carry two attributes for the shard logic:
+Parameters carry four attributes for the shard logic:
     output_dim   which dim of the parameter runs over output features (None: not sharded)
     pack_factor  output features per element along that dim (8 for AutoAWQ's int32 nibble packing)
-so the q/k/v slices of a merged [q | k | v] projection land at offset // pack_factor in every parameter.
+    input_dim    which dim runs over input features (None: the parameter spans all of them)
+    input_pack   input features per element along it (the group size for AWQ's scales and zeros)
+so the q/k/v slices of a merged [q | k | v] projection land at offset // pack_factor in every parameter,
+and a tensor-parallel rank cuts its part out of each checkpoint tensor the same way, whatever the method:
+
+    column-parallel (qkv, gate_up, lm_head): rank r holds output rows [start_r, start_r + n_local) of each
+        shard; its matmul gives its slice of the output, no communication.
+    row-parallel (o_proj, down_proj): rank r holds input columns [r * k_local, (r + 1) * k_local); it
+        multiplies its slice of the input (a column-parallel output) and one all-reduce sums the parts.
 """
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.distributed.comm import SINGLE, TensorParallel
 from tokenmill.ops import cpu_gemv
 
 
@@ -76,7 +85,7 @@ class LinearMethod:
             if dim is None:
                 raise ValueError(f"parameter of shape {tuple(param.shape)} cannot hold shard {shard_id!r}")
             target = target.narrow(dim, off // pack, size // pack)
-        default_weight_loader(target, loaded.to(param.dtype))
+        default_weight_loader(target, layer.checkpoint_slice(param, loaded, shard_id).to(param.dtype))
 
     def process_after_loading(self, layer: "Linear", ctx: LoadContext) -> None:
         pass
@@ -90,9 +99,10 @@ class LinearMethod:
 
 
 def add_param(layer: nn.Module, name: str, tensor: torch.Tensor, output_dim: int | None, pack_factor: int = 1,
-              loader=None) -> nn.Parameter:
+              loader=None, input_dim: int | None = None, input_pack: int = 1) -> nn.Parameter:
     p = nn.Parameter(tensor, requires_grad=False)
     p.output_dim, p.pack_factor = output_dim, pack_factor
+    p.input_dim, p.input_pack = input_dim, input_pack
     if loader is not None:
         p.weight_loader = loader
     layer.register_parameter(name, p)
@@ -105,7 +115,7 @@ class UnquantizedLinearMethod(LinearMethod):
     in the batch-1 GEMV kernel's layout (ops/cpu_gemv.py)."""
 
     def create_weights(self, layer, in_features, out_features, dtype):
-        add_param(layer, "weight", torch.empty(out_features, in_features, dtype=dtype), output_dim=0)
+        add_param(layer, "weight", torch.empty(out_features, in_features, dtype=dtype), output_dim=0, input_dim=1)
 
     def process_after_loading(self, layer, ctx):
         layer.packed = layer.gemv_packed = None
@@ -133,10 +143,15 @@ class UnquantizedLinearMethod(LinearMethod):
 class Linear(nn.Module):
     """y = x W^T + b, with W held by `method` (default: unquantized). `shards` names slices of the output
     dim, e.g. {"q": 2048, "k": 512, "v": 512} for a merged projection; each checkpoint tensor loads into
-    its slice. `prefix` is the layer's name in the model (quantization configs skip layers by name)."""
+    its slice. `prefix` is the layer's name in the model (quantization configs skip layers by name).
+
+    Sizes are this rank's. Tensor parallelism sets `out_starts` (where each shard's rows begin in the
+    checkpoint tensor) or `in_start` (where the input columns begin), and `reduce_over` for the all-reduce
+    of a row-parallel layer; the subclasses below compute them."""
 
     def __init__(self, in_features: int, out_features: int | None = None, bias: bool = False,
-                 method: LinearMethod | None = None, shards: dict[str, int] | None = None, prefix: str = ""):
+                 method: LinearMethod | None = None, shards: dict[str, int] | None = None, prefix: str = "",
+                 out_starts: dict | None = None, in_start: int | None = None, reduce_over: TensorParallel | None = None):
         super().__init__()
         if shards is not None:
             out_features = sum(shards.values())
@@ -145,11 +160,25 @@ class Linear(nn.Module):
         for name, size in (shards or {}).items():
             self.offsets[name] = (off, size)
             off += size
+        self.out_starts, self.in_start, self.reduce_over = out_starts, in_start, reduce_over
         self.method = method or UnquantizedLinearMethod()
         self.method.create_weights(self, in_features, out_features, torch.get_default_dtype())
         for p in self.parameters(recurse=False):
             p.weight_loader = self._load
         self.bias = add_param(self, "bias", torch.empty(out_features), 0, loader=self._load) if bias else None
+
+    def checkpoint_slice(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor (all of it without tensor parallelism)."""
+        dim = getattr(param, "output_dim", None)
+        if self.out_starts is not None and dim is not None:
+            pack = param.pack_factor
+            size = self.offsets[shard_id][1] if shard_id is not None else self.out_features
+            loaded = loaded.narrow(dim, self.out_starts[shard_id] // pack, size // pack)
+        dim = getattr(param, "input_dim", None)
+        if self.in_start is not None and dim is not None:
+            pack = param.input_pack
+            loaded = loaded.narrow(dim, self.in_start // pack, self.in_features // pack)
+        return loaded
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         self.method.load_weight(self, param, loaded, shard_id)
@@ -158,12 +187,56 @@ class Linear(nn.Module):
         self.method.process_after_loading(self, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        y = self.method.apply(self, x)
+        return y if self.reduce_over is None else self.reduce_over.all_reduce(y)
 
 
 class MergedLinear(Linear):
-    """Several projections of the same input stacked along the output dim, e.g. [q | k | v]."""
+    """Several projections of the same input stacked along the output dim, e.g. [q | k | v]. With `tp`, each
+    shard is split evenly over the ranks (column-parallel), unless `split` gives this rank's (size, start
+    row in the checkpoint tensor) per shard (KV heads replicated over more ranks than there are heads)."""
 
     def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False,
-                 method: LinearMethod | None = None, prefix: str = ""):
-        super().__init__(in_features, bias=bias, method=method, shards=shards, prefix=prefix)
+                 method: LinearMethod | None = None, prefix: str = "", tp: TensorParallel = SINGLE,
+                 split: dict[str, tuple[int, int]] | None = None):
+        if split is None:
+            split = {}
+            for name, size in shards.items():
+                n = _split(size, tp, prefix)
+                split[name] = (n, tp.rank * n)
+        super().__init__(in_features, bias=bias, method=method, shards={k: n for k, (n, _) in split.items()},
+                         prefix=prefix, out_starts={k: st for k, (_, st) in split.items()} if tp.size > 1 else None)
+
+
+class ColumnParallelLinear(Linear):
+    """Output features split over the TP ranks (the LM head: each rank scores its slice of the vocabulary)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, method: LinearMethod | None = None,
+                 prefix: str = "", tp: TensorParallel = SINGLE):
+        n = _split(out_features, tp, prefix)
+        super().__init__(in_features, n, bias, method, prefix=prefix,
+                         out_starts={None: tp.rank * n} if tp.size > 1 else None)
+
+
+class RowParallelLinear(Linear):
+    """Input features split over the TP ranks, the partial outputs summed by one all-reduce. The bias is
+    added by rank 0 only, so the sum holds it once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, method: LinearMethod | None = None,
+                 prefix: str = "", tp: TensorParallel = SINGLE):
+        k = _split(in_features, tp, prefix)
+        sharded = tp.size > 1
+        super().__init__(k, out_features, bias, method, prefix=prefix, in_start=tp.rank * k if sharded else None,
+                         reduce_over=tp if sharded else None)
+        self.tp_rank = tp.rank
+
+    def process_after_loading(self, ctx: LoadContext) -> None:
+        if self.bias is not None and self.tp_rank != 0:
+            self.bias.data.zero_()
+        super().process_after_loading(ctx)
+
+
+def _split(size: int, tp: TensorParallel, prefix: str) -> int:
+    if size % tp.size:
+        raise ValueError(f"{prefix or 'linear layer'}: {size} features do not split over {tp.size} ranks")
+    return size // tp.size

@@ -8,8 +8,11 @@ from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.config import ModelConfig
+from tokenmill.distributed.comm import SINGLE, WHOLE_MODEL, ModelShard, TensorParallel
+from tokenmill.distributed.layout import kv_head_split
 from tokenmill.layers.activation import silu_and_mul
-from tokenmill.layers.linear import Linear, MergedLinear, default_weight_loader
+from tokenmill.layers.embedding import VocabParallelEmbedding
+from tokenmill.layers.linear import ColumnParallelLinear, MergedLinear, RowParallelLinear, default_weight_loader
 from tokenmill.quantization.config import QuantizationConfig
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, rotate_heads
@@ -20,14 +23,21 @@ def linear_method(quant: QuantizationConfig | None, prefix: str):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, quant: QuantizationConfig | None = None, prefix: str = ""):
+    """Heads are this TP rank's: num_heads / tp query heads and their KV heads (kv_head_split)."""
+
+    def __init__(self, cfg: ModelConfig, quant: QuantizationConfig | None = None, prefix: str = "",
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.hd = cfg.head_dim
+        self.nh = cfg.num_heads // tp.size
+        self.nkv, kv_start = kv_head_split(cfg.num_kv_heads, tp.size, tp.rank)
         self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
         qkv, o = f"{prefix}.qkv_proj", f"{prefix}.o_proj"
-        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
-                                     bias=cfg.attention_bias, method=linear_method(quant, qkv), prefix=qkv)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, method=linear_method(quant, o), prefix=o)
+        kv = (self.kv_size, kv_start * self.hd)
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {}, bias=cfg.attention_bias, method=linear_method(quant, qkv),
+                                     prefix=qkv, tp=tp, split={"q": (self.q_size, tp.rank * self.q_size), "k": kv, "v": kv})
+        self.o_proj = RowParallelLinear(cfg.num_heads * self.hd, cfg.hidden_size, method=linear_method(quant, o),
+                                        prefix=o, tp=tp)
         self.scale = self.hd ** -0.5
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
@@ -41,25 +51,27 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, quant: QuantizationConfig | None = None, prefix: str = ""):
+    def __init__(self, cfg: ModelConfig, quant: QuantizationConfig | None = None, prefix: str = "",
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         gu, down = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size},
-                                         method=linear_method(quant, gu), prefix=gu)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, method=linear_method(quant, down),
-                                prefix=down)
+                                         method=linear_method(quant, gu), prefix=gu, tp=tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, method=linear_method(quant, down),
+                                           prefix=down, tp=tp)
 
     def forward(self, x):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, quant: QuantizationConfig | None = None, prefix: str = ""):
+    def __init__(self, cfg: ModelConfig, quant: QuantizationConfig | None = None, prefix: str = "",
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, quant, f"{prefix}.self_attn")
+        self.self_attn = Attention(cfg, quant, f"{prefix}.self_attn", tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, quant, f"{prefix}.mlp")
+        self.mlp = MLP(cfg, quant, f"{prefix}.mlp", tp)
 
     def forward(self, x, residual, cos, sin, kv_cache, meta, backend):
         if residual is None:
@@ -71,21 +83,39 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class MissingLayer(nn.Module):
+    """A layer another pipeline stage holds: it keeps the layer indices (and checkpoint names) in place."""
+
+
 class LlamaModel(nn.Module):
+    """The decoder stack, or one pipeline stage of it: the first stage embeds, the last applies the final
+    norm; the others take and return (hidden, residual)."""
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
-                 quant: QuantizationConfig | None = None):
+                 quant: QuantizationConfig | None = None, shard: ModelShard = WHOLE_MODEL):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, quant, f"model.layers.{i}") for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.shard = shard
+        self.owned = shard.layers(cfg.num_layers)
+        if shard.is_first_stage:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard.tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, quant, f"model.layers.{i}", shard.tp) if i in self.owned
+                                    else MissingLayer() for i in range(cfg.num_layers))
+        if shard.is_last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
 
-    def forward(self, input_ids, positions, kv_caches, meta, backend):
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids, positions, kv_caches, meta, backend, intermediate=None):
+        """`kv_caches` are this stage's layers' caches, in order. `intermediate` is the previous stage's
+        (hidden, residual). Returns the final hidden states on the last stage, else (hidden, residual)."""
+        if self.shard.is_first_stage:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate
         cos, sin = self.rotary.cos_sin(positions)
-        residual = None
-        for layer, kv in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, kv, meta, backend)
+        for i, kv in zip(self.owned, kv_caches):
+            x, residual = self.layers[i](x, residual, cos, sin, kv, meta, backend)
+        if not self.shard.is_last_stage:
+            return x, residual
         x, _ = self.norm(x, residual)
         return x
 
@@ -96,28 +126,47 @@ class LlamaForCausalLM(nn.Module):
                "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
-                 quant: QuantizationConfig | None = None):
+                 quant: QuantizationConfig | None = None, shard: ModelShard = WHOLE_MODEL):
         super().__init__()
-        self.cfg = cfg
-        self.model = LlamaModel(cfg, dtype, max_positions, quant)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, method=linear_method(quant, "lm_head"), prefix="lm_head")
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.cfg, self.shard = cfg, shard
+        self.model = LlamaModel(cfg, dtype, max_positions, quant, shard)
+        self.lm_head = None
+        if shard.is_last_stage:  # the LM head scores this rank's slice of the vocabulary
+            self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, method=linear_method(quant, "lm_head"),
+                                                prefix="lm_head", tp=shard.tp)
+            if cfg.tie_word_embeddings and shard.is_first_stage:
+                self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, positions, kv_caches, meta, backend):
-        return self.model(input_ids, positions, kv_caches, meta, backend)
+    def forward(self, input_ids, positions, kv_caches, meta, backend, intermediate=None):
+        return self.model(input_ids, positions, kv_caches, meta, backend, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.shard.tp.all_gather(self.lm_head(hidden).float())
+
+    def _checkpoint_name(self, name: str) -> str | None:
+        """Our parameter name for a checkpoint tensor, or None when this rank does not hold it."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        tied, first, last = self.cfg.tie_word_embeddings, self.shard.is_first_stage, self.shard.is_last_stage
+        if name == "lm_head.weight":
+            return name if last and not tied else None  # tied: the embedding is the head
+        if name == "model.embed_tokens.weight":
+            if first:
+                return name
+            return "lm_head.weight" if last and tied else None  # a later stage's head loads the tied rows
+        if name.startswith("model.layers."):
+            return name if int(name.split(".")[2]) in self.model.owned else None
+        if name.startswith("model.norm."):
+            return name if last else None
+        return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            name = self._checkpoint_name(name)
+            if name is None:
                 continue
-            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
-                continue  # tied: the embedding is the head
             shard = None
             for piece, (merged, sid) in self.stacked.items():
                 if f".{piece}." in name:

@@ -10,6 +10,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.distributed.comm import WHOLE_MODEL, ModelShard
 from tokenmill.layers.linear import Linear, LoadContext, UnquantizedLinearMethod, onednn_linear_available
 from tokenmill.ops import cpu_gemv
 from tokenmill.models.registry import model_class
@@ -67,14 +68,16 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
             p.data.copy_(torch.empty(p.shape, dtype=torch.float32).uniform_(-1e-3, 1e-3, generator=g))
 
 
-def load_model(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: str):
+def load_model(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: str,
+               shard: ModelShard = WHOLE_MODEL):
+    """The model, or this rank's shard of it (its TP slice of the layers of its pipeline stage)."""
     cls = model_class(mcfg.architecture)
     quant = build_quant_config(cfg.quantization, mcfg.hf_config, cfg.quantize_lm_head)
     with torch.device(device):
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            model = cls(mcfg, dtype, cfg.max_model_len, quant)
+            model = cls(mcfg, dtype, cfg.max_model_len, quant, shard)
         finally:
             torch.set_default_dtype(prev)
     if cfg.load_format == "dummy":

@@ -35,9 +35,12 @@ class AWQLinearMethod(LinearMethod):
         if out_features % PACK:
             raise ValueError(f"{layer.prefix or 'linear layer'}: output size {out_features} is not a multiple of "
                              f"{PACK} (AWQ packs 8 outputs per int32)")
-        add_param(layer, "qweight", torch.empty(in_features, out_features // PACK, dtype=torch.int32), 1, PACK)
-        add_param(layer, "qzeros", torch.empty(in_features // g, out_features // PACK, dtype=torch.int32), 1, PACK)
-        add_param(layer, "scales", torch.empty(in_features // g, out_features, dtype=torch.float16), 1)
+        add_param(layer, "qweight", torch.empty(in_features, out_features // PACK, dtype=torch.int32), 1, PACK,
+                  input_dim=0)
+        add_param(layer, "qzeros", torch.empty(in_features // g, out_features // PACK, dtype=torch.int32), 1, PACK,
+                  input_dim=0, input_pack=g)
+        add_param(layer, "scales", torch.empty(in_features // g, out_features, dtype=torch.float16), 1,
+                  input_dim=0, input_pack=g)
 
     def process_after_loading(self, layer, ctx: LoadContext):
         layer.int4_packed = layer.panels = layer.dense = None

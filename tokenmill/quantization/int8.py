@@ -56,10 +56,11 @@ class Int8LinearMethod(LinearMethod):
 
     def create_weights(self, layer, in_features, out_features, dtype):
         if self.from_checkpoint:  # tokenmill-w8: qweight int8 [N, K], scales fp16 [N]
-            add_param(layer, "qweight", torch.empty(out_features, in_features, dtype=torch.int8), output_dim=0)
+            add_param(layer, "qweight", torch.empty(out_features, in_features, dtype=torch.int8), output_dim=0,
+                      input_dim=1)
             add_param(layer, "scales", torch.empty(out_features, dtype=torch.float16), output_dim=0)
         else:
-            add_param(layer, "weight", torch.empty(out_features, in_features, dtype=dtype), output_dim=0)
+            add_param(layer, "weight", torch.empty(out_features, in_features, dtype=dtype), output_dim=0, input_dim=1)
 
     def process_after_loading(self, layer, ctx: LoadContext):
         if self.from_checkpoint:
