@@ -134,8 +134,19 @@ class EngineConfig:
         None, "speculative decoding, vLLM's shape, as a dict or JSON: {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 5, \"prompt_lookup_min\": 2}; k adapts to "
         "measured acceptance and step cost unless \"adaptive\": false")
-    tensor_parallel_size: int = option(1, "tensor-parallel workers (1 only, for now)", aliases=("-tp",))
-    pipeline_parallel_size: int = option(1, "pipeline-parallel stages (1 only, for now)", aliases=("-pp",))
+    tensor_parallel_size: int = option(1, "tensor-parallel ranks: each holds 1/tp of every layer's heads and MLP, "
+                                       "joined by one all-reduce per attention and MLP block", aliases=("-tp",))
+    pipeline_parallel_size: int = option(1, "pipeline-parallel stages: each holds 1/pp of the layers; as many "
+                                         "batches in flight as stages", aliases=("-pp",))
+    nnodes: int = option(1, "machines the tp x pp ranks span (each node starts world / nnodes ranks)")
+    node_rank: int = option(0, "this machine's index; node 0 runs the scheduler and serves HTTP")
+    master_addr: str = option("127.0.0.1", "address of node 0 for torch.distributed's rendezvous (and tokenmill's "
+                              "control channel, on master_port + 1)")
+    master_port: int = option(0, "rendezvous port on node 0 (0: a free port, single node only)")
+    distributed_timeout_s: float = option(120.0, "a rendezvous or collective that waits longer fails the engine "
+                                          "with an error (never a hang)")
+    allow_cpu_oversubscription: bool = option(False, "CPU: run more ranks on a node than it has cores (slow; "
+                                              "for tests)")
     device: str = option("auto", "auto or cpu (the GPU path has not landed yet)")
     skip_tokenizer_init: bool = option(False, "load no tokenizer (token-id prompts only)")
     revision: str | None = option(None, "accepted for vLLM compatibility; models load from local directories")
@@ -170,8 +181,7 @@ class EngineConfig:
             self.enable_prefix_caching = False  # nothing to share when every request owns a slab
         if self.batching == "static":
             self.enable_chunked_prefill = False
-        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
-            raise ValueError("tensor/pipeline parallelism is not supported yet; use size 1")
+        self._check_parallel()
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.device == "auto":
@@ -182,6 +192,31 @@ class EngineConfig:
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
         if not os.path.isdir(self.model):
             raise ValueError(f"model directory not found: {self.model!r} (models load from local directories only)")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _check_parallel(self) -> None:
+        tp, pp, nn = self.tensor_parallel_size, self.pipeline_parallel_size, self.nnodes
+        if tp < 1 or pp < 1:
+            raise ValueError(f"tensor_parallel_size and pipeline_parallel_size must be >= 1, got {tp} and {pp}")
+        if nn < 1 or not 0 <= self.node_rank < nn:
+            raise ValueError(f"node_rank must be in [0, nnodes), got node_rank={self.node_rank}, nnodes={nn}")
+        if self.world_size % nn:
+            raise ValueError(f"nnodes={nn} does not divide the {self.world_size} ranks (tp x pp)")
+        if nn > 1 and not self.master_port:
+            raise ValueError("a multi-node engine needs --master-port (and --master-addr) set on every node")
+        if self.world_size == 1:
+            return
+        if self.kv_tiers_enabled:
+            raise ValueError("KV tiers (kv_host_cache_gb, kv_disk_cache_dir, kv_remote_cache_url) do not run with "
+                             "tensor or pipeline parallelism yet")
+        if pp > 1 and self.speculative_config:
+            raise ValueError("speculative decoding does not run with pipeline parallelism yet (tensor parallelism "
+                             "is fine)")
+        if self.batching == "static" and pp > 1:
+            raise ValueError("static batching keeps one batch at a time: it cannot fill a pipeline")
 
     @property
     def kv_tiers_enabled(self) -> bool:
@@ -202,6 +237,11 @@ class EngineConfig:
 
     def resolve(self, model_config: ModelConfig) -> None:
         """Fill defaults that depend on the model."""
+        from tokenmill.distributed.layout import ParallelLayout, check_cpu_cores, check_model_split
+
+        check_model_split(ParallelLayout(self.tensor_parallel_size, self.pipeline_parallel_size), model_config)
+        if self.world_size > 1 and self.device == "cpu":
+            check_cpu_cores(self.world_size // self.nnodes, self.allow_cpu_oversubscription)
         self.quantization = resolve_quantization(self.quantization, model_config.hf_config, self.model)
         limit = model_config.max_position_embeddings
         if model_config.sliding_window and model_config.sliding_window < limit:

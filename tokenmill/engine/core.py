@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -12,18 +13,15 @@ from tokenmill import cpu_threads
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.variants import build_attention_backend, build_kv_manager, build_scheduler
-from tokenmill.kv.manager import KVCacheManager, cdiv
+from tokenmill.kv.manager import KVCacheManager
 from tokenmill.kv.tiers.build import build_tier_chain
-from tokenmill.models.loader import load_hf_config, load_model
+from tokenmill.models.loader import load_hf_config
 from tokenmill.sample.sampler import TokenLogprobs
 from tokenmill.sched.output import BlockStore
-from tokenmill.spec_decode.build import build_proposer, kv_bytes_per_block, load_draft
+from tokenmill.worker.build import build_runner
 from tokenmill.worker.kv_transfer import KVTransferWorker
-from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("tokenmill")
-
-_DEFAULT_CPU_KV_GB = 4.0
 
 
 @dataclass
@@ -59,6 +57,10 @@ class EngineStats:
     spec_accepted_per_pos: list[int] = field(default_factory=list)
     spec_acceptance_rate: float = 0.0
     spec_mean_acceptance_length: float = 0.0
+    # tensor / pipeline parallelism: rank 0's time, operations and bytes in collectives and sends (comm.py)
+    comm_seconds: float = 0.0
+    comm_ops: int = 0
+    comm_bytes: int = 0
 
 
 class EngineCore:
@@ -74,16 +76,19 @@ class EngineCore:
                            "engine down many times over when another process takes a core; import tokenmill first "
                            "or set %s", " ".join(f"{k}={v}" for k, v in cpu_threads.OPENMP_DEFAULTS.items()))
         torch.manual_seed(config.seed)
-        self.model = load_model(config, self.model_config, self.dtype, config.device)
         spec = config.speculative
-        self.draft = load_draft(config, self.model_config, self.dtype) if spec and spec.method == "draft_model" else None
-        num_blocks = self._num_kv_blocks()
+        self.executor = None
+        if config.world_size > 1:  # worker processes for the other ranks; this process is rank 0
+            from tokenmill.distributed.executor import MultiprocExecutor
+
+            self.executor = MultiprocExecutor(config, self.model_config, self.dtype)
+            self.runner = self.executor.runner
+            self._executor_finalizer = weakref.finalize(self, self.executor.close)
+        else:
+            self.runner = build_runner(config, self.model_config, self.dtype)
+        self._in_flight: deque = deque()  # pipeline parallelism: steps submitted, results not yet back
+        num_blocks = self.runner.num_blocks
         mc = self.model_config
-        proposer = build_proposer(spec, self.draft, num_blocks, config.block_size, self.dtype, config.device,
-                                  build_attention_backend(config))
-        self.runner = ModelRunner(self.model, build_attention_backend(config), num_blocks, config.block_size,
-                                  mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, config.device, config.seed,
-                                  proposer=proposer)
         backend = self.runner.backend
         block_shape = (mc.num_layers, 2, *self.runner.kv_cache.shape[3:])
         tiers = build_tier_chain(config, mc.architecture, self.dtype, block_shape,
@@ -94,37 +99,16 @@ class EngineCore:
             self.kv_transfer = KVTransferWorker(self.runner.kv_cache, tiers, config.kv_load_timeout_s)
             self._finalizer = weakref.finalize(self, _close_tiers, self.kv_transfer, self.kv)
         self.scheduler = build_scheduler(config, self.kv)
-        if self.draft is not None:
+        self.scheduler.sync_output_tokens = config.pipeline_parallel_size > 1  # stages that do not sample
+        if spec is not None and spec.method == "draft_model":
             self.scheduler.spec_lookahead = spec.num_speculative_tokens
         self.num_steps = 0
         self.governor = None
-        if config.adaptive_cpu_threads and config.device == "cpu" and torch.get_num_threads() > 1:
+        if (config.adaptive_cpu_threads and config.device == "cpu" and torch.get_num_threads() > 1
+                and self.executor is None):
             self.governor = cpu_threads.ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
-        logger.info("engine ready: %s, %s, %d KV blocks of %d tokens", mc.architecture, self.dtype,
-                    num_blocks, config.block_size)
-
-    def _num_kv_blocks(self) -> int:
-        cfg, mc = self.config, self.model_config
-        per_seq = cdiv(cfg.max_model_len, cfg.block_size)
-        bytes_per_block = kv_bytes_per_block(mc, cfg.block_size, self.dtype)
-        if self.draft is not None:  # the draft's KV lives in the same blocks (spec_decode/draft_model.py)
-            bytes_per_block += kv_bytes_per_block(self.draft[1], cfg.block_size, self.dtype)
-        if cfg.num_kv_blocks is not None:
-            n = cfg.num_kv_blocks
-        elif cfg.device == "cuda":
-            free, total = torch.cuda.mem_get_info()
-            used = total - free
-            # leave room for one worst-case step's activations (a rough bound; logits dominate)
-            act = cfg.max_num_batched_tokens * (mc.hidden_size * 16 + mc.vocab_size * 4)
-            n = int((total * cfg.gpu_memory_utilization - used - act) // bytes_per_block)
-        else:
-            gb = cfg.kv_cache_memory_gb or _DEFAULT_CPU_KV_GB
-            # more blocks than every sequence at full length can use only ever holds cached prefixes
-            n = min(int(gb * 2**30 // bytes_per_block), cfg.max_num_seqs * per_seq + per_seq)
-        if n < per_seq:
-            raise ValueError(f"the KV cache holds {n} blocks but one {cfg.max_model_len}-token sequence needs "
-                             f"{per_seq}; raise the KV memory budget or lower max_model_len")
-        return n
+        logger.info("engine ready: %s, %s, %d KV blocks of %d tokens%s", mc.architecture, self.dtype,
+                    num_blocks, config.block_size, _parallel_note(config))
 
     # -- requests ------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -139,7 +123,7 @@ class EngineCore:
         return aborted
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or bool(self._in_flight)
 
     # -- the step --------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -154,20 +138,36 @@ class EngineCore:
             xfer.start_loads(sched.kv_loads)
             xfer.cancel(sched.kv_load_cancels)
         if sched.is_empty:
-            self.runner.release_requests(sched.finished_ids)
+            self._executor().release_requests(sched.finished_ids)
+            if self._in_flight:
+                return self._finish_oldest()
             if xfer is not None and xfer.num_in_flight:
                 xfer.wait(0.01)  # only loads are in flight: sleep until one lands instead of spinning
             return []
         self.num_steps += 1
+        if self.executor is not None and self.executor.max_in_flight > 1:
+            # pipeline: keep up to pp steps in flight; schedule the next while the later stages run this one
+            self.executor.submit(sched)
+            self._in_flight.append(sched)
+            return [] if len(self._in_flight) < self.executor.max_in_flight else self._finish_oldest()
         spec = self.scheduler.spec
         t0 = time.perf_counter()
-        result = self.runner.execute(sched)
+        result = self._executor().execute(sched)
         if spec is not None:  # the draft policy learns from real step times
             decode_only = all(s.num_sampled_positions == s.num_new_tokens for s in sched.seqs)
             spec.observe_step(sum(len(t) for t in result.sampled_token_ids.values()),
                               time.perf_counter() - t0 - result.propose_seconds, decode_only, result.propose_seconds)
         if xfer is not None:
             xfer.store(sched.kv_backups)
+        return self._finish_step(sched, result)
+
+    def _executor(self):
+        return self.executor if self.executor is not None else self.runner
+
+    def _finish_oldest(self) -> list[EngineCoreOutput]:
+        return self._finish_step(self._in_flight.popleft(), self.executor.collect())
+
+    def _finish_step(self, sched, result) -> list[EngineCoreOutput]:
         outputs: dict[str, EngineCoreOutput] = {}
         for rid, rows in result.prompt_logprobs.items():
             outputs[rid] = EngineCoreOutput(rid, [], prompt_logprobs=rows)
@@ -198,12 +198,21 @@ class EngineCore:
             prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
             prefix_cache_hit_rate=kv.stats.hit_rate, num_preemptions=s.num_preemptions, num_steps=self.num_steps,
             num_loading_kv=len(s.loading), kv_tiers=kv.tiers.snapshot() if kv.tiers is not None else {},
-            **_spec_stats(s.spec))
+            **_spec_stats(s.spec), **self._comm_stats())
+
+    def _comm_stats(self) -> dict:
+        if self.executor is None:
+            return {}
+        c = self.executor.comm_stats
+        return dict(comm_seconds=c.seconds, comm_ops=c.ops, comm_bytes=c.bytes)
 
     def close(self) -> None:
-        """Write the pool's cached blocks down the tiers and stop the transfer threads (also at exit)."""
+        """Write the pool's cached blocks down the tiers and stop the transfer threads (also at exit); stop
+        the worker processes of a multi-rank engine."""
         if self.kv_transfer is not None:
             self._finalizer()
+        if self.executor is not None:
+            self._executor_finalizer()
 
     def check_invariants(self) -> None:
         """KV accounting is exact; when idle, every block is back in the pool."""
@@ -213,6 +222,12 @@ class EngineCore:
         if not self.has_unfinished():
             assert self.kv.num_free_blocks == self.kv.pool.num_blocks, (
                 f"idle engine holds {self.kv.pool.num_blocks - self.kv.num_free_blocks} KV blocks")
+
+
+def _parallel_note(config: EngineConfig) -> str:
+    if config.world_size == 1:
+        return ""
+    return f", tensor parallel {config.tensor_parallel_size} x pipeline parallel {config.pipeline_parallel_size}"
 
 
 def _spec_stats(spec) -> dict:

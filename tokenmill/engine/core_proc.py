@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import signal
 import sys
 import time
@@ -18,6 +19,7 @@ import msgspec
 import zmq
 
 from tokenmill.config import EngineConfig
+from tokenmill.distributed.executor import WorkerFailure
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.messages import (INTERNAL_ERROR_PREFIX, AbortRequests, AddRequest, CoreDead, CoreInput, CoreOutputs, FinishRequests,
                                        Ready, Shutdown, UtilityCall, UtilityResult)
@@ -46,6 +48,11 @@ class CoreProc:
         except BaseException as e:
             self.out.send(self.enc.encode(CoreDead(f"{type(e).__name__}: {e}")))
             raise
+        self._failure_fd = None
+        if self.core.executor is not None:  # a worker that dies while we idle wakes the poller
+            self._failure_fd, wake = os.pipe()
+            self.poller.register(self._failure_fd, zmq.POLLIN)
+            self.core.executor.on_failure = lambda why: os.write(wake, b"x")
         # Request objects we created, until their first output: queue-time metrics need first_scheduled_time.
         self.unreported: dict[str, Request] = {}
         self.running = True
@@ -64,6 +71,8 @@ class CoreProc:
                 logger.warning("engine core: API process is gone; exiting")
                 self.running = False
                 return
+            if self._failure_fd is not None and self._failure_fd in events:
+                raise WorkerFailure(self.core.executor.failure)
         while self.running:
             try:
                 frame = self.inp.recv(zmq.NOBLOCK, copy=False)
@@ -114,6 +123,8 @@ class CoreProc:
     def _step(self) -> None:
         try:
             outputs = self.core.step()
+        except WorkerFailure:
+            raise  # a rank is gone: no step can run again; the core dies and the server exits with the reason
         except Exception as e:  # a bug must not take the server down: fail what was in flight, keep serving
             logger.error("engine step failed; aborting in-flight requests:\n%s", traceback.format_exc())
             ids = list(self.core.scheduler.requests)

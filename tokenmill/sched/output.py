@@ -16,6 +16,9 @@ worker keeps its own per-request state (worker/request_state.py) and updates it 
         wants_prompt_logprobs
         new_request: NewRequestData | None set the first time the worker sees it, and again after a
                                            preemption (prompt, output so far, params, whole block table)
+        output_start, new_output_token_ids pipeline parallelism: tokens sampled since the worker last saw
+                                           the request, from output index output_start (stages that do
+                                           not sample learn them here)
       preempted_ids                        their block tables are gone; tokens and generator stay
       finished_ids                         finished since the last step: the worker drops their state
       kv_stores: [BlockStore]              blocks evicted this step: copy them down a tier *before* the
@@ -58,6 +61,8 @@ class ScheduledRequest:
     new_request: NewRequestData | None = None
     draft_token_ids: list[int] = field(default_factory=list)
     propose_k: int = 0
+    output_start: int = 0
+    new_output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

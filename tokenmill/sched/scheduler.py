@@ -94,6 +94,11 @@ class Scheduler:
         self.spec = spec
         self.spec_lookahead = 0  # set by the engine when a draft model proposes (slots it writes ahead)
         self._drafts: dict[str, list[int]] = {}  # this step's drafts per request
+        # pipeline parallelism: requests in a step not yet back (never rescheduled or preempted until it is),
+        # and whether steps carry each request's new output tokens to the stages that do not sample
+        self.in_flight: set[str] = set()
+        self.sync_output_tokens = False
+        self._outputs_sent: dict[str, int] = {}
 
     # -- admission -------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -124,6 +129,7 @@ class Scheduler:
             self.kv.free(req)
         del self.requests[req.request_id]
         self._blocks_sent.pop(req.request_id, None)
+        self._outputs_sent.pop(req.request_id, None)
         self._finished_since_last_step.append(req.request_id)
         if self.spec is not None:
             self.spec.release(req.request_id)
@@ -161,8 +167,8 @@ class Scheduler:
         for req in list(self.running):
             if budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if req.status != RequestStatus.RUNNING or req.request_id in self.in_flight:
+                continue  # preempted earlier in this loop, or still in an earlier step
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
@@ -170,7 +176,7 @@ class Scheduler:
             n += len(drafts)
             ahead = self._lookahead(req, n - len(drafts))
             while not self.kv.allocate_slots(req, n + ahead, num_draft_tokens=len(drafts) + ahead):
-                victim = self._pick_victim()
+                victim = self._pick_victim()  # never one in flight; `req` itself is a candidate
                 if victim.request_id in scheduled:  # priority policy may pick one already placed
                     budget += scheduled.pop(victim.request_id)
                     self._drafts.pop(victim.request_id, None)
@@ -196,6 +202,7 @@ class Scheduler:
         out.kv_load_cancels, self._load_cancels = self._load_cancels, []
         for rid, n in scheduled.items():
             self.requests[rid].num_computed_tokens += n
+        self.in_flight.update(scheduled)
         return out
 
     def _may_admit(self) -> bool:
@@ -263,14 +270,16 @@ class Scheduler:
         return True
 
     def _pick_victim(self) -> Request:
+        candidates = [r for r in self.running if r.request_id not in self.in_flight]
         if self.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self.kv.free(req, num_valid_tokens=req.num_computed_tokens)  # before this step's tokens: never run
         self._blocks_sent.pop(req.request_id, None)
+        self._outputs_sent.pop(req.request_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
@@ -333,11 +342,20 @@ class Scheduler:
         else:
             new_blocks = self.kv.block_ids(rid, start=sent)
             self._blocks_sent[rid] = sent + len(new_blocks)
+        out_start, new_outputs = self._new_outputs(req, new is not None)
         return ScheduledRequest(
             request_id=rid, start_pos=start, num_new_tokens=n, new_block_ids=new_blocks,
             num_sampled_positions=1 + len(drafts) if self._samples(req, n) else 0,
             wants_prompt_logprobs=req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens,
-            new_request=new, draft_token_ids=list(drafts), propose_k=propose_k)
+            new_request=new, draft_token_ids=list(drafts), propose_k=propose_k, output_start=out_start,
+            new_output_token_ids=new_outputs)
+
+    def _new_outputs(self, req: Request, sent_whole: bool) -> tuple[int, list[int]]:
+        if not self.sync_output_tokens:
+            return 0, []
+        start = len(req.output_token_ids) if sent_whole else self._outputs_sent.get(req.request_id, 0)
+        self._outputs_sent[req.request_id] = len(req.output_token_ids)
+        return start, req.output_token_ids[start:]
 
     # -- after the model ran -----------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, list[int]]]:
@@ -346,6 +364,7 @@ class Scheduler:
         they kept (finished requests included)."""
         touched = []
         for seq in out.seqs:
+            self.in_flight.discard(seq.request_id)
             tokens = sampled.get(seq.request_id)
             req = self.requests.get(seq.request_id)
             if not tokens or req is None:

@@ -17,7 +17,8 @@ def load_draft(config, target_mc, dtype: torch.dtype):
 
     spec = config.speculative
     draft_cfg = replace(config, model=spec.model, tokenizer=None, quantization=None, speculative_config=None,
-                        load_format="auto", kv_host_cache_gb=0.0, kv_disk_cache_dir=None, kv_remote_cache_url=None)
+                        load_format="auto", kv_host_cache_gb=0.0, kv_disk_cache_dir=None, kv_remote_cache_url=None,
+                        tensor_parallel_size=1, pipeline_parallel_size=1, nnodes=1, node_rank=0)  # replicated
     mc = ModelConfig.from_hf(load_hf_config(spec.model))
     if mc.vocab_size != target_mc.vocab_size:
         raise ValueError(f"the draft model {spec.model!r} has a vocabulary of {mc.vocab_size} tokens, the target "

@@ -5,6 +5,10 @@
                    -> model -> hidden at sampling rows -> logits -> sampler -> token ids
     with drafts:   the last 1 + k rows -> logits -> verify (spec_decode/verify.py) -> accepted + 1 tokens
     then           proposer -> the next step's drafts (spec_decode/)
+
+A pipeline stage (distributed/) runs only its own layers: the first embeds, the others receive the
+previous stage's (hidden, residual) first, and all but the last send theirs on and return nothing. Only
+the last stage samples and proposes.
 """
 from __future__ import annotations
 
@@ -36,9 +40,15 @@ class ModelRunnerOutput:
 class ModelRunner:
     def __init__(self, model, backend: AttentionBackend, num_blocks: int, block_size: int, num_layers: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str, seed: int = 0,
-                 proposer=None):
+                 proposer=None, pipeline=None, hidden_size: int = 0):
         self.model = model
+        self.num_blocks = num_blocks
         self.block_size = block_size
+        self.dtype, self.hidden_size = dtype, hidden_size
+        self.pipeline = pipeline  # distributed/comm.py PipelineLink, None without pipeline parallelism
+        shard = getattr(model, "shard", None)
+        self.is_first_stage = shard is None or shard.is_first_stage
+        self.is_last_stage = shard is None or shard.is_last_stage
         self.device = device
         self.backend = backend
         # One tensor for the whole cache, per-layer views: [layers, k|v, *backend layout]
@@ -116,8 +126,14 @@ class ModelRunner:
         # decodes (and verifications, as decode rows) first: the attention backend batches them as one group
         seqs = sorted(sched.seqs, key=lambda s: s.num_new_tokens != 1 and not s.draft_token_ids)
         input_ids, positions, meta, qsl = self.prepare(seqs)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        intermediate = None
+        if not self.is_first_stage:
+            intermediate = self.pipeline.recv(len(positions), self.hidden_size, self.dtype, self.device)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend, intermediate)
         out = ModelRunnerOutput()
+        if not self.is_last_stage:
+            self.pipeline.send(*hidden)
+            return out
         plain = [i for i, s in enumerate(seqs) if s.num_sampled_positions and not s.draft_token_ids]
         if plain:
             self._sample(out, [seqs[i] for i in plain], hidden[[qsl[i + 1] - 1 for i in plain]])

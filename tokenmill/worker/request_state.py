@@ -4,6 +4,7 @@ scheduler's per-step output can stay a small diff of plain data (sched/output.py
     NewRequestData      -> RequestState(prompt, output so far, params, whole block table)
     ScheduledRequest    -> block_ids += new_block_ids; input tokens = tokens[start_pos : start_pos + n]
     tokens it samples   -> output_token_ids += sampled
+    new_output_token_ids -> output_token_ids[output_start:] = them (pipeline stages that do not sample)
     preempted_ids       -> block_ids = []  (tokens and the seeded generator stay: it resumes where it was)
     finished_ids        -> state and generator dropped
 """
@@ -52,7 +53,10 @@ class RequestStates:
             if seq.new_request is not None:
                 self._install(seq.new_request)
             else:
-                self.states[seq.request_id].block_ids.extend(seq.new_block_ids)
+                st = self.states[seq.request_id]
+                st.block_ids.extend(seq.new_block_ids)
+                if seq.new_output_token_ids:  # idempotent on the stage that sampled them
+                    st.output_token_ids[seq.output_start:] = seq.new_output_token_ids
 
     def _install(self, new: NewRequestData) -> None:
         # the lists are the scheduler's copies, made for this message: the state takes them over

@@ -1,0 +1,74 @@
+"""The control channel between the driver (rank 0) and each worker: pickled messages over TCP
+(multiprocessing.connection, HMAC-authenticated), separate from torch.distributed's tensor traffic, so a
+worker idles on a socket read between steps instead of on a collective with a timeout, and a dead peer is
+an EOF at once.
+
+    driver -> worker:  Step(SchedulerOutput) | Release(request ids) | Shutdown
+    worker -> driver:  Hello(rank, versions) once; then, from the rank that samples on the last stage
+                       (pipeline parallelism), one ModelRunnerOutput per Step; WorkerError before it exits
+"""
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Connection
+
+import torch
+
+from tokenmill.sched.output import SchedulerOutput
+
+
+@dataclass
+class Hello:
+    rank: int
+    versions: dict
+
+
+@dataclass
+class Step:
+    sched: SchedulerOutput
+
+
+@dataclass
+class Release:
+    request_ids: list[str]
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class WorkerError:
+    rank: int
+    message: str
+
+
+def versions() -> dict:
+    """What must match across nodes for the ranks to compute the same thing."""
+    from tokenmill import __version__
+
+    return {"tokenmill": __version__, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def authkey() -> bytes:
+    """Shared by the driver and workers; set TOKENMILL_DIST_AUTHKEY on every node when the control port is
+    reachable by others (it is only a guard: keep the ranks on a trusted network, as torch.distributed
+    itself assumes)."""
+    return os.environ.get("TOKENMILL_DIST_AUTHKEY", "tokenmill-control").encode()
+
+
+def connect(address: tuple[str, int], timeout_s: float) -> Connection:
+    """Connect to the driver, retrying while it starts (other nodes may come up first)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return Client(address, authkey=authkey())
+        except (ConnectionRefusedError, OSError):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no tokenmill driver at {address[0]}:{address[1]} after {timeout_s:.0f} s "
+                                   f"(is node 0 up, and are --master-addr/--master-port the same on every node?)")
+            time.sleep(0.2)

@@ -1,0 +1,217 @@
+"""The driver's side of a multi-rank engine (rank 0, inside EngineCore): start the other ranks, send each
+step to all of them, run its own share, and collect the result.
+
+    EngineCore --Step--> every worker's control connection       (control.py)
+        rank 0 runs its shard too: TP all-reduces / PP sends meet the workers in torch.distributed
+        tensor parallel only:  rank 0 samples like every TP rank; its own result is the step's
+        pipeline parallel:     rank 0 is stage 0 and returns as soon as its sends are queued; the last
+                               stage's TP rank 0 sends the ModelRunnerOutput back, collected later, so
+                               up to pp steps are in flight (engine/core.py)
+
+Failure: a local worker that exits, a control connection at EOF, or a collective that raises (gloo notices
+a dead peer's closed socket at once; distributed_timeout_s bounds the rest) becomes WorkerFailure, and
+every worker is stopped. The engine-core process treats it as fatal, so the server exits with the reason.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection, Listener, wait
+
+from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.distributed import control
+from tokenmill.distributed.layout import ParallelLayout, threads_per_rank
+from tokenmill.distributed.rendezvous import Rendezvous, agree_min, init_rank
+from tokenmill.distributed.worker import WorkerArgs
+from tokenmill.worker.build import build_runner
+from tokenmill.worker.model_runner import ModelRunnerOutput
+
+logger = logging.getLogger("tokenmill")
+
+
+class WorkerFailure(RuntimeError):
+    """A rank died or failed: the engine cannot go on (every rank holds part of every request)."""
+
+
+def start_local_workers(config: EngineConfig, rdzv: Rendezvous, skip_rank: int | None) -> list[tuple[int, subprocess.Popen]]:
+    """Processes for this node's ranks (all but `skip_rank`, which the caller runs itself)."""
+    layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size)
+    ranks = [r for r in rdzv.node_ranks(layout.world_size) if r != skip_rank]
+    threads = config.num_threads or threads_per_rank(len(rdzv.node_ranks(layout.world_size)))
+    procs = []
+    for rank in ranks:
+        args = WorkerArgs(config, layout.for_rank(rank), rdzv, threads, logging.getLogger("tokenmill").level)
+        p = subprocess.Popen([sys.executable, "-m", "tokenmill.distributed.worker"], stdin=subprocess.PIPE)
+        blob = pickle.dumps(args)
+        p.stdin.write(struct.pack("<Q", len(blob)) + blob)
+        p.stdin.flush()  # stays open: its EOF tells the worker that we died
+        procs.append((rank, p))
+    return procs
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig, mc: ModelConfig, dtype):
+        import torch
+
+        self.config = config
+        self.layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size, rank=0)
+        self.rdzv = Rendezvous.from_config(config)
+        self.max_in_flight = self.layout.pp_size
+        self.failure: str | None = None
+        self.on_failure = None  # set by the engine-core process: wakes its loop when a worker dies while idle
+        self._closing = False
+        self._lock = threading.Lock()
+        self.listener = Listener(self.rdzv.control_address, authkey=control.authkey())
+        self.procs = start_local_workers(config, self.rdzv, skip_rank=0)
+        try:
+            self.conns = self._accept_workers()
+            torch.set_num_threads(config.num_threads or threads_per_rank(len(self.rdzv.node_ranks(self.layout.world_size))))
+            shard, link, self.comm_stats = init_rank(self.layout, self.rdzv, mc.num_layers)
+            self.runner = build_runner(config, mc, dtype, shard, link, agree=agree_min)
+        except BaseException as e:
+            reason = self._worker_reason()
+            self.close(graceful=False)
+            if reason:
+                raise WorkerFailure(reason) from e
+            raise
+        self.result_conn = self.conns.get(self.layout.result_rank)  # None: rank 0 samples (pp == 1)
+        for rank, p in self.procs:
+            threading.Thread(target=self._watch, args=(rank, p), daemon=True, name=f"watch-rank-{rank}").start()
+
+    # -- startup -------------------------------------------------------------------------------------
+    def _accept_workers(self) -> dict[int, Connection]:
+        """Every other rank's hello, within the rendezvous timeout; versions must match ours."""
+        expected = self.layout.world_size - 1
+        conns: dict[int, Connection] = {}
+        ours = control.versions()
+        sock = self.listener._listener._socket  # accept() has no timeout of its own
+        sock.settimeout(self.rdzv.timeout_s)
+        while len(conns) < expected:
+            try:
+                conn = self.listener.accept()
+            except TimeoutError:
+                raise TimeoutError(f"rendezvous timed out after {self.rdzv.timeout_s:.0f} s: {len(conns)} of "
+                                   f"{expected} worker ranks connected (missing: "
+                                   f"{sorted(set(range(1, expected + 1)) - set(conns))})") from None
+            hello = conn.recv()
+            if hello.versions != ours:
+                diff = {k: (ours.get(k), v) for k, v in hello.versions.items() if ours.get(k) != v}
+                raise ValueError(f"rank {hello.rank} runs different versions than rank 0: "
+                                 + ", ".join(f"{k} {a} here, {b} there" for k, (a, b) in diff.items()))
+            conns[hello.rank] = conn
+        return conns
+
+    # -- steps ---------------------------------------------------------------------------------------
+    def execute(self, sched) -> ModelRunnerOutput:
+        self.submit(sched)
+        return self.collect() if self.result_conn is not None else self._last
+
+    def submit(self, sched) -> None:
+        """Send the step to every worker and run rank 0's share (its sends queued, for pipeline stage 0)."""
+        self._check()
+        self._broadcast(control.Step(sched))
+        try:
+            self._last = self.runner.execute(sched)
+        except Exception as e:
+            raise self._fail(e) from e
+
+    def collect(self) -> ModelRunnerOutput:
+        """The oldest submitted step's result, from the last stage (pipeline parallelism)."""
+        try:
+            msg = self.result_conn.recv()
+        except (EOFError, OSError) as e:
+            raise self._fail(e) from e
+        if isinstance(msg, control.WorkerError):
+            raise self._fail(None, f"worker rank {msg.rank} failed: {msg.message}")
+        return msg
+
+    def release_requests(self, request_ids) -> None:
+        self.runner.release_requests(request_ids)
+        if request_ids:
+            self._broadcast(control.Release(list(request_ids)))
+
+    def _broadcast(self, msg) -> None:
+        blob = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self.conns.values():
+                conn.send_bytes(blob)
+        except OSError as e:
+            raise self._fail(e) from e
+
+    # -- failure -------------------------------------------------------------------------------------
+    def _check(self) -> None:
+        if self.failure is not None:
+            raise WorkerFailure(self.failure)
+
+    def _fail(self, cause: BaseException | None, reason: str | None = None) -> WorkerFailure:
+        reason = reason or self._worker_reason(wait_s=2.0) or f"a distributed step failed: {cause!r}"
+        self.failure = self.failure or reason
+        self.close(graceful=False)
+        return WorkerFailure(self.failure)
+
+    def _worker_reason(self, wait_s: float = 0.5) -> str | None:
+        """Why a worker went away: its WorkerError message if it sent one, else its exit code."""
+        conns = list(getattr(self, "conns", {}).items())
+        ready = wait([c for _, c in conns], timeout=wait_s) if conns else []
+        for rank, conn in conns:
+            if conn in ready:
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    continue
+                if isinstance(msg, control.WorkerError):
+                    return f"worker rank {msg.rank} failed: {msg.message}"
+        for rank, p in self.procs:
+            if p.poll() is not None and p.returncode != 0:
+                return f"worker rank {rank} exited with code {p.returncode}"
+        return None
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if self._closing:
+            return
+        self.failure = self.failure or f"worker rank {rank} exited with code {code}"
+        logger.error("%s; stopping the engine", self.failure)
+        if self.on_failure is not None:
+            self.on_failure(self.failure)
+
+    # -- shutdown ------------------------------------------------------------------------------------
+    def close(self, graceful: bool = True) -> None:
+        """Stop every worker: a Shutdown and a short wait when all is well, a kill after a failure (a rank
+        may be blocked in a collective with a dead peer)."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        for conn in getattr(self, "conns", {}).values():
+            try:
+                if graceful:
+                    conn.send_bytes(pickle.dumps(control.Shutdown()))
+            except OSError:
+                pass
+        for _, p in self.procs:
+            try:
+                p.wait(timeout=5 if graceful else 0.5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            if p.stdin:
+                p.stdin.close()
+        self.listener.close()
+        if graceful:
+            _destroy_group()
+
+
+def _destroy_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # peers already gone
+            pass

@@ -1,0 +1,100 @@
+"""torch.distributed's init for one rank, from the engine's options or a torchrun environment.
+
+    backend   gloo on CPU, NCCL on CUDA (tensors); the control channel is separate (control.py)
+    address   tcp://master_addr:master_port (torch's TCPStore rendezvous); master_port 0 picks a free one
+    timeout   distributed_timeout_s: a rendezvous or a collective waiting longer raises, never hangs
+    groups    one TP group per pipeline stage (layout.py); pipeline sends use global ranks
+
+Settings tokenmill makes before init (each only when the user has not set it):
+    GLOO_SOCKET_IFNAME=lo on a single node: gloo otherwise binds the address the hostname resolves to,
+        which in containers and namespaces is often not reachable by the other ranks
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=1: a failed NCCL collective aborts the rank instead of hanging it
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from tokenmill.distributed.comm import CommStats, ModelShard, PipelineLink, TensorParallel
+from tokenmill.distributed.layout import ParallelLayout
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    master_addr: str
+    master_port: int
+    nnodes: int
+    node_rank: int
+    timeout_s: float
+    device: str
+
+    @classmethod
+    def from_config(cls, config) -> "Rendezvous":
+        port = config.master_port or free_port(config.master_addr)
+        return cls(config.master_addr, port, config.nnodes, config.node_rank, config.distributed_timeout_s,
+                   config.device)
+
+    @property
+    def control_address(self) -> tuple[str, int]:
+        return self.master_addr, self.master_port + 1
+
+    def node_ranks(self, world_size: int) -> range:
+        per_node = world_size // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
+
+
+def torchrun_rank() -> int | None:
+    """This process's rank when torchrun (or another launcher) set the usual variables, else None."""
+    if all(v in os.environ for v in TORCHRUN_VARS):
+        return int(os.environ["RANK"])
+    return None
+
+
+def free_port(addr: str) -> int:
+    """A port free now on `addr`, with the next one free too (the control channel's)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind((addr, 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind((addr, port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no two free neighbouring ports on {addr}")
+
+
+def init_rank(layout: ParallelLayout, rdzv: Rendezvous, num_layers: int) -> tuple[ModelShard, PipelineLink, CommStats]:
+    """Join the process group as `layout.rank`; returns its model shard, pipeline link and comm counters."""
+    if rdzv.nnodes == 1 and rdzv.master_addr.startswith("127."):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    backend = "nccl" if rdzv.device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{rdzv.master_addr}:{rdzv.master_port}",
+                            rank=layout.rank, world_size=layout.world_size, timeout=timedelta(seconds=rdzv.timeout_s))
+    stats = CommStats()
+    group = None
+    for stage in range(layout.pp_size):  # every rank creates every group, in the same order
+        g = dist.new_group(layout.stage_ranks(stage))
+        if stage == layout.pp_rank:
+            group = g
+    tp = TensorParallel(layout.tp_rank, layout.tp_size, group, stats)
+    link = PipelineLink(None if layout.is_first_stage else layout.rank - layout.tp_size,
+                        None if layout.is_last_stage else layout.rank + layout.tp_size, stats)
+    return ModelShard(tp, **layout.shard_spec(num_layers)), link, stats
+
+
+def agree_min(n: int) -> int:
+    """The smallest `n` over all ranks (the KV block count every rank can hold)."""
+    import torch
+
+    t = torch.tensor([n], dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
