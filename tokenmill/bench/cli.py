@@ -1,4 +1,4 @@
-"""`tokenmill bench serve | offline | report | ladder`: argparse wiring. Flag names follow `vllm bench serve`."""
+"""`tokenmill bench serve | offline | comm | report | ladder`: argparse wiring. Flag names follow `vllm bench serve`."""
 from __future__ import annotations
 
 import argparse
@@ -107,6 +107,13 @@ def cmd_offline(args) -> int:
     return _finish(args, result, "Offline Benchmark Result")
 
 
+def cmd_comm(args) -> int:
+    from tokenmill.bench.comm import cmd_comm as run, resolve_backend
+
+    resolve_backend(args)
+    return run(args)
+
+
 def cmd_report(args) -> int:
     from tokenmill.bench.report import render_report
 
@@ -147,6 +154,12 @@ def add_bench_parser(subparsers) -> argparse._SubParsersAction:
     add_dataset_args(o, seed=False)
     _add_run_args(o)
     o.set_defaults(func=cmd_offline)
+
+    c = bsub.add_parser("comm", help="all-reduce, all-gather and send/recv latency and bandwidth (nccl-tests style)")
+    from tokenmill.bench.comm import add_comm_args
+
+    add_comm_args(c)
+    c.set_defaults(func=cmd_comm)
 
     r = bsub.add_parser("report", help="Markdown report with PNG plots from result (and ladder) JSON files")
     r.add_argument("results", nargs="+", help="result JSON files from bench serve/offline, or ladder JSON")

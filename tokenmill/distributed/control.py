@@ -49,9 +49,20 @@ class WorkerError:
 
 def versions() -> dict:
     """What must match across nodes for the ranks to compute the same thing."""
-    from tokenmill import __version__
+    from importlib.metadata import PackageNotFoundError, version
 
-    return {"tokenmill": __version__, "torch": torch.__version__, "python": platform.python_version()}
+    try:
+        ours = version("tokenmill")
+    except PackageNotFoundError:  # running from a source tree
+        ours = "source"
+    return {"tokenmill": ours, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def check_versions(ours: dict, theirs: dict, rank: int) -> None:
+    diff = {k: (ours.get(k), v) for k, v in theirs.items() if ours.get(k) != v}
+    if diff:
+        raise ValueError(f"rank {rank} runs different versions than rank 0: "
+                         + ", ".join(f"{k} {a} here, {b} there" for k, (a, b) in diff.items()))
 
 
 def authkey() -> bytes:

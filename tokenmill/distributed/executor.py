@@ -21,12 +21,13 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection, Listener, wait
 
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.distributed import control
 from tokenmill.distributed.layout import ParallelLayout, threads_per_rank
-from tokenmill.distributed.rendezvous import Rendezvous, agree_min, init_rank
+from tokenmill.distributed.rendezvous import Rendezvous, agree_min, init_rank, release_group
 from tokenmill.distributed.worker import WorkerArgs
 from tokenmill.worker.build import build_runner
 from tokenmill.worker.model_runner import ModelRunnerOutput
@@ -54,6 +55,52 @@ def start_local_workers(config: EngineConfig, rdzv: Rendezvous, skip_rank: int |
     return procs
 
 
+def run_node_agent(config: EngineConfig) -> int:
+    """Node `node_rank > 0` of a multi-node engine: start this node's ranks, wait for them; they connect to
+    node 0's driver. Exits with the first failure's code (the others are stopped)."""
+    _resolve(config)
+    rdzv = Rendezvous.from_config(config)
+    procs = start_local_workers(config, rdzv, skip_rank=None)
+    logger.info("node %d: started ranks %s; waiting for the driver at %s:%d", rdzv.node_rank,
+                [r for r, _ in procs], *rdzv.control_address)
+    try:
+        while True:
+            codes = [p.poll() for _, p in procs]
+            failed = [c for c in codes if c]
+            if failed or all(c is not None for c in codes):
+                return failed[0] if failed else 0
+            time.sleep(0.2)
+    finally:
+        for _, p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def run_launched_rank(config: EngineConfig) -> int | None:
+    """Under torchrun every rank runs the same command: rank 0 goes on as the driver (returns None), the
+    others run the worker loop here and exit."""
+    from tokenmill.distributed.rendezvous import torchrun_rank
+    from tokenmill.distributed.worker import run_worker
+
+    rank = torchrun_rank()
+    if rank is None or rank == 0:
+        return None
+    _resolve(config)
+    rdzv = Rendezvous.from_config(config)
+    layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size, rank)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
+    run_worker(WorkerArgs(config, layout, rdzv, config.num_threads or threads_per_rank(local)))
+    return 0
+
+
+def _resolve(config: EngineConfig) -> None:
+    """The model-dependent defaults, as the driver resolves them (EngineCore does, for node 0)."""
+    from tokenmill.models.loader import load_hf_config
+
+    config.resolve(ModelConfig.from_hf(load_hf_config(config.model)))
+
+
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, mc: ModelConfig, dtype):
         import torch
@@ -67,7 +114,7 @@ class MultiprocExecutor:
         self._closing = False
         self._lock = threading.Lock()
         self.listener = Listener(self.rdzv.control_address, authkey=control.authkey())
-        self.procs = start_local_workers(config, self.rdzv, skip_rank=0)
+        self.procs = [] if self.rdzv.launched else start_local_workers(config, self.rdzv, skip_rank=0)
         try:
             self.conns = self._accept_workers()
             torch.set_num_threads(config.num_threads or threads_per_rank(len(self.rdzv.node_ranks(self.layout.world_size))))
@@ -99,10 +146,7 @@ class MultiprocExecutor:
                                    f"{expected} worker ranks connected (missing: "
                                    f"{sorted(set(range(1, expected + 1)) - set(conns))})") from None
             hello = conn.recv()
-            if hello.versions != ours:
-                diff = {k: (ours.get(k), v) for k, v in hello.versions.items() if ours.get(k) != v}
-                raise ValueError(f"rank {hello.rank} runs different versions than rank 0: "
-                                 + ", ".join(f"{k} {a} here, {b} there" for k, (a, b) in diff.items()))
+            control.check_versions(ours, hello.versions, hello.rank)
             conns[hello.rank] = conn
         return conns
 
@@ -177,6 +221,7 @@ class MultiprocExecutor:
             return
         self.failure = self.failure or f"worker rank {rank} exited with code {code}"
         logger.error("%s; stopping the engine", self.failure)
+        self.close(graceful=False)  # the other ranks may wait on the dead one in a collective
         if self.on_failure is not None:
             self.on_failure(self.failure)
 
@@ -203,15 +248,4 @@ class MultiprocExecutor:
             if p.stdin:
                 p.stdin.close()
         self.listener.close()
-        if graceful:
-            _destroy_group()
-
-
-def _destroy_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # peers already gone
-            pass
+        release_group(destroy=threading.current_thread() is threading.main_thread())

@@ -1,7 +1,8 @@
 """torch.distributed's init for one rank, from the engine's options or a torchrun environment.
 
     backend   gloo on CPU, NCCL on CUDA (tensors); the control channel is separate (control.py)
-    address   tcp://master_addr:master_port (torch's TCPStore rendezvous); master_port 0 picks a free one
+    address   tcp://master_addr:master_port (torch's TCPStore rendezvous); master_port 0 picks a free one;
+              under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) env://, its own store
     timeout   distributed_timeout_s: a rendezvous or a collective waiting longer raises, never hangs
     groups    one TP group per pipeline stage (layout.py); pipeline sends use global ranks
 
@@ -33,9 +34,18 @@ class Rendezvous:
     node_rank: int
     timeout_s: float
     device: str
+    launched: bool = False  # every rank was started by torchrun (or a like launcher): nobody spawns workers
 
     @classmethod
     def from_config(cls, config) -> "Rendezvous":
+        env = os.environ
+        if torchrun_rank() is not None:
+            world, local = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
+            if world != config.world_size:
+                raise ValueError(f"the launcher started {world} ranks but tensor_parallel_size x "
+                                 f"pipeline_parallel_size is {config.world_size}")
+            return cls(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world // local, int(env.get("GROUP_RANK", 0)),
+                       config.distributed_timeout_s, config.device, launched=True)
         port = config.master_port or free_port(config.master_addr)
         return cls(config.master_addr, port, config.nnodes, config.node_rank, config.distributed_timeout_s,
                    config.device)
@@ -76,8 +86,14 @@ def init_rank(layout: ParallelLayout, rdzv: Rendezvous, num_layers: int) -> tupl
     if rdzv.nnodes == 1 and rdzv.master_addr.startswith("127."):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    if dist.is_initialized():
+        if not _released[0]:
+            raise RuntimeError("this process already runs a multi-rank engine (torch.distributed has one default "
+                               "group per process); close it first")
+        destroy_group()
     backend = "nccl" if rdzv.device == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{rdzv.master_addr}:{rdzv.master_port}",
+    init = "env://" if rdzv.launched else f"tcp://{rdzv.master_addr}:{rdzv.master_port}"
+    dist.init_process_group(backend, init_method=init,
                             rank=layout.rank, world_size=layout.world_size, timeout=timedelta(seconds=rdzv.timeout_s))
     stats = CommStats()
     group = None
@@ -89,6 +105,26 @@ def init_rank(layout: ParallelLayout, rdzv: Rendezvous, num_layers: int) -> tupl
     link = PipelineLink(None if layout.is_first_stage else layout.rank - layout.tp_size,
                         None if layout.is_last_stage else layout.rank + layout.tp_size, stats)
     return ModelShard(tp, **layout.shard_spec(num_layers)), link, stats
+
+
+_released = [False]  # the group's engine has closed (or failed), so a new engine may replace the group
+
+
+def release_group(destroy: bool) -> None:
+    """The engine is done with the group. `destroy=False` after a failure on a thread other than the one
+    that steps (a collective may still be unwinding there): the next init_rank destroys it."""
+    _released[0] = True
+    if destroy:
+        destroy_group()
+
+
+def destroy_group() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # peers already gone
+            pass
+    _released[0] = False
 
 
 def agree_min(n: int) -> int:

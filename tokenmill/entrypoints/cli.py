@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from tokenmill.engine.arg_utils import add_engine_args, engine_kwargs
@@ -32,6 +33,9 @@ def cmd_generate(args) -> int:
                         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                         max_tokens=args.max_tokens, stop=args.stop, seed=args.sampling_seed,
                         ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+    code = worker_node(args)
+    if code is not None:
+        return code
     llm = LLM(**engine_kwargs(args))
     prompts = args.prompt or ["To be, or not to be"]
     if args.chat:
@@ -61,7 +65,22 @@ def cmd_eval_ppl(args) -> int:
 def cmd_serve(args) -> int:
     from tokenmill.entrypoints.openai.api_server import run_server
 
-    return run_server(args) or 0
+    code = worker_node(args)
+    return code if code is not None else run_server(args) or 0
+
+
+def worker_node(args) -> int | None:
+    """Where this process is not the engine's rank 0 (a multi-node engine's node_rank > 0, or a torchrun
+    rank > 0), run its ranks and return their exit code; None for the process that serves."""
+    if args.node_rank == 0 and "RANK" not in os.environ:
+        return None
+    from tokenmill.config import EngineConfig
+    from tokenmill.distributed.executor import run_launched_rank, run_node_agent
+
+    config = EngineConfig(**engine_kwargs(args))
+    if args.node_rank > 0:
+        return run_node_agent(config)
+    return run_launched_rank(config)
 
 
 def cmd_quantize(args) -> int:

@@ -1,0 +1,236 @@
+"""Tensor and pipeline parallelism on CPU with gloo: every split gives the tokens of a single process
+(greedy and seeded sampling, with chunked prefill, prefix hits and preemption), a dead worker ends the
+engine with an error, and sizes the model cannot split over are refused before any process starts."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tokenmill import SamplingParams
+from tokenmill.distributed.executor import WorkerFailure
+from conftest import make_llm, random_prompts
+from server_fixtures import ServerProcess, core_pid, tiny_model_dir  # noqa: F401  (fixture)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=12, seed=7, ignore_eos=True)
+# chunked prefill (16-token budget), prefix hits (the second pass over SHARED), preemption (10 blocks
+# cannot hold the four DISTINCT requests at once)
+ENGINE = dict(max_num_batched_tokens=16, num_kv_blocks=10, max_model_len=64, allow_cpu_oversubscription=True)
+SHARED = [random_prompts([24], seed=6)[0] + tail for tail in random_prompts([3, 9, 5], seed=7)]
+DISTINCT = random_prompts([30, 41, 25, 36], seed=10)
+
+
+def run(llm) -> dict:
+    def gen(prompts, params):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    out = {"shared": gen(SHARED, GREEDY), "shared_again": gen(SHARED, GREEDY), "distinct": gen(DISTINCT, GREEDY),
+           "seeded": gen(SHARED[:2], SEEDED)}
+    stats = llm.llm_engine.get_stats()
+    assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0, stats
+    llm.llm_engine.check_invariants()
+    return out
+
+
+def close(llm) -> None:
+    llm.llm_engine.core.close()
+
+
+@pytest.fixture(scope="module")
+def expected(model_dirs, awq_checkpoint):
+    """The single-process engine's tokens per model."""
+    out = {}
+    for name, path in (("llama", model_dirs["llama"][0]), ("qwen2", model_dirs["qwen2"][0]), ("awq", awq_checkpoint)):
+        llm = make_llm(path, **ENGINE)
+        out[name] = run(llm)
+    return out
+
+
+@pytest.fixture(scope="module")
+def awq_checkpoint(tmp_path_factory):
+    from awq_oracle import autoawq_linear_class, write_autoawq_checkpoint
+    from conftest import build_model
+
+    if autoawq_linear_class() is None:
+        pytest.skip("autoawq is a test dependency")
+    root = tmp_path_factory.mktemp("awq-tp")
+    build_model(str(root / "float"), "llama", seed=3)
+    write_autoawq_checkpoint(str(root / "float"), str(root / "awq"), 32)  # o_proj's 32 columns per rank: 1 group
+    return str(root / "awq")
+
+
+@pytest.mark.parametrize("name,tp,pp", [
+    ("llama", 2, 1), ("llama", 1, 2), ("llama", 2, 2),   # Llama with GQA (4 heads, 2 KV heads)
+    ("qwen2", 2, 1), ("qwen2", 1, 2),                    # QKV bias, tied embeddings (on both stages)
+    ("awq", 2, 1), ("awq", 1, 2),                        # AutoAWQ int4: shards cut out of the packed tensors
+])
+def test_split_gives_the_single_process_tokens(model_dirs, awq_checkpoint, expected, name, tp, pp):
+    path = awq_checkpoint if name == "awq" else model_dirs[name][0]
+    llm = make_llm(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE)
+    try:
+        assert run(llm) == expected[name]
+        stats = llm.llm_engine.get_stats()
+        assert stats.comm_ops > 0 and stats.comm_bytes > 0 and stats.comm_seconds > 0
+    finally:
+        close(llm)
+
+
+def test_more_ranks_than_kv_heads_replicates_them(model_dirs, expected):
+    llm = make_llm(model_dirs["llama"][0], tensor_parallel_size=4, **ENGINE)  # 2 KV heads over 4 ranks
+    try:
+        assert run(llm) == expected["llama"]
+    finally:
+        close(llm)
+
+
+def _worker_pids(llm) -> list[int]:
+    return [p.pid for _, p in llm.llm_engine.core.executor.procs]
+
+
+def test_a_killed_worker_ends_the_engine_with_an_error(model_dirs):
+    llm = make_llm(model_dirs["llama"][0], tensor_parallel_size=2, pipeline_parallel_size=2, **ENGINE)
+    executor = llm.llm_engine.core.executor
+    victim = executor.procs[1][1]
+    os.kill(victim.pid, signal.SIGKILL)
+    deadline = time.time() + 10
+    while executor.failure is None and time.time() < deadline:  # noticed while idle, by the watchdog
+        time.sleep(0.05)
+    assert executor.failure is not None and f"rank {executor.procs[1][0]}" in executor.failure
+    t0 = time.time()
+    with pytest.raises(WorkerFailure, match="rank"):
+        llm.generate([{"prompt_token_ids": DISTINCT[0]}], GREEDY, use_tqdm=False)
+    assert time.time() - t0 < 15
+    for _, p in executor.procs:  # every other rank is stopped too
+        assert p.wait(timeout=10) is not None
+
+
+def test_a_worker_killed_mid_step_fails_the_step(model_dirs):
+    llm = make_llm(model_dirs["llama"][0], tensor_parallel_size=2, **ENGINE)
+    executor = llm.llm_engine.core.executor
+    pid = executor.procs[0][1].pid
+    long_run = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    killer = subprocess.Popen([sys.executable, "-c", f"import os, time, signal; time.sleep(1.5); "
+                                                     f"os.kill({pid}, signal.SIGKILL)"])
+    t0 = time.time()
+    with pytest.raises(WorkerFailure):
+        while time.time() - t0 < 60:  # keep stepping until the kill lands
+            llm.generate([{"prompt_token_ids": p} for p in DISTINCT], long_run, use_tqdm=False)
+    killer.wait()
+    assert time.time() - t0 < 30
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(tensor_parallel_size=3), "does not divide the model's 4 attention heads"),
+    (dict(pipeline_parallel_size=3), "larger than the model's 2 layers"),
+    (dict(tensor_parallel_size=2, kv_host_cache_gb=0.1), "KV tiers"),
+    (dict(tensor_parallel_size=2, nnodes=3), "does not divide the 2 ranks"),
+])
+def test_sizes_the_model_cannot_split_over_are_refused(model_dirs, kw, message):
+    with pytest.raises(ValueError, match=message):
+        make_llm(model_dirs["llama"][0], allow_cpu_oversubscription=True, **kw)
+
+
+def test_vocabulary_that_does_not_split_is_refused(model_dirs, tmp_path):
+    import json
+    import shutil
+
+    src = model_dirs["llama"][0]
+    shutil.copytree(src, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["vocab_size"] = 511
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="does not divide the vocabulary of 511"):
+        make_llm(str(tmp_path / "m"), tensor_parallel_size=2, load_format="dummy")
+
+
+def test_more_cpu_ranks_than_cores_is_refused(model_dirs, monkeypatch):
+    import tokenmill.distributed.layout as layout
+
+    monkeypatch.setattr(layout.os, "sched_getaffinity", lambda pid: {0})
+    with pytest.raises(ValueError, match="2 CPU ranks on this node but only 1 cores"):
+        make_llm(model_dirs["llama"][0], tensor_parallel_size=2)
+
+
+def test_a_rendezvous_that_never_completes_times_out(model_dirs):
+    from tokenmill.distributed.rendezvous import free_port
+
+    t0 = time.time()
+    with pytest.raises(TimeoutError, match="rendezvous timed out.*0 of 1 worker ranks"):
+        make_llm(model_dirs["llama"][0], tensor_parallel_size=2, nnodes=2, master_port=free_port("127.0.0.1"),
+                 distributed_timeout_s=3)  # node 1 never comes
+    assert time.time() - t0 < 30
+
+
+def test_mismatched_versions_between_nodes_are_refused():
+    from tokenmill.distributed.control import check_versions
+
+    ours = {"tokenmill": "0.1.0", "torch": "2.13.0", "python": "3.11.9"}
+    check_versions(ours, dict(ours), rank=1)
+    with pytest.raises(ValueError, match="rank 3 runs different versions than rank 0: torch 2.13.0 here, 2.12.0 there"):
+        check_versions(ours, {**ours, "torch": "2.12.0"}, rank=3)
+
+
+def test_two_nodes_on_one_machine(model_dirs, expected):
+    """Node 1 is a separate `tokenmill serve --node-rank 1` agent, as on a second machine."""
+    from tokenmill.distributed.rendezvous import free_port
+
+    path, port = model_dirs["llama"][0], free_port("127.0.0.1")
+    common = ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--nnodes", "2",
+              "--master-port", str(port), "--dtype", "float32", "--max-model-len", "64",
+              "--max-num-batched-tokens", "16", "--num-kv-blocks", "10", "--allow-cpu-oversubscription"]
+    agent = subprocess.Popen([sys.executable, "-m", "tokenmill", "serve", path, "--node-rank", "1", *common])
+    try:
+        llm = make_llm(path, tensor_parallel_size=2, pipeline_parallel_size=2, nnodes=2, node_rank=0,
+                       master_port=port, **ENGINE)
+        assert run(llm) == expected["llama"]
+        close(llm)
+        assert agent.wait(timeout=30) == 0  # its ranks exit with the driver
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+
+
+def test_server_with_tensor_parallelism_answers_and_exits_when_a_worker_dies(tiny_model_dir, tmp_path):
+    import openai
+
+    ref = make_llm(tiny_model_dir, kv_cache_memory_gb=0.05).generate(
+        ["To be, or not"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    server = ServerProcess(tiny_model_dir, tmp_path / "serve.log", "--tensor-parallel-size", "2",
+                           "--allow-cpu-oversubscription")
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        out = client.completions.create(model="tiny", prompt="To be, or not", max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert out.choices[0].text == ref[0].outputs[0].text
+        core = core_pid(server)
+        workers = [int(p) for p in open(f"/proc/{core}/task/{core}/children").read().split()]
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        assert server.proc.wait(timeout=30) != 0, server.logs()  # the server exits, with the reason logged
+        assert "worker rank 1" in server.logs()
+        assert not os.path.exists(f"/proc/{core}") or open(f"/proc/{core}/stat").read().split()[2] == "Z"
+    finally:
+        if server.proc.poll() is None:
+            server.terminate()
+
+
+def test_bench_comm_measures_every_op_and_size(tmp_path):
+    import json
+
+    out = tmp_path / "comm.json"
+    subprocess.run([sys.executable, "-m", "tokenmill", "bench", "comm", "--world-size", "2", "--sizes", "8B..512B",
+                    "--iters", "3", "--warmup", "1", "--result-file", str(out)], check=True, timeout=120)
+    result = json.loads(out.read_text())
+    assert result["backend"] == "gloo" and result["world_size"] == 2
+    assert [(r["op"], r["bytes"]) for r in result["rows"]] == [(op, b) for op in ("all_reduce", "all_gather", "send_recv")
+                                                               for b in (8, 32, 128, 512)]
+    for r in result["rows"]:
+        assert r["time_us"] > 0 and r["algbw_GBps"] > 0
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * (0.5 if r["op"] == "all_gather" else 1.0))
