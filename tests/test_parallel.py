@@ -234,3 +234,18 @@ def test_bench_comm_measures_every_op_and_size(tmp_path):
     for r in result["rows"]:
         assert r["time_us"] > 0 and r["algbw_GBps"] > 0
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * (0.5 if r["op"] == "all_gather" else 1.0))
+
+
+def test_torchrun_starts_every_rank_and_rank_0_answers(model_dirs):
+    from tokenmill.distributed.rendezvous import free_port
+
+    path = model_dirs["llama"][0]
+    cmd = ["generate", "To be", "--model", path, "--json", "--temperature", "0", "--max-tokens", "8", "--ignore-eos",
+           "--dtype", "float32", "--max-model-len", "64"]
+    single = subprocess.run([sys.executable, "-m", "tokenmill", *cmd], capture_output=True, text=True, timeout=120,
+                            check=True).stdout
+    launched = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                               str(free_port("127.0.0.1")), "-m", "tokenmill", *cmd, "--tensor-parallel-size", "2",
+                               "--allow-cpu-oversubscription"], capture_output=True, text=True, timeout=180)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert launched.stdout == single  # rank 0 prints; the other rank only computes

@@ -226,6 +226,11 @@ def format_table(result: dict, metrics: list[str], percentiles: list[float], tit
         row("Mean acceptance length (tokens/step):", spec["mean_acceptance_length"])
         row("Drafted / accepted tokens:", f"{spec['num_draft_tokens']} / {spec['num_accepted_tokens']}")
         row("Accepted per draft position:", " ".join(str(v) for v in spec["accepted_per_pos"]))
+    comm = result.get("comm")
+    if comm:
+        lines.append(f"{' Communication (rank 0) ':-^60}")
+        row("Time per step (ms):", comm["ms_per_step"])
+        row("Collectives and sends / MiB:", f"{comm['ops']} / {comm['bytes'] / 2**20:.1f}")
     for m in metrics:
         name = METRIC_NAMES[m]
         lines.append(f"{METRIC_HEADERS[m]:-^60}")

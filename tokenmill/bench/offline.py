@@ -140,6 +140,9 @@ def run_offline(requests: list[SampleRequest], engine_kwargs: dict | None = None
                                      "accepted_per_pos": st.spec_accepted_per_pos,
                                      "acceptance_rate": st.spec_acceptance_rate,
                                      "mean_acceptance_length": st.spec_mean_acceptance_length}
+        if st.comm_ops:
+            result["comm"] = {"seconds": st.comm_seconds, "ops": st.comm_ops, "bytes": st.comm_bytes,
+                              "ms_per_step": 1e3 * st.comm_seconds / max(1, st.num_steps)}
     result.update(mon.summary())
     result.update(per_request_fields(results))
     return result

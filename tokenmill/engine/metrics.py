@@ -56,6 +56,11 @@ class _EngineStatsCollector:
         yield from _tier_metrics(s.kv_tiers, self.model_name)
         if s.spec_num_drafts or s.spec_accepted_per_pos:
             yield from _spec_metrics(s, self.model_name)
+        if s.comm_ops:  # tensor / pipeline parallelism: rank 0's share of communication
+            yield counter("comm_seconds", "Time rank 0 spent in all-reduces, all-gathers and pipeline sends "
+                          "(divide by engine_steps for the time per step).", s.comm_seconds)
+            yield counter("comm_ops", "Collectives and pipeline sends rank 0 ran.", s.comm_ops)
+            yield counter("comm_bytes", "Bytes rank 0 put into collectives and pipeline sends.", s.comm_bytes)
 
 
 def _spec_metrics(s: EngineStats, model_name: str):
