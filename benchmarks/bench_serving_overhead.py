@@ -32,25 +32,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from tokenmill.config import DEFAULT_MODEL  # noqa: E402
+from common import qwen_shape_with_shipped_tokenizer  # noqa: E402
 
 try:
     from uvloop import run as _run
 except ImportError:
     _run = asyncio.run
-
-
-def qwen_shape_with_shipped_tokenizer() -> str:
-    """Qwen2.5-0.5B's layers (dummy weights) with the shipped tokenizer's 4096-token vocabulary, so text
-    streams and detokenizes as it would for a real model whose engine step, not the API, dominates."""
-    import shutil
-
-    from common import QWEN25_05B, dummy_model_dir
-
-    shape = dict(QWEN25_05B, vocab_size=4096, bos_token_id=None, eos_token_id=None)
-    path = dummy_model_dir(shape, "qwen2.5-0.5b-layers-vocab4096")
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(DEFAULT_MODEL, f), path)
-    return path
 
 
 def free_port() -> int:

@@ -86,3 +86,17 @@ def serve_job(job_file: str, fn) -> None:
     res = fn(job)
     with open(job["result"], "w") as f:
         json.dump(res, f)
+
+
+def qwen_shape_with_shipped_tokenizer() -> str:
+    """Qwen2.5-0.5B's layers (dummy weights) with the shipped tokenizer's 4096-token vocabulary, so text
+    streams and detokenizes as it would for a real model whose engine step, not the API, dominates."""
+    import shutil
+
+    from tokenmill.config import DEFAULT_MODEL
+
+    shape = dict(QWEN25_05B, vocab_size=4096, bos_token_id=None, eos_token_id=None)
+    path = dummy_model_dir(shape, "qwen2.5-0.5b-layers-vocab4096")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(DEFAULT_MODEL, f), path)
+    return path

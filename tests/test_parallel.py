@@ -65,14 +65,15 @@ def awq_checkpoint(tmp_path_factory):
     return str(root / "awq")
 
 
-@pytest.mark.parametrize("name,tp,pp", [
-    ("llama", 2, 1), ("llama", 1, 2), ("llama", 2, 2),   # Llama with GQA (4 heads, 2 KV heads)
-    ("qwen2", 2, 1), ("qwen2", 1, 2),                    # QKV bias, tied embeddings (on both stages)
-    ("awq", 2, 1), ("awq", 1, 2),                        # AutoAWQ int4: shards cut out of the packed tensors
+@pytest.mark.parametrize("name,tp,pp,allreduce", [
+    ("llama", 2, 1, "auto"), ("llama", 1, 2, "auto"), ("llama", 2, 2, "auto"),  # Llama, GQA (4 heads, 2 KV)
+    ("llama", 2, 1, "gloo"),                             # TP collectives through torch.distributed only
+    ("qwen2", 2, 1, "auto"), ("qwen2", 1, 2, "auto"),    # QKV bias, tied embeddings (on both stages)
+    ("awq", 2, 1, "auto"), ("awq", 1, 2, "auto"),        # AutoAWQ int4: shards cut out of the packed tensors
 ])
-def test_split_gives_the_single_process_tokens(model_dirs, awq_checkpoint, expected, name, tp, pp):
+def test_split_gives_the_single_process_tokens(model_dirs, awq_checkpoint, expected, name, tp, pp, allreduce):
     path = awq_checkpoint if name == "awq" else model_dirs[name][0]
-    llm = make_llm(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE)
+    llm = make_llm(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, cpu_allreduce=allreduce, **ENGINE)
     try:
         assert run(llm) == expected[name]
         stats = llm.llm_engine.get_stats()
@@ -249,3 +250,55 @@ def test_torchrun_starts_every_rank_and_rank_0_answers(model_dirs):
                                "--allow-cpu-oversubscription"], capture_output=True, text=True, timeout=180)
     assert launched.returncode == 0, launched.stderr[-3000:]
     assert launched.stdout == single  # rank 0 prints; the other rank only computes
+
+
+def test_shared_memory_collectives_match_their_definition(tmp_path):
+    """Three ranks as threads over one segment: sums and concatenations, bitwise the same on every rank,
+    over many ops (both halves of the double buffer), in float32 and bfloat16."""
+    import threading
+
+    import torch
+
+    from tokenmill.distributed.shm_comm import ShmGroup
+
+    path, n = str(tmp_path / "seg"), 3
+    groups = [ShmGroup(path, 0, n, 4096, timeout_s=10, create=True)]
+    groups += [ShmGroup(path, r, n, 4096, timeout_s=10, create=False) for r in range(1, n)]
+    inputs = {r: [torch.randn(5, 7, generator=torch.Generator().manual_seed(10 * r + i)).to(dt)
+                  for i, dt in enumerate([torch.float32, torch.bfloat16] * 4)] for r in range(n)}
+    results = {}
+
+    def rank(r):
+        out = []
+        for x in inputs[r]:
+            out.append(groups[r].all_reduce(x.clone()))
+            out.append(groups[r].all_gather(x))
+        results[r] = out
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for i in range(len(inputs[0])):
+        total = inputs[0][i].clone()
+        for r in range(1, n):
+            total += inputs[r][i]
+        gathered = torch.cat([inputs[r][i] for r in range(n)], dim=-1)
+        for r in range(n):
+            assert torch.equal(results[r][2 * i], total)
+            assert torch.equal(results[r][2 * i + 1], gathered)
+    assert not groups[0].fits(torch.empty(2048))  # 8 KiB > the 4 KiB slot: gloo's job
+
+
+def test_shared_memory_collective_with_a_silent_peer_times_out_or_cancels(tmp_path):
+    import torch
+
+    from tokenmill.distributed.shm_comm import ShmGroup
+
+    g = ShmGroup(str(tmp_path / "seg"), 0, 2, 1024, timeout_s=0.5, create=True)
+    with pytest.raises(TimeoutError, match="did not reach"):
+        g.all_reduce(torch.ones(4))
+    g.cancelled = True
+    with pytest.raises(RuntimeError, match="cancelled"):
+        g.all_reduce(torch.ones(4))

@@ -145,6 +145,9 @@ class EngineConfig:
     master_port: int = option(0, "rendezvous port on node 0 (0: a free port, single node only)")
     distributed_timeout_s: float = option(120.0, "a rendezvous or collective that waits longer fails the engine "
                                           "with an error (never a hang)")
+    cpu_allreduce: str = option("auto", "CPU tensor parallelism: shm meets the TP ranks of a node in shared memory "
+                                "(~100x faster than gloo for a step's small messages); gloo uses torch.distributed "
+                                "only; auto: shm where it works (x86-64 Linux)", choices=("auto", "shm", "gloo"))
     allow_cpu_oversubscription: bool = option(False, "CPU: run more ranks on a node than it has cores (slow; "
                                               "for tests)")
     device: str = option("auto", "auto or cpu (the GPU path has not landed yet)")

@@ -32,17 +32,21 @@ class CommStats:
 
 class TensorParallel:
     """This rank's tensor-parallel group. With size 1 every call is the identity, and nothing imports a
-    process group."""
+    process group. `shm` (shm_comm.py), when the group's ranks share a CPU node, carries the messages that
+    fit its slots; the rest go through torch.distributed."""
 
-    def __init__(self, rank: int = 0, size: int = 1, group=None, stats: CommStats | None = None):
-        self.rank, self.size, self.group = rank, size, group
+    def __init__(self, rank: int = 0, size: int = 1, group=None, stats: CommStats | None = None, shm=None):
+        self.rank, self.size, self.group, self.shm = rank, size, group, shm
         self.stats = stats or CommStats()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
         t0 = time.perf_counter()
-        dist.all_reduce(x, group=self.group)
+        if self.shm is not None and self.shm.fits(x):
+            self.shm.all_reduce(x)
+        else:
+            dist.all_reduce(x, group=self.group)
         self.stats.add(t0, x)
         return x
 
@@ -52,10 +56,14 @@ class TensorParallel:
             return x
         t0 = time.perf_counter()
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x, group=self.group)
+        if self.shm is not None and self.shm.fits(x):
+            out = self.shm.all_gather(x)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x, group=self.group)
+            out = torch.cat(parts, dim=-1)
         self.stats.add(t0, x)
-        return torch.cat(parts, dim=-1)
+        return out
 
 
 SINGLE = TensorParallel()

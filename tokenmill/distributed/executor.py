@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection, Listener, wait
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.distributed import control
 from tokenmill.distributed.layout import ParallelLayout, threads_per_rank
-from tokenmill.distributed.rendezvous import Rendezvous, agree_min, init_rank, release_group
+from tokenmill.distributed.rendezvous import Rendezvous, agree_min, init_rank, release_group, shm_slot_bytes
 from tokenmill.distributed.worker import WorkerArgs
 from tokenmill.worker.build import build_runner
 from tokenmill.worker.model_runner import ModelRunnerOutput
@@ -118,7 +118,8 @@ class MultiprocExecutor:
         try:
             self.conns = self._accept_workers()
             torch.set_num_threads(config.num_threads or threads_per_rank(len(self.rdzv.node_ranks(self.layout.world_size))))
-            shard, link, self.comm_stats = init_rank(self.layout, self.rdzv, mc.num_layers)
+            shard, link, self.comm_stats = init_rank(self.layout, self.rdzv, mc.num_layers,
+                                                       shm_slot_bytes(config, mc, dtype))
             self.runner = build_runner(config, mc, dtype, shard, link, agree=agree_min)
         except BaseException as e:
             reason = self._worker_reason()
@@ -233,6 +234,10 @@ class MultiprocExecutor:
             if self._closing:
                 return
             self._closing = True
+        shm = getattr(getattr(self, "runner", None), "model", None)
+        shm = shm.shard.tp.shm if shm is not None else None
+        if shm is not None and not graceful:
+            shm.cancelled = True  # rank 0 may be waiting in shared memory for a peer that is gone
         for conn in getattr(self, "conns", {}).values():
             try:
                 if graceful:

@@ -81,8 +81,11 @@ def free_port(addr: str) -> int:
     raise RuntimeError(f"no two free neighbouring ports on {addr}")
 
 
-def init_rank(layout: ParallelLayout, rdzv: Rendezvous, num_layers: int) -> tuple[ModelShard, PipelineLink, CommStats]:
-    """Join the process group as `layout.rank`; returns its model shard, pipeline link and comm counters."""
+def init_rank(layout: ParallelLayout, rdzv: Rendezvous, num_layers: int,
+              shm_slot_bytes: int = 0) -> tuple[ModelShard, PipelineLink, CommStats]:
+    """Join the process group as `layout.rank`; returns its model shard, pipeline link and comm counters.
+    `shm_slot_bytes` > 0: TP collectives up to that size go through shared memory (shm_comm.py) when the
+    group's ranks share this node."""
     if rdzv.nnodes == 1 and rdzv.master_addr.startswith("127."):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
@@ -101,10 +104,56 @@ def init_rank(layout: ParallelLayout, rdzv: Rendezvous, num_layers: int) -> tupl
         g = dist.new_group(layout.stage_ranks(stage))
         if stage == layout.pp_rank:
             group = g
-    tp = TensorParallel(layout.tp_rank, layout.tp_size, group, stats)
+    shm = None
+    if shm_slot_bytes and layout.tp_size > 1 and tp_group_on_one_node(layout, rdzv):
+        shm = _shm_group(layout, group, shm_slot_bytes, rdzv.timeout_s)
+    tp = TensorParallel(layout.tp_rank, layout.tp_size, group, stats, shm)
     link = PipelineLink(None if layout.is_first_stage else layout.rank - layout.tp_size,
                         None if layout.is_last_stage else layout.rank + layout.tp_size, stats)
     return ModelShard(tp, **layout.shard_spec(num_layers)), link, stats
+
+
+def tp_group_on_one_node(layout: ParallelLayout, rdzv: Rendezvous) -> bool:
+    """Whether this rank's TP group lies within one node (nodes hold consecutive ranks)."""
+    per_node = layout.world_size // rdzv.nnodes
+    ranks = layout.stage_ranks(layout.pp_rank)
+    return ranks[0] // per_node == ranks[-1] // per_node and rdzv.device == "cpu"
+
+
+def shm_slot_bytes(config, mc, dtype) -> int:
+    """Room for the largest TP message a step sends (a full batch of hidden states), within 1 .. 64 MiB;
+    larger ones (big logit gathers) go through gloo."""
+    if config.cpu_allreduce == "gloo" or config.device != "cpu":
+        return 0
+    from tokenmill.distributed.shm_comm import shm_supported
+
+    if not shm_supported():
+        if config.cpu_allreduce == "shm":
+            raise ValueError("cpu_allreduce='shm' needs an x86-64 Linux machine with /dev/shm")
+        return 0
+    need = config.max_num_batched_tokens * mc.hidden_size * max(4, dtype.itemsize)
+    return min(max(need, 1 << 20), 64 << 20)
+
+
+def _shm_group(layout: ParallelLayout, group, slot_bytes: int, timeout_s: float):
+    import uuid
+
+    from tokenmill.distributed.shm_comm import ShmGroup
+
+    first = layout.stage_ranks(layout.pp_rank)[0]
+    name = [f"/dev/shm/tokenmill-tp-{uuid.uuid4().hex}" if layout.rank == first else None]
+    if layout.rank != first:
+        dist.broadcast_object_list(name, src=first, group=group)
+        shm = ShmGroup(name[0], layout.tp_rank, layout.tp_size, slot_bytes, timeout_s, create=False)
+        dist.barrier(group=group)
+        return shm
+    shm = ShmGroup(name[0], layout.tp_rank, layout.tp_size, slot_bytes, timeout_s, create=True)  # before its name
+    try:
+        dist.broadcast_object_list(name, src=first, group=group)
+        dist.barrier(group=group)  # everyone has it mapped
+    finally:
+        os.unlink(name[0])  # the mappings stay; nothing is left in /dev/shm, whatever happens
+    return shm
 
 
 _released = [False]  # the group's engine has closed (or failed), so a new engine may replace the group

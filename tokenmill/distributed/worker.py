@@ -38,7 +38,7 @@ def run_worker(args: WorkerArgs) -> None:
 
     from tokenmill.config import ModelConfig
     from tokenmill.distributed import control
-    from tokenmill.distributed.rendezvous import agree_min, init_rank
+    from tokenmill.distributed.rendezvous import agree_min, init_rank, shm_slot_bytes
     from tokenmill.models.loader import load_hf_config
     from tokenmill.worker.build import build_runner
 
@@ -49,7 +49,8 @@ def run_worker(args: WorkerArgs) -> None:
         torch.set_num_threads(args.num_threads)
         torch.manual_seed(cfg.seed)
         mc = ModelConfig.from_hf(load_hf_config(cfg.model))
-        shard, link, _ = init_rank(layout, args.rendezvous, mc.num_layers)
+        shard, link, _ = init_rank(layout, args.rendezvous, mc.num_layers,
+                                   shm_slot_bytes(cfg, mc, cfg.torch_dtype(mc)))
         runner = build_runner(cfg, mc, cfg.torch_dtype(mc), shard, link, agree=agree_min)
         reports = layout.rank == layout.result_rank and layout.pp_size > 1
         while True:
