@@ -5,6 +5,7 @@ and the same across a simulated link between two nodes (delay_line.py), plus the
     python benchmarks/bench_parallel.py serving   single, TP=2, PP=2 at one Poisson load, in one run
     python benchmarks/bench_parallel.py link      TP=2 and PP=2 split over two namespaces, one-way delay
                                                   0 / 1 / 5 ms at 10 Gbit/s, with bench comm over each link
+    python benchmarks/bench_parallel.py probe     unloaded TTFT (one request at a time) over the same links
     python benchmarks/bench_parallel.py fit       alpha + bytes / beta per transfer, fitted to the link runs
 
 Model: Qwen2.5-0.5B's layers (dummy weights) with the shipped tokenizer. Results: benchmarks/results/.
@@ -27,7 +28,9 @@ from common import machine, qwen_shape_with_shipped_tokenizer, write_json  # noq
 
 RESULTS = ROOT / "benchmarks" / "results"
 PY = sys.executable
-SPLITS = {"single": [], "tp2": ["--tensor-parallel-size", "2"], "pp2": ["--pipeline-parallel-size", "2"]}
+SPLITS = {"single": [], "tp2": ["--tensor-parallel-size", "2"],
+          "tp2-gloo": ["--tensor-parallel-size", "2", "--cpu-allreduce", "gloo"],
+          "pp2": ["--pipeline-parallel-size", "2"]}
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
 NODE_ENV = {"tm0": "tmt0", "tm1": "tmt1"}  # namespace -> the interface gloo must bind (GLOO_SOCKET_IFNAME)
 
@@ -83,6 +86,7 @@ def run_serving(name: str, extra: list[str], load: dict, ns: str | None = None, 
                  "--tokenizer", model, "--dataset-name", "random", "--random-input-len", str(load["input_len"]),
                  "--random-output-len", str(load["output_len"]), "--num-prompts", str(load["num_prompts"]),
                  "--request-rate", str(load["request_rate"]), "--seed", "0", "--ignore-eos", "--num-warmups", "2",
+                 *(["--max-concurrency", str(load["max_concurrency"])] if load.get("max_concurrency") else []),
                  "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
                  "--result-file", str(out), "--disable-tqdm", "--label", name]
         subprocess.run(ns_cmd(ns, bench), env=ENV, check=True, stdout=subprocess.DEVNULL)
@@ -114,7 +118,8 @@ def with_ratios(rows: list[dict], base: dict) -> list[dict]:
 
 def cmd_comm(args) -> None:
     out = RESULTS / "parallel_comm.json"
-    subprocess.run([PY, "-m", "tokenmill", "bench", "comm", "--world-size", "2", "--sizes", "8B..64MiB",
+    subprocess.run([PY, "-m", "tokenmill", "bench", "comm", "--world-size", "2", "--sizes", "8B..16MiB",
+                    "--ops", "all_reduce,all_gather,send_recv,shm_all_reduce,shm_all_gather",
                     "--iters", str(args.iters), "--result-file", str(out)], env=ENV, check=True)
     res = json.loads(out.read_text())
     res["machine"] = machine()
@@ -144,51 +149,129 @@ def link_comm(delay_ms: float) -> list[dict]:
     return [dict(r, delay_ms=delay_ms) for r in json.loads(out.read_text())["rows"]]
 
 
-def cmd_link(args) -> None:
-    load = dict(input_len=args.input_len, output_len=args.output_len, num_prompts=args.num_prompts,
-                request_rate=args.request_rate)
-    rows, comm = [], []
+def each_link(args, fn) -> None:
+    """fn(delay_ms) with the delay line up at each delay."""
     line = [PY, str(ROOT / "benchmarks" / "delay_line.py")]
     for delay in args.delays:
         link = subprocess.Popen([*line, "up", "--delay-ms", str(delay), "--rate-gbit", str(args.rate_gbit)],
                                 stdout=subprocess.PIPE, text=True)
         try:
             assert link.stdout.readline().strip() == "link up"
-            if not rows:  # the one-process baseline, in the same namespace and load, once
-                rows.append(dict(run_serving("single", [], load, ns="tm0"), delay_ms=None))
-            comm += link_comm(delay)
-            for name in args.splits:
-                r = run_serving(f"{name}-{delay:g}ms", SPLITS[name], load, ns="tm0", remote="tm1")
-                rows.append(dict(r, split=name, delay_ms=delay))
-                print(rows[-1], flush=True)
+            fn(delay)
         finally:
             link.send_signal(signal.SIGTERM)
             link.wait(30)
+
+
+def cmd_link(args) -> None:
+    load = dict(input_len=args.input_len, output_len=args.output_len, num_prompts=args.num_prompts,
+                request_rate=args.request_rate)
+    rows, comm = [], []
+
+    def runs(delay):
+        nonlocal comm
+        if not rows:  # the one-process baseline, in the same namespace and load, once
+            rows.append(dict(run_serving("single", [], load, ns="tm0"), delay_ms=None))
+        comm += link_comm(delay)
+        for name in args.splits:
+            r = run_serving(f"{name}-{delay:g}ms", SPLITS[name], load, ns="tm0", remote="tm1")
+            rows.append(dict(r, split=name, delay_ms=delay))
+            print(rows[-1], flush=True)
+
+    each_link(args, runs)
     write_json({"machine": machine(), "load": load, "rate_gbit": args.rate_gbit, "rows": with_ratios(rows, rows[0]),
                 "comm": comm}, str(RESULTS / "parallel_link.json"))
 
 
-def cmd_fit(args) -> None:
-    """Least squares of time = alpha + bytes / beta per op and link delay, from the link runs' bench comm."""
+def cmd_probe(args) -> None:
+    """Unloaded TTFT: one request at a time, so the link's cost is not hidden in queueing noise."""
+    load = dict(input_len=args.input_len, output_len=2, num_prompts=args.num_prompts, request_rate="inf",
+                max_concurrency=1)
+    rows = []
+
+    def runs(delay):
+        for name in args.splits:
+            r = run_serving(f"probe-{name}-{delay:g}ms", SPLITS[name], load, ns="tm0", remote="tm1")
+            rows.append(dict(r, split=name, delay_ms=delay))
+            print(rows[-1], flush=True)
+
+    each_link(args, runs)
+    for r in rows:
+        base = next(b for b in rows if b["split"] == r["split"] and b["delay_ms"] == 0)
+        r["p50_ttft_added_ms"] = r["p50_ttft_ms"] - base["p50_ttft_ms"]
+        r["p99_ttft_added_ms"] = r["p99_ttft_ms"] - base["p99_ttft_ms"]
+    write_json({"machine": machine(), "load": load, "rate_gbit": args.rate_gbit, "rows": rows},
+               str(RESULTS / "parallel_probe.json"))
+
+
+QWEN_05B = dict(layers=24, hidden=896, bytes=2)   # the benchmark's model (bf16)
+LLAMA_70B = dict(layers=80, hidden=8192, bytes=2)  # the playbook's model class
+# (alpha us, beta GB/s) per link; NVLink and NIC figures are assumptions from public nccl-tests results
+# (H100/H200 8-GPU NVLink: ~10 us small all-reduce, ~400 GB/s bus bandwidth), not measured here.
+LINKS = {"NVLink (8 GPUs, one node)": (10.0, 400.0), "400 Gbit/s RDMA": (10.0, 50.0),
+         "100 Gbit/s RDMA": (15.0, 12.5), "100 Gbit/s TCP": (50.0, 12.5)}
+
+
+def fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares of time = alpha + bytes / beta; returns (alpha s, beta bytes/s)."""
     import numpy as np
 
+    x, y = np.array([p[0] for p in points], float), np.array([p[1] for p in points])
+    slope, alpha = np.polyfit(x, y, 1)
+    return float(alpha), float(1 / slope) if slope > 0 else float("inf")
+
+
+def step_cost(model: dict, tokens: int, alpha: float, beta: float, split: str, ranks: int = 2) -> float:
+    """Seconds of communication one step adds: TP runs 2 all-reduces per layer, one for the embedding and
+    a logits gather (counted as one more all-reduce of the hidden size: the same order); a 2-stage
+    pipeline sends hidden + residual once and the result back once (latency only)."""
+    msg = tokens * model["hidden"] * model["bytes"]
+    if split == "tp":
+        ring = 2 * (ranks - 1) / ranks  # bytes each rank moves per byte of message
+        return (2 * model["layers"] + 2) * (alpha + ring * msg / beta)
+    return 2 * alpha + 2 * msg / beta
+
+
+def cmd_fit(args) -> None:
     res = json.loads((RESULTS / "parallel_link.json").read_text())
-    fits = []
+    fits = {}
     for delay in sorted({r["delay_ms"] for r in res["comm"]}):
         for op in ("all_reduce", "send_recv"):
             pts = [(r["bytes"], r["time_us"] * 1e-6) for r in res["comm"] if r["delay_ms"] == delay and r["op"] == op]
-            x, y = np.array([p[0] for p in pts], float), np.array([p[1] for p in pts])
-            slope, alpha = np.polyfit(x, y, 1)
-            fits.append({"delay_ms": delay, "op": op, "alpha_us": alpha * 1e6, "beta_GBps": 1 / slope / 1e9})
-    res["fit"] = fits
-    for f in fits:
-        print(f)
+            alpha, beta = fit_line(pts)
+            fits[f"{op}@{delay:g}ms"] = {"alpha_us": alpha * 1e6, "beta_GBps": beta / 1e9}
+    # the model against the serving runs: predicted vs measured added P50 ITL (decode steps) per link
+    base_itl = {r["split"]: r["p50_itl_ms"] for r in res["rows"] if r.get("delay_ms") == 0}
+    batch = 4  # a few decodes per step; their messages (KiB) are latency-bound, so the count hardly matters
+    checks = []
+    for r in res["rows"]:
+        if not r.get("split") or r["delay_ms"] == 0:
+            continue
+        d = r["delay_ms"]
+        op = "all_reduce" if r["split"].startswith("tp") else "send_recv"
+        f0, f1 = fits[f"{op}@0ms"], fits[f"{op}@{d:g}ms"]
+        extra_alpha = (f1["alpha_us"] - f0["alpha_us"]) * 1e-6
+        predicted = step_cost(QWEN_05B, batch, extra_alpha, float("inf"), r["split"][:2]) * 1e3
+        checks.append({"split": r["split"], "delay_ms": d, "predicted_added_itl_ms": predicted,
+                       "measured_added_p50_itl_ms": r["p50_itl_ms"] - base_itl[r["split"]]})
+    projections = []
+    for name, (a_us, b_gbps) in LINKS.items():
+        for split in ("tp", "pp"):
+            for phase, tokens in (("decode, 32 sequences", 32), ("prefill, 8K tokens", 8192)):
+                ranks = 8 if name.startswith("NVLink") and split == "tp" else 2
+                cost = step_cost(LLAMA_70B, tokens, a_us * 1e-6, b_gbps * 1e9, split, ranks)
+                projections.append({"link": name, "split": f"{split}{ranks}", "phase": phase, "ms_per_step": cost * 1e3})
+    res.update(fit=fits, model_check=checks, projections=projections)
+    for k, v in fits.items():
+        print(k, v)
+    for c in checks + projections:
+        print(c)
     write_json(res, str(RESULTS / "parallel_link.json"))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=("comm", "serving", "link", "fit"))
+    ap.add_argument("mode", choices=("comm", "serving", "link", "probe", "fit"))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=32)
@@ -196,9 +279,9 @@ def main() -> None:
     ap.add_argument("--request-rate", type=float, default=0.5)
     ap.add_argument("--delays", type=float, nargs="+", default=[0.0, 1.0, 5.0], help="one-way link delay, ms")
     ap.add_argument("--rate-gbit", type=float, default=10.0)
-    ap.add_argument("--splits", nargs="+", default=["pp2", "tp2"], choices=("tp2", "pp2"))
+    ap.add_argument("--splits", nargs="+", default=["pp2", "tp2"], choices=tuple(SPLITS)[1:])
     args = ap.parse_args()
-    {"comm": cmd_comm, "serving": cmd_serving, "link": cmd_link, "fit": cmd_fit}[args.mode](args)
+    {"comm": cmd_comm, "serving": cmd_serving, "link": cmd_link, "probe": cmd_probe, "fit": cmd_fit}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -365,3 +365,17 @@ def test_speculation_with_kv_tiers(llama_dir, model_dirs):
         assert _run(llm, _workload()) == plain
         st = _check(llm)
         assert st.kv_tiers["host"]["hit_tokens"] > 0 and st.spec_num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("spec", ["ngram", "draft_model"])
+def test_speculation_under_tensor_parallelism_is_token_identical(llama_dir, greedy_reference, spec):
+    """Every TP rank proposes the same drafts (prompt lookup, or a replicated draft model) and verifies them
+    on the same all-gathered logits."""
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    cfg = NGRAM if spec == "ngram" else _draft_cfg(llama_dir, k=3, adaptive=False)
+    llm = make_llm(llama_dir, tensor_parallel_size=2, allow_cpu_oversubscription=True, speculative_config=cfg)
+    try:
+        assert _tokens(llm, _repetitive(6), sp) == greedy_reference
+        assert _check(llm).spec_num_accepted_tokens > 0
+    finally:
+        llm.llm_engine.core.close()

@@ -4,6 +4,8 @@ engine would use (gloo on CPU, NCCL on CUDA), across message sizes, as nccl-test
     all_reduce   time per op; algbw = size / time; busbw = algbw * 2 (n - 1) / n   (TP: one per layer half)
     all_gather   size is each rank's part; algbw = n * size / time; busbw = algbw * (n - 1) / n  (TP logits)
     send_recv    one-way time, half a ping-pong round trip between ranks 0 and 1; busbw = algbw (PP)
+    shm_all_reduce, shm_all_gather   the same through shared memory (distributed/shm_comm.py: what CPU TP
+                 ranks of one node use for messages up to its slot size), single node only
 
 Each figure is the slowest rank's mean over --iters ops after --warmup. Ranks start as local processes, or
 one node's share of them with --nnodes/--node-rank/--master-addr/--master-port (or under torchrun).
@@ -21,7 +23,7 @@ from pathlib import Path
 
 UNITS = {"B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
          "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
-OPS = ("all_reduce", "all_gather", "send_recv")
+OPS = ("all_reduce", "all_gather", "send_recv", "shm_all_reduce", "shm_all_gather")
 
 
 def parse_size(s: str) -> int:
@@ -45,7 +47,7 @@ def parse_sizes(s: str) -> list[int]:
     return [parse_size(x) for x in s.split(",") if x.strip()]
 
 
-def measure(op: str, size: int, iters: int, warmup: int, device: str) -> float:
+def measure(op: str, size: int, iters: int, warmup: int, device: str, shm=None) -> float:
     """Mean seconds per op on this rank."""
     import torch
     import torch.distributed as dist
@@ -55,7 +57,11 @@ def measure(op: str, size: int, iters: int, warmup: int, device: str) -> float:
     parts = [torch.empty_like(x) for _ in range(n)]
 
     def once():
-        if op == "all_reduce":
+        if op == "shm_all_reduce":
+            shm.all_reduce(x)
+        elif op == "shm_all_gather":
+            shm.all_gather(x)
+        elif op == "all_reduce":
             dist.all_reduce(x)
         elif op == "all_gather":
             dist.all_gather(parts, x)
@@ -96,10 +102,16 @@ def run_rank(args, rank: int, world: int) -> list[dict] | None:
     init = "env://" if "RANK" in os.environ else f"tcp://{args.master_addr}:{args.master_port}"
     dist.init_process_group(args.backend, init_method=init, rank=rank, world_size=world,
                             timeout=timedelta(seconds=args.timeout))
+    shm = None
+    if any(op.startswith("shm_") for op in args.ops):
+        from tokenmill.distributed.layout import ParallelLayout
+        from tokenmill.distributed.rendezvous import _shm_group
+
+        shm = _shm_group(ParallelLayout(world, 1, rank), None, max(args.sizes), args.timeout)
     rows = []
     for op in args.ops:
         for size in args.sizes:
-            t = torch.tensor([measure(op, size, args.iters, args.warmup, device)], device=device)
+            t = torch.tensor([measure(op, size, args.iters, args.warmup, device, shm)], device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             rows.append(_row(op, size, float(t.item()), world))
     dist.destroy_process_group()
@@ -107,16 +119,16 @@ def run_rank(args, rank: int, world: int) -> list[dict] | None:
 
 
 def _row(op: str, size: int, seconds: float, n: int) -> dict:
-    moved = n * size if op == "all_gather" else size
+    moved = n * size if op.endswith("all_gather") else size
     algbw = moved / seconds / 1e9
-    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "send_recv": 1.0}[op]
+    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "send_recv": 1.0}[op.removeprefix("shm_")]
     return {"op": op, "bytes": size, "time_us": seconds * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * factor}
 
 
 def format_rows(rows: list[dict]) -> str:
-    lines = [f"{'op':<11} {'bytes':>11} {'time (us)':>11} {'algbw GB/s':>11} {'busbw GB/s':>11}"]
+    lines = [f"{'op':<15} {'bytes':>11} {'time (us)':>11} {'algbw GB/s':>11} {'busbw GB/s':>11}"]
     for r in rows:
-        lines.append(f"{r['op']:<11} {r['bytes']:>11} {r['time_us']:>11.1f} {r['algbw_GBps']:>11.3f} "
+        lines.append(f"{r['op']:<15} {r['bytes']:>11} {r['time_us']:>11.1f} {r['algbw_GBps']:>11.3f} "
                      f"{r['busbw_GBps']:>11.3f}")
     return "\n".join(lines)
 
@@ -171,7 +183,7 @@ def add_comm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=2, help="ranks in all")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl with CUDA, else gloo")
     p.add_argument("--sizes", type=parse_sizes, default="8B..64MiB", help="'8B..64MiB' (x4 steps) or a list")
-    p.add_argument("--ops", type=lambda s: [o for o in s.split(",") if o], default=",".join(OPS),
+    p.add_argument("--ops", type=lambda s: [o for o in s.split(",") if o], default=",".join(OPS[:3]),
                    help=f"any of {', '.join(OPS)}")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
@@ -192,6 +204,8 @@ def resolve_backend(args) -> None:
     bad = [o for o in args.ops if o not in OPS]
     if bad:
         raise ValueError(f"unknown op(s) {bad}; choose from {list(OPS)}")
+    if args.nnodes > 1 and any(o.startswith("shm_") for o in args.ops):
+        raise ValueError("shared-memory ops need every rank on one node")
 
 
 def main() -> None:
