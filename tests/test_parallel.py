@@ -72,7 +72,10 @@ def awq_checkpoint(tmp_path_factory):
     ("awq", 2, 1, "auto"), ("awq", 1, 2, "auto"),        # AutoAWQ int4: shards cut out of the packed tensors
 ])
 def test_split_gives_the_single_process_tokens(model_dirs, awq_checkpoint, expected, name, tp, pp, allreduce):
+    import torch
+
     path = awq_checkpoint if name == "awq" else model_dirs[name][0]
+    threads = torch.get_num_threads()
     llm = make_llm(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, cpu_allreduce=allreduce, **ENGINE)
     try:
         assert run(llm) == expected[name]
@@ -80,6 +83,7 @@ def test_split_gives_the_single_process_tokens(model_dirs, awq_checkpoint, expec
         assert stats.comm_ops > 0 and stats.comm_bytes > 0 and stats.comm_seconds > 0
     finally:
         close(llm)
+    assert torch.get_num_threads() == threads  # rank 0 gave the caller's process its threads back
 
 
 def test_more_ranks_than_kv_heads_replicates_them(model_dirs, expected):
@@ -302,3 +306,18 @@ def test_shared_memory_collective_with_a_silent_peer_times_out_or_cancels(tmp_pa
     g.cancelled = True
     with pytest.raises(RuntimeError, match="cancelled"):
         g.all_reduce(torch.ones(4))
+
+
+def test_ray_executor_gives_the_single_process_tokens(model_dirs, expected):
+    """distributed_executor_backend='ray': rank 1 is a Ray actor on a local cluster, over the same control
+    channel and gloo group."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        llm = make_llm(model_dirs["llama"][0], tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
+        try:
+            assert run(llm) == expected["llama"]
+        finally:
+            close(llm)
+    finally:
+        ray.shutdown()

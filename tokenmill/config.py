@@ -138,6 +138,9 @@ class EngineConfig:
                                        "joined by one all-reduce per attention and MLP block", aliases=("-tp",))
     pipeline_parallel_size: int = option(1, "pipeline-parallel stages: each holds 1/pp of the layers; as many "
                                          "batches in flight as stages", aliases=("-pp",))
+    distributed_executor_backend: str = option(
+        "mp", "how worker ranks start: mp (processes the engine starts, or node agents / torchrun on other "
+        "nodes) or ray (actors on the Ray cluster of RAY_ADDRESS, or a local one)", choices=("mp", "ray"))
     nnodes: int = option(1, "machines the tp x pp ranks span (each node starts world / nnodes ranks)")
     node_rank: int = option(0, "this machine's index; node 0 runs the scheduler and serves HTTP")
     master_addr: str = option("127.0.0.1", "address of node 0 for torch.distributed's rendezvous (and tokenmill's "

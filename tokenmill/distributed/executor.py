@@ -113,11 +113,21 @@ class MultiprocExecutor:
         self.on_failure = None  # set by the engine-core process: wakes its loop when a worker dies while idle
         self._closing = False
         self._lock = threading.Lock()
+        self.procs = []
+        if config.distributed_executor_backend == "ray":
+            self.procs = self._start_ray_ranks()
         self.listener = Listener(self.rdzv.control_address, authkey=control.authkey())
-        self.procs = [] if self.rdzv.launched else start_local_workers(config, self.rdzv, skip_rank=0)
+        if config.distributed_executor_backend == "ray":
+            for rank, handle in self.procs:
+                handle.start(WorkerArgs(config, self.layout.for_rank(rank), self.rdzv, self._threads))
+        elif not self.rdzv.launched:
+            self.procs = start_local_workers(config, self.rdzv, skip_rank=0)
         try:
             self.conns = self._accept_workers()
-            torch.set_num_threads(config.num_threads or threads_per_rank(len(self.rdzv.node_ranks(self.layout.world_size))))
+            ray = config.distributed_executor_backend == "ray"  # assume the actors packed on this node
+            ranks_here = self.layout.world_size if ray else len(self.rdzv.node_ranks(self.layout.world_size))
+            self._caller_threads = torch.get_num_threads()  # rank 0 computes in the caller's process
+            torch.set_num_threads(config.num_threads or threads_per_rank(ranks_here))
             shard, link, self.comm_stats = init_rank(self.layout, self.rdzv, mc.num_layers,
                                                        shm_slot_bytes(config, mc, dtype))
             self.runner = build_runner(config, mc, dtype, shard, link, agree=agree_min)
@@ -132,6 +142,24 @@ class MultiprocExecutor:
             threading.Thread(target=self._watch, args=(rank, p), daemon=True, name=f"watch-rank-{rank}").start()
 
     # -- startup -------------------------------------------------------------------------------------
+    def _start_ray_ranks(self):
+        """Ranks 1 .. n-1 as Ray actors; the rendezvous moves to the driver's address in Ray's network."""
+        from dataclasses import replace
+
+        from tokenmill.distributed.ray_launcher import create_ray_ranks, ray_available, ray_driver_address
+        from tokenmill.distributed.rendezvous import free_port
+
+        if not ray_available():
+            raise ValueError("distributed_executor_backend='ray' needs ray (pip install 'tokenmill[ray]')")
+        ip = ray_driver_address()
+        self._threads = self.config.num_threads or threads_per_rank(self.layout.world_size)  # packed: local
+        handles = create_ray_ranks(list(range(1, self.layout.world_size)), self._threads,
+                                   gpus=self.config.device == "cuda")
+        # shared memory only when every rank shares the driver's node; else every rank counts as its own node
+        nnodes = 1 if all(h.node_ip == ip for _, h in handles) else self.layout.world_size
+        self.rdzv = replace(self.rdzv, master_addr=ip, master_port=free_port(ip), nnodes=nnodes, node_rank=0)
+        return handles
+
     def _accept_workers(self) -> dict[int, Connection]:
         """Every other rank's hello, within the rendezvous timeout; versions must match ours."""
         expected = self.layout.world_size - 1
@@ -253,4 +281,9 @@ class MultiprocExecutor:
             if p.stdin:
                 p.stdin.close()
         self.listener.close()
-        release_group(destroy=threading.current_thread() is threading.main_thread())
+        on_main = threading.current_thread() is threading.main_thread()
+        release_group(destroy=on_main)
+        if on_main and hasattr(self, "_caller_threads"):
+            import torch
+
+            torch.set_num_threads(self._caller_threads)  # give the caller's process its threads back
