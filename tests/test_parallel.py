@@ -99,6 +99,9 @@ def _worker_pids(llm) -> list[int]:
 
 
 def test_a_killed_worker_ends_the_engine_with_an_error(model_dirs):
+    import torch
+
+    threads = torch.get_num_threads()
     llm = make_llm(model_dirs["llama"][0], tensor_parallel_size=2, pipeline_parallel_size=2, **ENGINE)
     executor = llm.llm_engine.core.executor
     victim = executor.procs[1][1]
@@ -113,6 +116,7 @@ def test_a_killed_worker_ends_the_engine_with_an_error(model_dirs):
     assert time.time() - t0 < 15
     for _, p in executor.procs:  # every other rank is stopped too
         assert p.wait(timeout=10) is not None
+    assert torch.get_num_threads() == threads
 
 
 def test_a_worker_killed_mid_step_fails_the_step(model_dirs):

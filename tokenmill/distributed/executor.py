@@ -219,12 +219,14 @@ class MultiprocExecutor:
     # -- failure -------------------------------------------------------------------------------------
     def _check(self) -> None:
         if self.failure is not None:
+            self._restore_threads()  # the watchdog's close could not (it is not the caller's thread)
             raise WorkerFailure(self.failure)
 
     def _fail(self, cause: BaseException | None, reason: str | None = None) -> WorkerFailure:
         reason = reason or self._worker_reason(wait_s=2.0) or f"a distributed step failed: {cause!r}"
         self.failure = self.failure or reason
         self.close(graceful=False)
+        self._restore_threads()
         return WorkerFailure(self.failure)
 
     def _worker_reason(self, wait_s: float = 0.5) -> str | None:
@@ -283,7 +285,15 @@ class MultiprocExecutor:
         self.listener.close()
         on_main = threading.current_thread() is threading.main_thread()
         release_group(destroy=on_main)
-        if on_main and hasattr(self, "_caller_threads"):
+        if on_main:
+            self._restore_threads()
+
+    def _restore_threads(self) -> None:
+        """Give the caller's process its torch threads back (set from the thread that steps: OpenMP's
+        thread count is per thread)."""
+        threads = getattr(self, "_caller_threads", None)
+        if threads is not None:
             import torch
 
-            torch.set_num_threads(self._caller_threads)  # give the caller's process its threads back
+            torch.set_num_threads(threads)
+            self._caller_threads = None
