@@ -263,6 +263,7 @@ class AsyncLLM:
             for req in registered:
                 self._forget(req, tell_core=req in sent)
             raise
+        self.metrics.observe_arrivals(children)
 
     def _forget(self, req: EngineCoreRequest, tell_core: bool) -> None:
         """Undo a registration (no metrics: the request never ran)."""
@@ -355,6 +356,7 @@ class AsyncLLM:
         for o in msg.outputs:
             if o.new_token_ids:
                 self._pending.discard(o.request_id)
+                self.metrics.observe_output_tokens(len(o.new_token_ids))
         for cid, err in msg.errors.items():
             parent = op.child_to_parent.get(cid)
             if parent is not None:

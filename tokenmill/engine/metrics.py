@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tokenmill.engine.core import EngineStats
+from tokenmill.engine.live_window import LiveWindow
 from tokenmill.outputs import RequestMetrics
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -138,12 +139,21 @@ class ServerMetrics:
         self.rejected = Counter("tokenmill:request_rejected", "Requests refused with 429 (queue full).", lab,
                                 registry=r).labels(model_name)
         self.model_name = model_name
+        self.window = LiveWindow()  # the dashboard's last minute (engine/live_window.py)
+        self.output_tokens_streamed = 0  # as they reach the API process, not only when requests finish
+
+    def observe_arrivals(self, n: int) -> None:
+        self.window.arrived(n)
+
+    def observe_output_tokens(self, n: int) -> None:
+        self.output_tokens_streamed += n
 
     def set_engine_stats(self, stats: EngineStats) -> None:
         self.engine.stats = stats
 
     def observe_itl(self, seconds: float) -> None:
         self.itl.observe(seconds)
+        self.window.observe("itl", seconds)
 
     def observe_finished(self, m: RequestMetrics, num_prompt: int, num_generated: int, finish_reason: str,
                          now: float) -> None:
@@ -153,12 +163,17 @@ class ServerMetrics:
         self.prompt_hist.observe(num_prompt)
         self.gen_hist.observe(num_generated)
         self.e2e.observe(now - m.arrival_time)
+        self.window.observe("e2e", now - m.arrival_time, now)
+        self.window.done(num_generated, now)
         if m.first_scheduled_time is not None:
             self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
         if m.first_token_time is not None:
             self.ttft.observe(m.first_token_time - m.arrival_time)
+            self.window.observe("ttft", m.first_token_time - m.arrival_time, now)
             if num_generated > 1 and m.last_token_time is not None:
-                self.tpot.observe((m.last_token_time - m.first_token_time) / (num_generated - 1))
+                tpot = (m.last_token_time - m.first_token_time) / (num_generated - 1)
+                self.tpot.observe(tpot)
+                self.window.observe("tpot", tpot, now)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 import tokenmill
 from tokenmill.config import DEFAULT_MODEL, EngineConfig
+from tokenmill.entrypoints.openai.dashboard import add_dashboard_routes
 from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.entrypoints.openai.errors import APIError, error_response, validation_message
 from tokenmill.entrypoints.openai.guard import GuardMiddleware
@@ -102,6 +103,8 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
     async def metrics():
         await engine.get_stats()  # fresh engine numbers (KV blocks free etc.) at scrape time
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    add_dashboard_routes(app, engine)
 
     @app.get("/debug/engine_stats")
     async def engine_stats():

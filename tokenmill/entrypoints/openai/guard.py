@@ -10,7 +10,8 @@ from tokenmill.entrypoints.openai.errors import error_response
 
 # open without the API key (probes, scrapers, the API's own documentation); everything else needs it
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version", "/docs", "/docs/oauth2-redirect", "/redoc",
-                          "/openapi.json"})
+                          "/openapi.json", "/dashboard", "/dashboard/data", "/dashboard/static/uPlot.iife.min.js",
+                          "/dashboard/static/uPlot.min.css"})
 # still answered while draining (/health then says 503), and not counted as work in flight
 PROBE_PATHS = frozenset({"/health", "/metrics"})
 
