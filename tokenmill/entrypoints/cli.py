@@ -1,4 +1,4 @@
-"""`tokenmill` command line: generate, eval ppl, serve, quantize. `python -m tokenmill` is the same."""
+"""`tokenmill` command line: generate, eval ppl, serve, bench, quantize, tune. `python -m tokenmill` is the same."""
 from __future__ import annotations
 
 import argparse
@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     add_quantize_parser(sub)
+    from tokenmill.tune.cli import add_tune_parser
+
+    add_tune_parser(sub)
     return parser
 
 

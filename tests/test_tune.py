@@ -1,0 +1,79 @@
+"""`tokenmill tune`: a tiny real search on the shipped model writes its JSON, command line and report, and
+its winner meets the SLO when re-measured; bad SLO strings and unknown settings get clear errors."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tokenmill.tune.search import objective_value
+from tokenmill.tune.slo import parse_slos, per_request_slos, violation
+from tokenmill.tune.space import fixed_settings, normalize, searched, to_flags
+
+
+def test_a_tiny_search_writes_its_outputs_and_its_winner_meets_the_slo(tmp_path):
+    out = tmp_path / "tune"
+    r = subprocess.run([sys.executable, "-m", "tokenmill", "tune", "--slo", "ttft_p99=5000ms,tpot_p99=2s",
+                        "--max-trials", "2", "--num-prompts", "8", "--input-len", "32", "--output-len", "8",
+                        "--max-concurrency", "4", "--search", "max_num_seqs,enable_prefix_caching",
+                        "--max-model-len", "256", "--output-dir", str(out), "--disable-tqdm"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads((out / "tune.json").read_text())
+    assert len(doc["trials"]) == 2 and all(not t["failed"] for t in doc["trials"])
+    assert set(doc["space"]) == {"max_num_seqs", "enable_prefix_caching"}
+    assert doc["fixed"] == {"max_model_len": 256}  # given on the command line: fixed, not searched
+    best = doc["best"]
+    assert best["meets_slo"] and best["result"]["request_goodput"] > 0
+    assert doc["best_command"].startswith("tokenmill serve --model ") and "--max-model-len 256" in doc["best_command"]
+    assert (out / "best_command.sh").read_text().strip() == doc["best_command"]
+    assert doc["remeasure"]["best"]["meets_slo"] and doc["remeasure"]["defaults"]["result"]["request_goodput"] > 0
+    report = (out / "report.md").read_text()
+    assert "Re-measured side by side" in report and "![pareto.png](pareto.png)" in report
+    for png in ("goodput.png", "p99.png", "pareto.png"):
+        assert (out / png).stat().st_size > 5000
+
+
+@pytest.mark.parametrize("text,message", [
+    ("", "at least one target"),
+    ("ttft=500ms", "write METRIC_pPCT=VALUE"),
+    ("latency_p99=500ms", "must be one of ttft, tpot, itl, e2el"),
+    ("ttft_p100=5ms", "in \\(0, 100\\)"),
+    ("ttft_p99=0ms", "positive"),
+    ("ttft_p99=500ms,ttft_p99=1s", "twice"),
+])
+def test_bad_slo_strings_are_refused(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_slos(text)
+
+
+def test_slo_parsing_and_scoring():
+    slos = parse_slos("ttft_p99=0.5s, tpot_p90=50ms")
+    assert [(s.key, s.ms) for s in slos] == [("p99_ttft_ms", 500.0), ("p90_tpot_ms", 50.0)]
+    assert per_request_slos(slos) == {"ttft": 500.0, "tpot": 50.0}
+    good = {"p99_ttft_ms": 400.0, "p90_tpot_ms": 40.0, "request_goodput": 3.0}
+    bad = {"p99_ttft_ms": 750.0, "p90_tpot_ms": 40.0, "request_goodput": 9.0}
+    assert violation(good, slos) == 0 and violation(bad, slos) == pytest.approx(0.5)
+    assert objective_value(good, slos) == 3.0 and objective_value(bad, slos) < 0  # a miss never beats a hit
+
+
+def test_the_space_leaves_fixed_settings_alone():
+    fixed = fixed_settings({"max_num_seqs": 8, "block_size": 16, "model": "m"})
+    assert fixed == {"max_num_seqs": 8, "model": "m"}
+    assert "max_num_seqs" not in searched(None, fixed) and "block_size" in searched(None, fixed)
+    assert normalize({"enable_chunked_prefill": False, "max_num_batched_tokens": 512}) == {"enable_chunked_prefill": False}
+    assert to_flags({"enable_prefix_caching": False, "max_num_seqs": 8, "quantization": None}) == [
+        "--no-enable-prefix-caching", "--max-num-seqs", "8"]
+    with pytest.raises(ValueError, match="unknown setting\\(s\\) to search: foo; searchable: max_num_seqs"):
+        searched(["max_num_seqs", "foo"], {})
+
+
+def test_the_cli_reports_bad_input_clearly():
+    r = subprocess.run([sys.executable, "-m", "tokenmill", "tune", "--slo", "ttft_p99=fast", "--max-trials", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "error: bad SLO 'ttft_p99=fast'" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "tokenmill", "tune", "--slo", "ttft_p99=1s", "--search", "warp_drive"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "unknown setting(s) to search: warp_drive" in r.stderr

@@ -1,0 +1,74 @@
+"""`tokenmill tune --model M --slo ttft_p99=500ms,tpot_p99=50ms [workload flags] [engine flags]`."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+
+def add_tune_parser(sub) -> None:
+    from tokenmill.bench.datasets import add_dataset_args
+    from tokenmill.engine.arg_utils import add_engine_args
+    from tokenmill.tune.space import SPACE
+
+    t = sub.add_parser("tune", help="find the engine settings with the most goodput that meet latency SLOs",
+                       description="Each trial is a real `tokenmill serve` process under the workload. Engine "
+                                   "flags given here fix those settings; the others are searched.")
+    t.add_argument("--slo", required=True, help="targets, e.g. ttft_p99=500ms,tpot_p99=50ms (ttft, tpot, itl, e2el)")
+    t.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (Poisson); inf: all at once")
+    t.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    t.add_argument("--max-trials", type=int, default=20)
+    t.add_argument("--budget-minutes", type=float, default=None, help="stop starting trials after this long")
+    t.add_argument("--output-dir", default="tune-results")
+    t.add_argument("--search", default=None, help=f"settings to search (default all): {','.join(SPACE)}")
+    t.add_argument("--no-remeasure", action="store_true", help="skip re-measuring the winner against the defaults")
+    t.add_argument("--disable-tqdm", action="store_true")
+    add_dataset_args(t, seed=False)
+    add_engine_args(t)
+    t.set_defaults(func=cmd_tune)
+
+
+def cmd_tune(args) -> int:
+    from tokenmill.bench.datasets import dataset_from_args, get_tokenizer, sample_requests
+    from tokenmill.engine.arg_utils import engine_kwargs
+    from tokenmill.tune.report import serve_command, write_outputs
+    from tokenmill.tune.search import best_trial, search
+    from tokenmill.tune.slo import parse_slos, per_request_slos, violation
+    from tokenmill.tune.space import fixed_settings, searched, to_flags
+    from tokenmill.tune.trial import Workload, run_trial
+
+    slos = parse_slos(args.slo)
+    kwargs = engine_kwargs(args)
+    fixed = fixed_settings(kwargs)
+    fixed.pop("model", None)
+    space = searched(args.search.split(",") if args.search else None, fixed)
+    if args.max_trials < 1:
+        raise ValueError("--max-trials must be >= 1")
+    tokenizer = get_tokenizer(args.model)
+    reqs = sample_requests(dataset_from_args(args), args.num_prompts, tokenizer, args.seed)
+    pcts = tuple(sorted({50.0, 90.0, 99.0, *(s.percentile for s in slos)}))
+    load = Workload(reqs, args.request_rate, args.max_concurrency, per_request_slos(slos), pcts, seed=args.seed)
+    base = ["--model", args.model, *to_flags(fixed)]
+    trials = search(space, base, load, slos, args.max_trials, args.budget_minutes, seed=args.seed,
+                    show_progress=not args.disable_tqdm)
+    best = best_trial(trials)
+    doc = {"slos": [str(s) for s in slos], "fixed": fixed, "space": space, "trials": trials,
+           "best": best, "best_command": serve_command(args.model, to_flags(fixed), best["settings"]) if best else None}
+    if best and not args.no_remeasure:  # the winner and the defaults, side by side, within noise of each other
+        runs = {}
+        for name, settings in (("best", best["settings"]), ("defaults", {})):
+            r = run_trial(settings, base, load)
+            runs[name] = {"result": {k: r.get(k) for k in ("request_goodput", "output_throughput",
+                                                            *[s.key for s in slos])},
+                          "meets_slo": not r.get("failed") and violation(r, slos) <= 0}
+        g_best, g_def = runs["best"]["result"]["request_goodput"], runs["defaults"]["result"]["request_goodput"]
+        runs["goodput_ratio"] = (g_best / g_def) if g_best and g_def else None
+        doc["remeasure"] = runs
+    paths = write_outputs(args.output_dir, doc, slos)
+    print(json.dumps({"best_command": doc["best_command"], "best_settings": best and best["settings"],
+                      "remeasure": doc.get("remeasure"), **paths}, indent=1, default=str))
+    if best is None:
+        print("no trial met every SLO; loosen the targets or the load", file=sys.stderr)
+        return 1
+    return 0

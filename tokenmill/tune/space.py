@@ -1,0 +1,59 @@
+"""The settings `tokenmill tune` searches. A setting given on the command line (an engine flag whose value
+differs from its default) is fixed instead. `--search a,b` narrows the space to those names."""
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+
+from tokenmill.config import EngineConfig
+
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+SPACE: dict[str, list] = {
+    "max_num_seqs": [4, 8, 16, 32, 64, 128, 256],
+    "max_num_batched_tokens": [256, 512, 1024, 2048, 4096],
+    "enable_chunked_prefill": [True, False],
+    "enable_prefix_caching": [True, False],
+    "block_size": [16, 32],
+    "quantization": [None, "int8"],
+    "speculative_config": [None, NGRAM],
+    "kv_host_cache_gb": [0.0, 1.0],
+}
+
+
+def searched(names: list[str] | None, fixed: dict) -> dict[str, list]:
+    if names:
+        unknown = [n for n in names if n not in SPACE]
+        if unknown:
+            raise ValueError(f"unknown setting(s) to search: {', '.join(unknown)}; searchable: {', '.join(SPACE)}")
+    chosen = names or list(SPACE)
+    return {n: SPACE[n] for n in chosen if n not in fixed}
+
+
+def fixed_settings(engine_kwargs: dict) -> dict:
+    """Engine options the command line set away from their defaults."""
+    defaults = {f.name: f.default for f in fields(EngineConfig)}
+    return {k: v for k, v in engine_kwargs.items() if k in defaults and v != defaults[k]}
+
+
+def normalize(settings: dict) -> dict:
+    """Drop combinations the engine would refuse: without chunked prefill the budget is the context."""
+    s = dict(settings)
+    if s.get("enable_chunked_prefill") is False:
+        s.pop("max_num_batched_tokens", None)
+    if s.get("kv_host_cache_gb") and s.get("enable_prefix_caching") is False:
+        s["kv_host_cache_gb"] = 0.0  # tiers store prefix-cache blocks
+    return s
+
+
+def to_flags(settings: dict) -> list[str]:
+    """`tokenmill serve` flags for settings (booleans as --x / --no-x; None: the default)."""
+    out = []
+    for name, value in settings.items():
+        flag = "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            out.append(flag if value else f"--no-{name.replace('_', '-')}")
+        else:
+            out += [flag, str(value)]
+    return out
