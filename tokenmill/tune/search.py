@@ -38,7 +38,10 @@ def search(space: dict[str, list], base_flags: list[str], load: Workload, slos: 
 
         def keep_going(first: dict) -> bool:
             t.report(objective_value(first, slos), step=0)
-            return violation(first, slos) <= prune_ratio and not t.should_prune()
+            miss = violation(first, slos)
+            # a trial on track to meet every SLO always finishes: half a workload's goodput is too noisy
+            # to rank it; one that misses is stopped when hopeless or below the median so far
+            return miss <= 0 or (miss <= prune_ratio and not t.should_prune())
 
         t0 = time.time()
         result = run_trial(settings, base_flags, load, keep_going)
