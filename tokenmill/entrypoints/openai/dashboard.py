@@ -24,7 +24,7 @@ ENGINE_FIELDS = ("num_running", "num_waiting", "kv_cache_usage", "prefix_cache_h
 
 
 def add_dashboard_routes(app: FastAPI, engine) -> None:
-    cpu = CpuMeter()
+    cpu, gpu = CpuMeter(), GpuMeter()
 
     @app.get("/dashboard", include_in_schema=False)
     async def dashboard():
@@ -50,16 +50,26 @@ def add_dashboard_routes(app: FastAPI, engine) -> None:
             "output_tokens_total": m.output_tokens_streamed,
             "queue_depth": engine.num_pending,
             "cpu_percent": cpu.percent(),
-            "gpu_percent": gpu_percent(),
+            "gpu_percent": gpu.percent(),
         })
 
 
-def gpu_percent() -> float | None:
-    """GPU utilization through NVML, when pynvml is installed and a GPU is present."""
-    try:
-        import pynvml
+class GpuMeter:
+    """GPU utilization through NVML, when pynvml is installed and a GPU is present (looked up once)."""
 
-        pynvml.nvmlInit()
-        return float(pynvml.nvmlDeviceGetUtilizationRates(pynvml.nvmlDeviceGetHandleByIndex(0)).gpu)
-    except Exception:
-        return None
+    def __init__(self):
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._pynvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:
+            self._handle = None
+
+    def percent(self) -> float | None:
+        if self._handle is None:
+            return None
+        try:
+            return float(self._pynvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
+        except Exception:
+            return None
