@@ -280,12 +280,18 @@ class AsyncLLM:
         stream = self.streams[request_id]
         stream.wake_every = 0 if final_only else self.stream_interval
         finished = False
+        held: RequestOutput | None = None  # final_only: deltas that woke us before this call set wake_every
         try:
             while not finished:
                 out = await stream.get()
                 finished = out.finished
                 if finished:
                     self.streams.pop(request_id, None)
+                if final_only:
+                    held = out if held is None else _merge(held, out)
+                    if not finished:
+                        continue
+                    out = held
                 yield out
         finally:
             if not finished:
