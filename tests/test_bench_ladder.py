@@ -1,7 +1,13 @@
-"""The optimization ladder runs end to end on CPU and its report renders."""
+"""The optimization ladders (playbook and long-text) run end to end on CPU, every rung gives the baseline's
+greedy text, and the reports render."""
 import json
+import random
 
-from tokenmill.bench.ladder import RUNGS, ladder_configs, run_ladder
+import pytest
+
+from tokenmill.bench.datasets import LongTextDataset, get_tokenizer, sample_requests
+from tokenmill.bench.ladder import RUNGS, SCENARIOS, ladder_configs, long_text_rungs, run_ladder
+from tokenmill.bench.metrics import RequestResult, compute_metrics
 from tokenmill.bench.report import render_report, validate_ladder
 from tokenmill.config import DEFAULT_MODEL
 
@@ -20,12 +26,72 @@ def test_rungs_add_one_optimization_each():
 
 def test_ladder_end_to_end_and_report(tmp_path):
     out = tmp_path / "ladder.json"
-    ladder = run_ladder(DEFAULT_MODEL, str(out), num_prompts=6, request_rate=50.0, prefix_len=48, suffix_len=8,
-                        num_prefixes=2, output_len=6, max_model_len=128, max_num_seqs=4)
+    ladder = run_ladder(DEFAULT_MODEL, str(out), workload=dict(num_prompts=6, request_rate=50.0, prefix_len=48,
+                        suffix_len=8, num_prefixes=2, output_len=6), max_model_len=128, max_num_seqs=4)
     validate_ladder(json.loads(out.read_text()))
     assert [r["name"] for r in ladder["rungs"]] == [n for n, _, _ in RUNGS]
     for r in ladder["rungs"]:
         assert r["failed_requests"] == 0 and r["output_throughput"] > 0 and r["peak_memory_mb"] > 0
+        assert r["same_greedy_text_as_baseline"], r["name"]
     report = render_report([str(out)], str(tmp_path / "report"))
     text = open(report).read() if not report.lstrip().startswith("#") else report
     assert "+ continuous batching" in text and list((tmp_path / "report").glob("*.png"))
+
+
+def test_long_text_dataset_mixes_short_prompts_and_shared_documents():
+    tok = get_tokenizer(DEFAULT_MODEL)
+    ds = LongTextDataset(doc_len=300, short_len=20, question_len=10, questions_per_doc=3, long_fraction=0.5,
+                         output_len=5)
+    reqs = sample_requests(ds, 12, tok, seed=1)
+    long = [r for r in reqs if r.length_class == "long"]
+    short = [r for r in reqs if r.length_class == "short"]
+    assert len(long) == 6 and len(short) == 6
+    assert all(len(r.prompt) == r.prompt_len == 310 for r in long)
+    assert all(len(r.prompt) == r.prompt_len == 20 for r in short)
+    docs = {tuple(r.prompt[:300]) for r in long}
+    assert len(docs) == 2  # 6 questions, 3 per document
+    assert len({tuple(r.prompt[300:]) for r in long}) == 6  # every question differs
+    assert [r.length_class for r in reqs] != ["long"] * 6 + ["short"] * 6  # arrivals interleave the classes
+    assert sample_requests(ds, 12, tok, seed=1)[0].prompt == reqs[0].prompt  # seeded
+    with pytest.raises(ValueError, match="long-fraction"):
+        LongTextDataset(long_fraction=0)
+
+
+def test_metrics_by_length_class():
+    rng = random.Random(0)
+    results = [RequestResult(success=True, prompt_len=10, output_tokens=4, ttft=0.01 * (i + 1), latency=0.1,
+                             length_class="short") for i in range(10)]
+    results += [RequestResult(success=True, prompt_len=9000, output_tokens=4, ttft=rng.uniform(0.5, 0.6) if i else 2.0,
+                              latency=2.5, length_class="long") for i in range(5)]
+    results.append(RequestResult(success=False, length_class="long", error="x"))
+    m = compute_metrics(results, 10.0)
+    by = m["by_length_class"]
+    assert by["short"]["completed"] == 10 and by["long"]["completed"] == 5 and by["long"]["failed"] == 1
+    assert by["short"]["median_ttft_ms"] == pytest.approx(55.0)
+    assert by["long"]["p99_ttft_ms"] > 1900  # the one cold document dominates the long P99
+    assert m["long_short_p99_ttft_ratio"] == pytest.approx(by["long"]["p99_ttft_ms"] / by["short"]["p99_ttft_ms"])
+    assert "by_length_class" not in compute_metrics([RequestResult(success=True, ttft=0.1, latency=0.2)], 1.0)
+
+
+def test_long_text_ladder_switches_the_levers_on_in_turn(tmp_path):
+    out = tmp_path / "long.json"
+    rungs = long_text_rungs((128, 32), host_cache_gb=0.01)
+    cfgs = [c for _, _, c in ladder_configs({"model": "m"}, SCENARIOS["long-text"], rungs)]
+    assert not cfgs[0]["enable_chunked_prefill"] and not cfgs[0]["enable_prefix_caching"]
+    assert [c["max_num_batched_tokens"] for c in cfgs[1:3]] == [128, 32]
+    assert cfgs[-1]["enable_prefix_caching"] and cfgs[-1]["kv_host_cache_gb"] == 0.01 and cfgs[-1]["speculative_config"]
+    ladder = run_ladder(DEFAULT_MODEL, str(out), "long-text", dict(
+        num_prompts=8, request_rate=50.0, long_doc_len=256, short_len=16, question_len=8, questions_per_doc=2,
+        long_fraction=0.5, output_len=4), max_model_len=None, max_num_seqs=4, rungs=rungs)
+    assert ladder["engine"]["max_model_len"] == 256 + 8 + 4
+    by_name = {r["name"]: r for r in ladder["rungs"]}
+    for r in ladder["rungs"]:
+        assert r["failed_requests"] == 0 and r["same_greedy_text_as_baseline"], r["name"]
+        assert set(r["by_length_class"]) == {"long", "short"} and r["long_short_p99_ttft_ratio"] > 0
+    assert by_name["chunk budget 32"]["kv_cache"]["prefix_cache_hit_rate"] == 0
+    assert by_name["+ prefix caching"]["kv_cache"]["prefix_cache_hit_rate"] > 0
+    assert by_name["+ tiered KV cache"]["kv_cache"]["tiers"]["host"]["blocks_stored"] > 0
+    report = open(render_report([str(out)], str(tmp_path / "report"))).read()
+    assert "By prompt length class" in report and (tmp_path / "report" / "ladder_long_classes.png").exists()
+    with pytest.raises(ValueError, match="no workload setting"):
+        run_ladder(DEFAULT_MODEL, str(out), "long-text", dict(prefix_len=4))

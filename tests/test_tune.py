@@ -77,3 +77,28 @@ def test_the_cli_reports_bad_input_clearly():
     r = subprocess.run([sys.executable, "-m", "tokenmill", "tune", "--slo", "ttft_p99=1s", "--search", "warp_drive"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "unknown setting(s) to search: warp_drive" in r.stderr
+
+
+def test_when_no_trial_meets_the_slo_the_closest_is_named(tmp_path):
+    from tokenmill.tune.report import write_outputs
+    from tokenmill.tune.search import best_trial, closest_trial
+    from tokenmill.tune.slo import misses
+
+    slos = parse_slos("ttft_p99=100ms,tpot_p99=20ms")
+
+    def trial(n, ttft, tpot, pruned=False):
+        result = {"p99_ttft_ms": ttft, "p99_tpot_ms": tpot, "request_goodput": 1.0, "output_throughput": 50.0}
+        return {"number": n, "settings": {"max_num_seqs": 8 * (n + 1)}, "value": objective_value(result, slos),
+                "meets_slo": violation(result, slos) <= 0, "pruned": pruned, "failed": 0, "result": result}
+
+    trials = [trial(0, 400, 10), trial(1, 150, 25), trial(2, 101, 10, pruned=True)]
+    assert best_trial(trials) is None
+    closest = closest_trial(trials)
+    assert closest["number"] == 1  # misses TTFT by 50 %; trial 0 by 300 %; trial 2 was stopped early
+    assert misses(closest["result"], slos) == ["ttft_p99=100ms: 150 ms", "tpot_p99=20ms: 25 ms"]
+    doc = {"slos": [str(s) for s in slos], "trials": trials, "best": None, "best_command": None,
+           "closest": closest, "closest_command": "tokenmill serve --max-num-seqs 16",
+           "closest_misses": misses(closest["result"], slos)}
+    paths = write_outputs(str(tmp_path), doc, slos)
+    assert "Closest (trial 1, misses ttft_p99=100ms: 150 ms" in open(paths["report"]).read()
+    assert open(paths["command"]).read().splitlines()[-1] == "tokenmill serve --max-num-seqs 16"

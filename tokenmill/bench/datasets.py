@@ -27,6 +27,7 @@ class SampleRequest:
     expected_output_len: int
     multi_modal_data: list[dict] | None = None  # OpenAI content parts, for chat requests; None for text-only
     request_id: str | None = None
+    length_class: str | None = None  # "short" / "long" in mixed workloads: results are broken down by it
 
 
 class Dataset:
@@ -154,7 +155,51 @@ class LongDocumentDataset(Dataset):
         return [SampleRequest(ids[s:s + self.doc_len], self.doc_len, self.output_len) for s in starts]
 
 
-DATASETS = {c.name: c for c in (RandomDataset, PrefixRepetitionDataset, ShareGPTDataset, LongDocumentDataset)}
+class LongTextDataset(Dataset):
+    """The playbook's long-text traffic: short prompts mixed with questions about long documents.
+
+    `long_fraction` of the requests are long: a document of `doc_len` tokens (cut from real text) followed
+    by a question of `question_len` tokens; each document gets `questions_per_doc` different questions, as
+    in long-document QA and summarisation, so the document is a shared prefix. The rest are short random
+    prompts of `short_len` tokens. Arrivals are shuffled, so a document's questions spread over the run.
+
+        request:  [ document d (doc_len) ........................ | question q (question_len) ]   "long"
+                  [ short prompt (short_len) ]                                                    "short"
+    """
+
+    name = "long-text"
+
+    def __init__(self, doc_len: int = 8192, short_len: int = 256, question_len: int = 32,
+                 questions_per_doc: int = 4, long_fraction: float = 0.25, output_len: int = 128,
+                 path: str | None = None):
+        if not 0 < long_fraction <= 1:
+            raise ValueError(f"--long-fraction must be in (0, 1], got {long_fraction}")
+        if questions_per_doc < 1:
+            raise ValueError("--questions-per-doc must be >= 1")
+        self.doc_len, self.short_len, self.question_len = doc_len, short_len, question_len
+        self.questions_per_doc, self.long_fraction, self.output_len = questions_per_doc, long_fraction, output_len
+        self.path = path
+
+    def sample(self, num_requests, tokenizer, rng):
+        num_long = max(1, round(self.long_fraction * num_requests))
+        num_docs = -(-num_long // self.questions_per_doc)
+        docs = LongDocumentDataset(self.doc_len, self.output_len, self.path).sample(num_docs, tokenizer, rng)
+        pool = _content_ids(tokenizer) if tokenizer is not None else None
+        reqs = []
+        for i in range(num_long):
+            doc = docs[i // self.questions_per_doc].prompt
+            question = _random_prompt(self.question_len, tokenizer, rng, pool)
+            prompt = doc + question if tokenizer is not None else f"{doc}\n\n{question}"
+            reqs.append(SampleRequest(prompt, self.doc_len + self.question_len, self.output_len, length_class="long"))
+        for _ in range(num_requests - num_long):
+            reqs.append(SampleRequest(_random_prompt(self.short_len, tokenizer, rng, pool), self.short_len,
+                                      self.output_len, length_class="short"))
+        rng.shuffle(reqs)
+        return reqs
+
+
+DATASETS = {c.name: c for c in (RandomDataset, PrefixRepetitionDataset, ShareGPTDataset, LongDocumentDataset,
+                                LongTextDataset)}
 
 
 def add_dataset_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
@@ -169,7 +214,11 @@ def add_dataset_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     g.add_argument("--prefix-len", type=int, default=256)
     g.add_argument("--suffix-len", type=int, default=64)
     g.add_argument("--num-prefixes", type=int, default=4)
-    g.add_argument("--long-doc-len", type=int, default=8192)
+    g.add_argument("--long-doc-len", type=int, default=8192, help="document tokens (long-document, long-text)")
+    g.add_argument("--question-len", type=int, default=32, help="long-text: question tokens after each document")
+    g.add_argument("--questions-per-doc", type=int, default=4, help="long-text: questions asked of each document")
+    g.add_argument("--long-fraction", type=float, default=0.25,
+                   help="long-text: share of requests that are document questions (the rest: --input-len tokens)")
     if seed:  # `bench offline` shares the engine's --seed
         g.add_argument("--seed", type=int, default=0)
 
@@ -185,6 +234,9 @@ def dataset_from_args(args) -> Dataset:
         return ShareGPTDataset(args.dataset_path, out)
     if name == "long-document":
         return LongDocumentDataset(args.long_doc_len, out or 128, args.dataset_path)
+    if name == "long-text":
+        return LongTextDataset(args.long_doc_len, args.input_len, args.question_len, args.questions_per_doc,
+                               args.long_fraction, out or 128, args.dataset_path)
     raise ValueError(f"unknown dataset {name!r}")
 
 
@@ -200,7 +252,9 @@ def dataset_config(args) -> dict:
     keys = {"random": ("input_len", "output_len", "random_range_ratio"),
             "prefix-repetition": ("prefix_len", "suffix_len", "num_prefixes", "output_len"),
             "sharegpt": ("dataset_path", "output_len"),
-            "long-document": ("long_doc_len", "output_len", "dataset_path")}[args.dataset_name]
+            "long-document": ("long_doc_len", "output_len", "dataset_path"),
+            "long-text": ("long_doc_len", "input_len", "question_len", "questions_per_doc", "long_fraction",
+                          "output_len", "dataset_path")}[args.dataset_name]
     return {"dataset_name": args.dataset_name, "num_prompts": args.num_prompts, "seed": args.seed,
             **{k: getattr(args, k) for k in keys}}
 

@@ -13,8 +13,10 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from datetime import datetime
 
+from tokenmill.bench.datasets import Dataset, LongTextDataset, PrefixRepetitionDataset
 from tokenmill.bench.report import LADDER_KIND, ladder_rung
 
 BASELINE = dict(batching="static", kv_layout="contiguous", attention_impl="eager", cpu_linear_kernel="torch",
@@ -45,10 +47,63 @@ RUNGS = [
 PENDING: list[tuple[str, str]] = []
 
 
-def ladder_configs(base: dict) -> list[tuple[str, str, dict]]:
-    cfg = {**base, **BASELINE}
+def long_text_rungs(budgets: tuple[int, ...] = (2048, 512), host_cache_gb: float = 2.0) -> list[tuple[str, str, dict]]:
+    """The long-text ladder: the production engine with the four long-prompt levers off, then each in turn."""
+    rungs = [("baseline", "the production engine (continuous batching, paged KV, fused attention, packed GEMMs) with "
+              "chunked prefill and prefix caching off: a step takes whole prompts, so whatever arrives behind a "
+              "document waits for all of its prefill", {})]
+    for i, b in enumerate(budgets):
+        if i == 0:
+            rungs.append((f"+ chunked prefill ({b})", f"prompts prefilled {b} tokens per step, sharing each step with "
+                          "decodes and short prefills", dict(enable_chunked_prefill=True, max_num_batched_tokens=b)))
+        else:
+            rungs.append((f"chunk budget {b}", f"a smaller per-step token budget: short prompts wait behind at most "
+                          f"{b} tokens of a document's prefill", dict(max_num_batched_tokens=b)))
+    rungs += [
+        ("+ prefix caching", "a document's KV blocks are computed once and reused by its later questions",
+         dict(enable_prefix_caching=True)),
+        ("+ tiered KV cache", f"document blocks evicted from the KV pool go to a {host_cache_gb:g} GiB host-RAM tier "
+         "and load back for the document's next question instead of being recomputed", dict(kv_host_cache_gb=host_cache_gb)),
+        ("+ speculative decoding", "prompt-lookup (n-gram) drafts, up to 4 per step, k adapting to acceptance and "
+         "step cost (documents are rich in n-gram matches)",
+         dict(speculative_config='{"method": "ngram", "num_speculative_tokens": 4}')),
+    ]
+    return rungs
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    baseline: dict  # engine kwargs of rung 0 on top of the user's
+    rungs: list  # (name, changes, delta) applied cumulatively
+    workload: dict  # default workload; `dataset` turns the workload into a Dataset
+
+
+SCENARIOS = {
+    "playbook": Scenario("playbook", BASELINE, RUNGS, dict(
+        dataset="prefix-repetition", num_prompts=64, request_rate=8.0, prefix_len=192, suffix_len=32, num_prefixes=4,
+        output_len=64)),
+    "long-text": Scenario("long-text", dict(enable_chunked_prefill=False, enable_prefix_caching=False,
+                                            max_num_batched_tokens=None), long_text_rungs(), dict(
+        dataset="long-text", num_prompts=48, request_rate=1.0, long_doc_len=8192, short_len=256, question_len=32,
+        questions_per_doc=4, long_fraction=0.25, output_len=64)),
+}
+
+
+def workload_dataset(w: dict) -> Dataset:
+    if w["dataset"] == "prefix-repetition":
+        return PrefixRepetitionDataset(w["prefix_len"], w["suffix_len"], w["num_prefixes"], w["output_len"])
+    if w["dataset"] == "long-text":
+        return LongTextDataset(w["long_doc_len"], w["short_len"], w["question_len"], w["questions_per_doc"],
+                               w["long_fraction"], w["output_len"])
+    raise ValueError(f"no ladder workload for dataset {w['dataset']!r}")
+
+
+def ladder_configs(base: dict, scenario: Scenario | None = None, rungs: list | None = None) -> list[tuple[str, str, dict]]:
+    scenario = scenario or SCENARIOS["playbook"]
+    cfg = {**base, **scenario.baseline}
     out = []
-    for name, changes, delta in RUNGS:
+    for name, changes, delta in rungs or scenario.rungs:
         cfg = {**cfg, **delta}
         out.append((name, changes, dict(cfg)))
     return out
@@ -63,48 +118,72 @@ def _run_rung(name: str, engine_kwargs: dict, workload: dict, out_path: str) -> 
 
 
 def _rung_worker(job: dict) -> None:
-    from tokenmill.bench.datasets import PrefixRepetitionDataset, get_tokenizer, sample_requests
+    from tokenmill.bench.datasets import get_tokenizer, sample_requests
     from tokenmill.bench.offline import run_offline
 
     w = job["workload"]
-    tok = get_tokenizer(job["engine_kwargs"]["model"])
-    ds = PrefixRepetitionDataset(w["prefix_len"], w["suffix_len"], w["num_prefixes"], w["output_len"])
-    reqs = sample_requests(ds, w["num_prompts"], tok, seed=w["seed"])
+    tok = get_tokenizer(job["engine_kwargs"].get("tokenizer") or job["engine_kwargs"]["model"])
+    reqs = sample_requests(workload_dataset(w), w["num_prompts"], tok, seed=w["seed"])
+    # greedy, so every rung must produce the tokens of rung 0 (run_ladder checks)
     res = run_offline(reqs, job["engine_kwargs"], request_rate=w["request_rate"], seed=w["seed"], ignore_eos=True,
-                      disable_tqdm=True)
+                      sampling={"temperature": 0.0}, disable_tqdm=True)
     res["label"] = job["name"]
     with open(job["out"], "w") as f:
         json.dump(res, f)
 
 
-def run_ladder(model: str, out: str, num_prompts: int = 64, request_rate: float = 8.0, prefix_len: int = 192,
-               suffix_len: int = 32, num_prefixes: int = 4, output_len: int = 64, max_model_len: int = 512,
-               max_num_seqs: int = 16, kv_blocks: int | None = None, dtype: str = "float32", seed: int = 0,
-               extra_engine_kwargs: dict | None = None) -> dict:
-    # KV for max_num_seqs sequences at max_model_len: the contiguous baseline fits exactly that batch
-    kv_blocks = kv_blocks or max_num_seqs * math.ceil(max_model_len / 16)
+def default_kv_blocks(scenario: str, workload: dict, max_model_len: int, max_num_seqs: int, block_size: int = 16) -> int:
+    """playbook: max_num_seqs sequences at max_model_len, exactly the contiguous baseline's full batch.
+    long-text: two documents' worth plus a full batch of short requests, so that a third document evicts
+    an older one from the pool (what the tiered cache is for)."""
+    if scenario == "long-text":
+        doc = workload["long_doc_len"] + workload["question_len"] + workload["output_len"]
+        short = workload["short_len"] + workload["output_len"]
+        return math.ceil((2 * doc + max_num_seqs * short) / block_size)
+    return max_num_seqs * math.ceil(max_model_len / block_size)
+
+
+def run_ladder(model: str, out: str, scenario: str = "playbook", workload: dict | None = None,
+               max_model_len: int | None = 512, max_num_seqs: int = 16, kv_blocks: int | None = None,
+               dtype: str = "float32", seed: int = 0, extra_engine_kwargs: dict | None = None,
+               rungs: list | None = None) -> dict:
+    """Send one workload through the scenario's rungs, each in a fresh process; write and return the ladder."""
+    sc = SCENARIOS[scenario]
+    unknown = set(workload or {}) - set(sc.workload)
+    if unknown:
+        raise ValueError(f"the {scenario} ladder has no workload setting {sorted(unknown)}; it takes {sorted(sc.workload)}")
+    workload = {**sc.workload, **(workload or {}), "seed": seed}
+    if scenario == "long-text" and max_model_len is None:
+        max_model_len = workload["long_doc_len"] + workload["question_len"] + workload["output_len"]
+    kv_blocks = kv_blocks or default_kv_blocks(scenario, workload, max_model_len, max_num_seqs)
     base = dict(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                 num_kv_blocks=kv_blocks, seed=seed, **(extra_engine_kwargs or {}))
-    workload = dict(dataset="prefix-repetition", num_prompts=num_prompts, request_rate=request_rate,
-                    prefix_len=prefix_len, suffix_len=suffix_len, num_prefixes=num_prefixes, output_len=output_len,
-                    seed=seed)
-    rungs = []
+    out_rungs = []
     outdir = os.path.dirname(os.path.abspath(out))
     os.makedirs(outdir, exist_ok=True)
     stem = os.path.splitext(os.path.basename(out))[0]
-    for i, (name, changes, cfg) in enumerate(ladder_configs(base)):
+    for i, (name, changes, cfg) in enumerate(ladder_configs(base, sc, rungs)):
         path = os.path.join(outdir, f"{stem}.rung{i}.json")
         print(f"[ladder] rung {i}: {name}", flush=True)
         res = _run_rung(name, cfg, workload, path)
         rung = ladder_rung(name, changes, res, config=cfg, result_file=os.path.basename(path))
         rung["failed_requests"] = res.get("failed")
-        rungs.append(rung)
-        print(f"[ladder]   {rung['output_throughput']:.1f} tok/s, P50/P99 TTFT {rung['p50_ttft_ms']:.0f}/"
-              f"{rung['p99_ttft_ms']:.0f} ms, P50 TPOT {rung['p50_tpot_ms']:.1f} ms", flush=True)
-    ladder = {"kind": LADDER_KIND, "version": 1, "model": model, "device": _device(),
+        texts = res.get("generated_texts")
+        first = texts if i == 0 else first
+        rung["same_greedy_text_as_baseline"] = texts == first
+        if not rung["same_greedy_text_as_baseline"]:
+            print(f"[ladder]   WARNING: {sum(a != b for a, b in zip(texts, first))} of {len(texts)} requests "
+                  "generated other text than the baseline rung", flush=True)
+        out_rungs.append(rung)
+        line = (f"[ladder]   {rung['output_throughput']:.1f} tok/s, P50/P99 TTFT {rung['p50_ttft_ms']:.0f}/"
+                f"{rung['p99_ttft_ms']:.0f} ms, P50 TPOT {rung['p50_tpot_ms']:.1f} ms")
+        if rung.get("long_short_p99_ttft_ratio") is not None:
+            line += f", long/short P99 TTFT {rung['long_short_p99_ttft_ratio']:.2f}x"
+        print(line, flush=True)
+    ladder = {"kind": LADDER_KIND, "version": 1, "scenario": scenario, "model": model, "device": _device(),
               "date": datetime.now().isoformat(timespec="seconds"), "workload": workload,
-              "engine": {k: v for k, v in base.items() if k != "model"}, "rungs": rungs,
-              "pending": [{"name": n, "why": w} for n, w in PENDING]}
+              "engine": {k: v for k, v in base.items() if k != "model"}, "rungs": out_rungs,
+              "pending": [{"name": n, "why": w} for n, w in PENDING] if scenario == "playbook" else []}
     with open(out, "w") as f:
         json.dump(ladder, f, indent=2)
     print(f"[ladder] wrote {out}")
@@ -125,33 +204,55 @@ def add_ladder_parser(sub) -> None:
     from tokenmill.engine.arg_utils import add_engine_args
 
     p = sub.add_parser("ladder", help="the optimization ladder: one workload, one optimization added per rung")
-    w = p.add_argument_group("workload")
-    w.add_argument("--num-prompts", type=int, default=64)
-    w.add_argument("--request-rate", type=float, default=8.0, help="Poisson arrivals per second")
-    w.add_argument("--prefix-len", type=int, default=192)
-    w.add_argument("--suffix-len", type=int, default=32)
-    w.add_argument("--num-prefixes", type=int, default=4)
-    w.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--scenario", default="playbook", choices=sorted(SCENARIOS),
+                   help="playbook: shared-prefix chat from an unoptimized baseline; long-text: short prompts mixed "
+                        "with 8K-token document questions, the long-prompt levers switched on in turn")
+    w = p.add_argument_group("workload (defaults depend on --scenario)")
+    w.add_argument("--num-prompts", type=int)
+    w.add_argument("--request-rate", type=float, help="Poisson arrivals per second")
+    w.add_argument("--output-len", type=int)
+    w.add_argument("--prefix-len", type=int, help="playbook")
+    w.add_argument("--suffix-len", type=int, help="playbook")
+    w.add_argument("--num-prefixes", type=int, help="playbook")
+    w.add_argument("--long-doc-len", type=int, help="long-text: document tokens")
+    w.add_argument("--short-len", type=int, help="long-text: short prompt tokens")
+    w.add_argument("--question-len", type=int, help="long-text")
+    w.add_argument("--questions-per-doc", type=int, help="long-text")
+    w.add_argument("--long-fraction", type=float, help="long-text: share of requests that are document questions")
+    w.add_argument("--chunk-budgets", default="2048,512",
+                   help="long-text: the chunked-prefill token budgets tried in turn (comma-separated)")
+    w.add_argument("--host-cache-gb", type=float, default=2.0, help="long-text: the tiered rung's host-RAM tier")
     w.add_argument("--result-file", default="ladder.json")
-    # The rungs set the baseline-mode flags (batching, kv_layout, attention_impl, cpu_linear_kernel, prefix
-    # caching) themselves; every other engine flag applies to all rungs. The KV budget defaults to
-    # max_num_seqs sequences of max_model_len, what the contiguous baseline needs for a full batch.
-    add_engine_args(p, dtype="float32", max_model_len=512, max_num_seqs=16)
+    # The rungs set their own flags (batching, kv_layout, attention_impl, cpu_linear_kernel, prefix caching,
+    # chunked prefill, ...); every other engine flag applies to all rungs. The KV budget defaults to what
+    # the scenario needs (default_kv_blocks). max_model_len: 512 (playbook), the longest request (long-text).
+    add_engine_args(p, dtype="float32", max_model_len=None, max_num_seqs=16)
     p.set_defaults(func=cmd_ladder)
 
 
 _RUN_LADDER_ARGS = {"model", "dtype", "max_model_len", "max_num_seqs", "num_kv_blocks", "seed"}
 _SET_BY_RUNGS = {"batching", "kv_layout", "attention_impl", "cpu_linear_kernel", "enable_prefix_caching", "quantization",
-                 "kv_host_cache_gb", "speculative_config"}
+                 "kv_host_cache_gb", "speculative_config", "enable_chunked_prefill", "max_num_batched_tokens"}
+_WORKLOAD_ARGS = ("num_prompts", "request_rate", "output_len", "prefix_len", "suffix_len", "num_prefixes",
+                  "long_doc_len", "short_len", "question_len", "questions_per_doc", "long_fraction")
 
 
 def cmd_ladder(args) -> int:
     from tokenmill.engine.arg_utils import engine_kwargs
 
+    sc = SCENARIOS[args.scenario]
+    workload = {k: getattr(args, k) for k in _WORKLOAD_ARGS if getattr(args, k) is not None}
+    wrong = set(workload) - set(sc.workload)
+    if wrong:
+        raise SystemExit(f"error: --{sorted(wrong)[0].replace('_', '-')} is not a setting of the {args.scenario} ladder")
+    rungs = None
+    if args.scenario == "long-text":
+        budgets = tuple(int(b) for b in args.chunk_budgets.split(",") if b.strip())
+        rungs = long_text_rungs(budgets, args.host_cache_gb)
+    max_model_len = args.max_model_len or (512 if args.scenario == "playbook" else None)
     extra = {k: v for k, v in engine_kwargs(args).items() if k not in _SET_BY_RUNGS and k not in _RUN_LADDER_ARGS}
-    run_ladder(args.model, args.result_file, args.num_prompts, args.request_rate, args.prefix_len, args.suffix_len,
-               args.num_prefixes, args.output_len, args.max_model_len, args.max_num_seqs, args.num_kv_blocks,
-               args.dtype, args.seed, extra)
+    run_ladder(args.model, args.result_file, args.scenario, workload, max_model_len, args.max_num_seqs,
+               args.num_kv_blocks, args.dtype, args.seed, extra, rungs)
     return 0
 
 

@@ -37,6 +37,7 @@ class RequestResult:
     generated_text: str = ""
     error: str = ""
     output_tokens_source: str = ""  # "usage" | "tokenizer" | "chunks" | "engine"
+    length_class: str | None = None  # the request's class in a mixed workload (long-text: "short" / "long")
 
 
 def tpot(r: RequestResult) -> float | None:
@@ -117,6 +118,33 @@ def peak_output_tokens_per_s(results: list[RequestResult]) -> float:
     return float(buckets.max())
 
 
+CLASS_STATS = (("ttft", lambda r: r.ttft), ("e2el", lambda r: r.latency))
+
+
+def by_length_class(results: list[RequestResult], percentiles: list[float]) -> dict | None:
+    """TTFT and E2EL percentiles per length class (ms), or None when the workload has no classes. With both
+    "long" and "short" present, also the long/short P99 TTFT ratio: the playbook's 7x problem."""
+    classes = sorted({r.length_class for r in results if r.length_class})
+    if not classes:
+        return None
+    out: dict = {}
+    for c in classes:
+        ok = [r for r in results if r.success and r.length_class == c]
+        row: dict = {"completed": len(ok), "failed": sum(1 for r in results if r.length_class == c and not r.success)}
+        for m, get in CLASS_STATS:
+            for stat, v in summarize([get(r) for r in ok], list(percentiles)).items():
+                row[f"{stat}_{m}_ms"] = v
+        out[c] = row
+    return out
+
+
+def long_short_ratio(by_class: dict | None, key: str = "p99_ttft_ms") -> float | None:
+    if not by_class or "long" not in by_class or "short" not in by_class:
+        return None
+    long, short = by_class["long"].get(key), by_class["short"].get(key)
+    return long / short if long is not None and short else None
+
+
 def compute_metrics(results: list[RequestResult], duration_s: float, percentiles: list[float] = (50, 90, 99),
                     goodput_slos_ms: dict[str, float] | None = None) -> dict:
     """The aggregate result dict (vLLM's key names). Failed requests count only in 'failed'."""
@@ -147,6 +175,11 @@ def compute_metrics(results: list[RequestResult], duration_s: float, percentiles
     for m in METRICS:
         for stat, v in summarize(samples[m], list(percentiles)).items():
             out[f"{stat}_{m}_ms"] = v
+    classes = by_length_class(results, list(percentiles))
+    if classes:
+        out["by_length_class"] = classes
+        out["long_short_p99_ttft_ratio"] = long_short_ratio(classes)
+        out["long_short_p99_e2el_ratio"] = long_short_ratio(classes, "p99_e2el_ms")
     return out
 
 
@@ -164,6 +197,7 @@ def per_request_fields(results: list[RequestResult]) -> dict:
         "output_lens_source": [r.output_tokens_source for r in results],
         "generated_texts": [r.generated_text for r in results],
         "errors": [r.error for r in results],
+        "length_classes": [r.length_class for r in results],
     }
 
 
@@ -173,7 +207,8 @@ def results_from_json(d: dict) -> list[RequestResult]:
     succ = d.get("successes") or [not e for e in d.get("errors", [""] * n)]
     return [RequestResult(success=bool(succ[i]), prompt_len=d["input_lens"][i], output_tokens=d["output_lens"][i],
                           ttft=d["ttfts"][i] or 0.0, itl=list(d["itls"][i] or []), latency=d["latencies"][i] or 0.0,
-                          start_time=(d.get("start_times") or [0.0] * n)[i])
+                          start_time=(d.get("start_times") or [0.0] * n)[i],
+                          length_class=(d.get("length_classes") or [None] * n)[i])
             for i in range(n)]
 
 
@@ -231,6 +266,16 @@ def format_table(result: dict, metrics: list[str], percentiles: list[float], tit
         lines.append(f"{' Communication (rank 0) ':-^60}")
         row("Time per step (ms):", comm["ms_per_step"])
         row("Collectives and sends / MiB:", f"{comm['ops']} / {comm['bytes'] / 2**20:.1f}")
+    classes = result.get("by_length_class")
+    if classes:
+        lines.append(f"{' By prompt length class ':-^60}")
+        for c, row_ in classes.items():
+            row(f"{c}: requests ok / failed:", f"{row_['completed']} / {row_['failed']}")
+            row(f"{c}: TTFT P50 / P99 (ms):", f"{row_['median_ttft_ms']:.1f} / {row_.get('p99_ttft_ms', 0):.1f}")
+            row(f"{c}: E2EL P50 / P99 (ms):", f"{row_['median_e2el_ms']:.1f} / {row_.get('p99_e2el_ms', 0):.1f}")
+        if result.get("long_short_p99_ttft_ratio") is not None:
+            row("long / short P99 TTFT:", f"{result['long_short_p99_ttft_ratio']:.2f}x")
+            row("long / short P99 E2EL:", f"{result['long_short_p99_e2el_ratio']:.2f}x")
     for m in metrics:
         name = METRIC_NAMES[m]
         lines.append(f"{METRIC_HEADERS[m]:-^60}")

@@ -61,8 +61,8 @@ def run_offline(requests: list[SampleRequest], engine_kwargs: dict | None = None
     n = len(requests)
     offsets = arrival_times(n, request_rate, burstiness, seed)
     order = sorted(range(n), key=lambda i: offsets[i])
-    results = [RequestResult(prompt_len=r.prompt_len, start_time=offsets[i], output_tokens_source="engine")
-               for i, r in enumerate(requests)]
+    results = [RequestResult(prompt_len=r.prompt_len, start_time=offsets[i], output_tokens_source="engine",
+                             length_class=r.length_class) for i, r in enumerate(requests)]
     index: dict[str, int] = {}
     seen = [0] * n
     last = [0.0] * n

@@ -58,6 +58,8 @@ def ladder_rung(name: str, changes: str, result: dict, config: dict | None = Non
         "utilization_pct": util,
         "utilization_kind": "gpu" if gpu else "cpu",
         "result_file": result_file,
+        **{k: result[k] for k in ("by_length_class", "long_short_p99_ttft_ratio", "long_short_p99_e2el_ratio",
+                                  "kv_cache", "spec_decode") if result.get(k) is not None},
     }
 
 
@@ -237,18 +239,25 @@ def plot_ladder(ladder: dict, out: Path, stem: str) -> str:
             label = k.split("_")[0].upper() if grouped else None
             ax.bar(x + (j - (len(keys) - 1) / 2) * w, vals, w, label=label,
                    color=f"C{j}" if grouped else [f"C{i % 10}" for i in range(len(rungs))])
-        ax.set_xticks(x)
-        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
-        ax.set_title(title)
-        ax.grid(axis="y", alpha=0.3)
-        if len(keys) > 1:
-            ax.legend(fontsize=7)
+        _rung_axis(ax, names, title, legend=len(keys) > 1)
     fig.suptitle(f"ladder: {ladder.get('model', '')} {ladder.get('device', '')}".strip())
+    return _save(plt, fig, out / f"ladder_{stem}.png")
+
+
+def _rung_axis(ax, names: list[str], title: str, legend: bool) -> None:
+    ax.set_xticks(np.arange(len(names)))
+    ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    if legend:
+        ax.legend(fontsize=7)
+
+
+def _save(plt, fig, path: Path) -> str:
     fig.tight_layout()
-    name = f"ladder_{stem}.png"
-    fig.savefig(out / name, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return name
+    return path.name
 
 
 # -- markdown --------------------------------------------------------------------------------------------------
@@ -294,6 +303,55 @@ def _ladder_table(ladder: dict) -> list[str]:
     return lines
 
 
+def _class_table(ladder: dict) -> list[str]:
+    """Per length class (long-text ladders): P50/P99 TTFT and E2E, and the long/short P99 ratios."""
+    rungs = [r for r in ladder["rungs"] if r.get("by_length_class")]
+    if not rungs:
+        return []
+    classes = sorted({c for r in rungs for c in r["by_length_class"]})
+    head = "| rung | " + " | ".join(f"{c}: TTFT p50/p99 ms | {c}: E2E p50/p99 ms" for c in classes)
+    lines = [head + " | long/short P99 TTFT | long/short P99 E2E | prefix hit % |",
+             "|---|" + "---|---|" * len(classes) + "---|---|---|"]
+    for r in rungs:
+        cells = []
+        for c in classes:
+            row = r["by_length_class"].get(c, {})
+            cells += [f"{_f(row.get('median_ttft_ms'))} / {_f(row.get('p99_ttft_ms'))}",
+                      f"{_f(row.get('median_e2el_ms'))} / {_f(row.get('p99_e2el_ms'))}"]
+        hit = (r.get("kv_cache") or {}).get("prefix_cache_hit_rate")
+        lines.append(f"| {r['name']} | " + " | ".join(cells) +
+                     f" | {_f(r.get('long_short_p99_ttft_ratio'), 2)}x | {_f(r.get('long_short_p99_e2el_ratio'), 2)}x"
+                     f" | {_f(None if hit is None else 100 * hit)} |")
+    return lines
+
+
+def plot_class_ladder(ladder: dict, out: Path, stem: str) -> str | None:
+    """P99 TTFT per length class on a log axis, and the long/short ratio against the 2x goal."""
+    rungs = [r for r in ladder["rungs"] if r.get("by_length_class")]
+    if not rungs:
+        return None
+    plt = _plt()
+    names = [r["name"] for r in rungs]
+    classes = sorted({c for r in rungs for c in r["by_length_class"]})
+    x = np.arange(len(rungs))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.5))
+    w = 0.8 / len(classes)
+    for j, cls in enumerate(classes):
+        for ax, key in ((a, "p99_ttft_ms"), (b, "p99_e2el_ms")):
+            vals = [r["by_length_class"].get(cls, {}).get(key) or 0.0 for r in rungs]
+            ax.bar(x + (j - (len(classes) - 1) / 2) * w, vals, w, label=cls, color=f"C{j}")
+    ratios = [r.get("long_short_p99_ttft_ratio") or 0.0 for r in rungs]
+    c.bar(x, ratios, 0.6, color="C2")
+    c.axhline(2.0, color="k", ls="--", lw=1, label="goal 2x")
+    for ax, title in ((a, "P99 TTFT (ms) by class"), (b, "P99 E2E latency (ms) by class"),
+                      (c, "long / short P99 TTFT")):
+        _rung_axis(ax, names, title, legend=True)
+    a.set_yscale("log")
+    b.set_yscale("log")
+    fig.suptitle(f"long-text ladder: {Path(str(ladder.get('model', ''))).name} {ladder.get('device', '')}".strip())
+    return _save(plt, fig, out / f"ladder_{stem}_classes.png")
+
+
 def render_report(paths: list[str], out_dir: str, title: str = "tokenmill benchmark report") -> str:
     """Write report.md and its PNGs into out_dir; return the Markdown path."""
     out = Path(out_dir)
@@ -319,6 +377,9 @@ def render_report(paths: list[str], out_dir: str, title: str = "tokenmill benchm
         if pending:  # rungs the ladder could not run yet, and why
             md += ["Not yet on the ladder: " + "; ".join(f"**{p['name']}** ({p.get('why', '')})" for p in pending), ""]
         md += [f"![ladder]({plot_ladder(lad, out, stem)})", ""]
+        classes = _class_table(lad)
+        if classes:
+            md += ["### By prompt length class", "", *classes, "", f"![by class]({plot_class_ladder(lad, out, stem)})", ""]
     path = out / "report.md"
     path.write_text("\n".join(md))
     return str(path)

@@ -182,6 +182,7 @@ async def run_benchmark(requests: list[SampleRequest], base_url: str, model: str
             async with sem:
                 res = await send_request(session, url, payloads[i], headers, chat, requests[i].prompt_len, t0)
             res.queue_time = res.start_time - (arrived - t0)
+            res.length_class = requests[i].length_class
             bar.update(1)
             return res
 

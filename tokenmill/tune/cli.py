@@ -33,8 +33,8 @@ def cmd_tune(args) -> int:
     from tokenmill.bench.datasets import dataset_from_args, get_tokenizer, sample_requests
     from tokenmill.engine.arg_utils import engine_kwargs
     from tokenmill.tune.report import serve_command, write_outputs
-    from tokenmill.tune.search import best_trial, search
-    from tokenmill.tune.slo import parse_slos, per_request_slos, violation
+    from tokenmill.tune.search import best_trial, closest_trial, search
+    from tokenmill.tune.slo import misses, parse_slos, per_request_slos, violation
     from tokenmill.tune.space import fixed_settings, searched, to_flags
     from tokenmill.tune.trial import Workload, run_trial
 
@@ -55,6 +55,12 @@ def cmd_tune(args) -> int:
     best = best_trial(trials)
     doc = {"slos": [str(s) for s in slos], "fixed": fixed, "space": space, "trials": trials,
            "best": best, "best_command": serve_command(args.model, to_flags(fixed), best["settings"]) if best else None}
+    if best is None:  # name the least-bad configuration and how far it misses
+        closest = closest_trial(trials)
+        if closest is not None:
+            doc["closest"] = closest
+            doc["closest_command"] = serve_command(args.model, to_flags(fixed), closest["settings"])
+            doc["closest_misses"] = misses(closest["result"], slos)
     if best and not args.no_remeasure:  # the winner and the defaults, side by side, within noise of each other
         runs = {}
         for name, settings in (("best", best["settings"]), ("defaults", {})):
@@ -69,6 +75,10 @@ def cmd_tune(args) -> int:
     print(json.dumps({"best_command": doc["best_command"], "best_settings": best and best["settings"],
                       "remeasure": doc.get("remeasure"), **paths}, indent=1, default=str))
     if best is None:
-        print("no trial met every SLO; loosen the targets or the load", file=sys.stderr)
+        hint = ""
+        if doc.get("closest_command"):
+            hint = (f"; the closest was trial {doc['closest']['number']} ({', '.join(doc['closest_misses'])}): "
+                    f"{doc['closest_command']}")
+        print(f"no trial met every SLO{hint}; loosen the targets or the load", file=sys.stderr)
         return 1
     return 0

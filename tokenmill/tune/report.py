@@ -24,7 +24,9 @@ def write_outputs(out_dir: str, doc: dict, slos: list[SLO]) -> dict[str, str]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": str(out / "tune.json"), "command": str(out / "best_command.sh"), "report": str(out / "report.md")}
     Path(paths["json"]).write_text(json.dumps(doc, indent=1, default=str))
-    Path(paths["command"]).write_text((doc.get("best_command") or "# no trial met every SLO") + "\n")
+    command = doc.get("best_command") or (f"# no trial met every SLO; the closest:\n{doc['closest_command']}"
+                                          if doc.get("closest_command") else "# no trial met every SLO")
+    Path(paths["command"]).write_text(command + "\n")
     plots = _plots(out, doc["trials"], slos)
     Path(paths["report"]).write_text(_markdown(doc, slos, plots))
     return paths
@@ -76,6 +78,9 @@ def _plots(out: Path, trials: list[dict], slos: list[SLO]) -> list[str]:
 def _markdown(doc: dict, slos: list[SLO], plots: list[str]) -> str:
     lines = ["# tokenmill tune", "", f"SLOs: {', '.join(map(str, slos))}", "",
              f"Best: `{doc.get('best_command') or 'no trial met every SLO'}`", ""]
+    if doc.get("closest_command"):
+        lines += [f"Closest (trial {doc['closest']['number']}, misses {'; '.join(doc['closest_misses'])}): "
+                  f"`{doc['closest_command']}`", ""]
     rem = doc.get("remeasure")
     if rem:
         lines += ["## Re-measured side by side", "", "| config | goodput (req/s) | meets SLO | " +

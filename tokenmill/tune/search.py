@@ -65,6 +65,12 @@ def best_trial(trials: list[dict]) -> dict | None:
     return max(ok, key=lambda t: t["value"]) if ok else None
 
 
+def closest_trial(trials: list[dict]) -> dict | None:
+    """When no trial meets every SLO: the finished one that misses its worst target by the least."""
+    done = [t for t in trials if not t["pruned"] and not t.get("failed")]
+    return max(done, key=lambda t: t["value"]) if done else None
+
+
 def _summary(result: dict, slos: list[SLO]) -> dict:
     keys = {"request_goodput", "request_throughput", "output_throughput", "completed", "duration",
             "p99_ttft_ms", "p99_tpot_ms", "p99_itl_ms", "p99_e2el_ms", "median_ttft_ms", *[s.key for s in slos]}

@@ -65,3 +65,11 @@ def violation(result: dict, slos: list[SLO]) -> float:
             return float("inf")
         worst = max(worst, v / s.ms - 1.0)
     return worst
+
+
+def misses(result: dict, slos: list[SLO]) -> list[str]:
+    """The targets a result misses, e.g. ['ttft_p99=500ms: 812 ms'], worst first."""
+    out = [(result.get(s.key), s) for s in slos]
+    bad = [(v / s.ms, f"{s}: {v:.0f} ms") for v, s in out if v is not None and v > s.ms]
+    bad += [(float("inf"), f"{s}: not measured") for v, s in out if v is None]
+    return [text for _, text in sorted(bad, reverse=True)]
