@@ -1,4 +1,5 @@
-"""Benchmark workloads: exact token-id prompt lengths, shared prefixes, ShareGPT parsing, long documents."""
+"""Benchmark workloads: exact token-id prompt lengths, shared prefixes, ShareGPT parsing, long documents, the
+long-text mix."""
 import argparse
 import json
 import random
@@ -6,7 +7,7 @@ import random
 import pytest
 
 from tokenmill.bench.datasets import (DATASETS, LONG_DOC_TEXT, LongDocumentDataset, PrefixRepetitionDataset,
-                                      RandomDataset, ShareGPTDataset, add_dataset_args, dataset_from_args,
+                                      LongTextDataset, RandomDataset, ShareGPTDataset, add_dataset_args, dataset_from_args,
                                       get_tokenizer, sample_requests)
 from tokenmill.config import DEFAULT_MODEL
 
@@ -85,3 +86,22 @@ def test_cli_args_build_each_dataset():
     args = p.parse_args(["--random-input-len", "7", "--output-len", "3"])
     ds = dataset_from_args(args)
     assert (ds.input_len, ds.output_len) == (7, 3)
+
+
+def test_long_text_dataset_mixes_short_prompts_and_shared_documents():
+    tok = get_tokenizer(DEFAULT_MODEL)
+    ds = LongTextDataset(doc_len=300, short_len=20, question_len=10, questions_per_doc=3, long_fraction=0.5,
+                         output_len=5)
+    reqs = sample_requests(ds, 12, tok, seed=1)
+    long = [r for r in reqs if r.length_class == "long"]
+    short = [r for r in reqs if r.length_class == "short"]
+    assert len(long) == 6 and len(short) == 6
+    assert all(len(r.prompt) == r.prompt_len == 310 for r in long)
+    assert all(len(r.prompt) == r.prompt_len == 20 for r in short)
+    docs = {tuple(r.prompt[:300]) for r in long}
+    assert len(docs) == 2  # 6 questions, 3 per document
+    assert len({tuple(r.prompt[300:]) for r in long}) == 6  # every question differs
+    assert [r.length_class for r in reqs] != ["long"] * 6 + ["short"] * 6  # arrivals interleave the classes
+    assert sample_requests(ds, 12, tok, seed=1)[0].prompt == reqs[0].prompt  # seeded
+    with pytest.raises(ValueError, match="long-fraction"):
+        LongTextDataset(long_fraction=0)

@@ -1,13 +1,10 @@
 """The optimization ladders (playbook and long-text) run end to end on CPU, every rung gives the baseline's
 greedy text, and the reports render."""
 import json
-import random
 
 import pytest
 
-from tokenmill.bench.datasets import LongTextDataset, get_tokenizer, sample_requests
 from tokenmill.bench.ladder import RUNGS, SCENARIOS, ladder_configs, long_text_rungs, run_ladder
-from tokenmill.bench.metrics import RequestResult, compute_metrics
 from tokenmill.bench.report import render_report, validate_ladder
 from tokenmill.config import DEFAULT_MODEL
 
@@ -38,47 +35,13 @@ def test_ladder_end_to_end_and_report(tmp_path):
     assert "+ continuous batching" in text and list((tmp_path / "report").glob("*.png"))
 
 
-def test_long_text_dataset_mixes_short_prompts_and_shared_documents():
-    tok = get_tokenizer(DEFAULT_MODEL)
-    ds = LongTextDataset(doc_len=300, short_len=20, question_len=10, questions_per_doc=3, long_fraction=0.5,
-                         output_len=5)
-    reqs = sample_requests(ds, 12, tok, seed=1)
-    long = [r for r in reqs if r.length_class == "long"]
-    short = [r for r in reqs if r.length_class == "short"]
-    assert len(long) == 6 and len(short) == 6
-    assert all(len(r.prompt) == r.prompt_len == 310 for r in long)
-    assert all(len(r.prompt) == r.prompt_len == 20 for r in short)
-    docs = {tuple(r.prompt[:300]) for r in long}
-    assert len(docs) == 2  # 6 questions, 3 per document
-    assert len({tuple(r.prompt[300:]) for r in long}) == 6  # every question differs
-    assert [r.length_class for r in reqs] != ["long"] * 6 + ["short"] * 6  # arrivals interleave the classes
-    assert sample_requests(ds, 12, tok, seed=1)[0].prompt == reqs[0].prompt  # seeded
-    with pytest.raises(ValueError, match="long-fraction"):
-        LongTextDataset(long_fraction=0)
-
-
-def test_metrics_by_length_class():
-    rng = random.Random(0)
-    results = [RequestResult(success=True, prompt_len=10, output_tokens=4, ttft=0.01 * (i + 1), latency=0.1,
-                             length_class="short") for i in range(10)]
-    results += [RequestResult(success=True, prompt_len=9000, output_tokens=4, ttft=rng.uniform(0.5, 0.6) if i else 2.0,
-                              latency=2.5, length_class="long") for i in range(5)]
-    results.append(RequestResult(success=False, length_class="long", error="x"))
-    m = compute_metrics(results, 10.0)
-    by = m["by_length_class"]
-    assert by["short"]["completed"] == 10 and by["long"]["completed"] == 5 and by["long"]["failed"] == 1
-    assert by["short"]["median_ttft_ms"] == pytest.approx(55.0)
-    assert by["long"]["p99_ttft_ms"] > 1900  # the one cold document dominates the long P99
-    assert m["long_short_p99_ttft_ratio"] == pytest.approx(by["long"]["p99_ttft_ms"] / by["short"]["p99_ttft_ms"])
-    assert "by_length_class" not in compute_metrics([RequestResult(success=True, ttft=0.1, latency=0.2)], 1.0)
-
-
 def test_long_text_ladder_switches_the_levers_on_in_turn(tmp_path):
     out = tmp_path / "long.json"
     rungs = long_text_rungs((128, 32), host_cache_gb=0.01)
     cfgs = [c for _, _, c in ladder_configs({"model": "m"}, SCENARIOS["long-text"], rungs)]
     assert not cfgs[0]["enable_chunked_prefill"] and not cfgs[0]["enable_prefix_caching"]
-    assert [c["max_num_batched_tokens"] for c in cfgs[1:3]] == [128, 32]
+    assert [c["max_num_batched_tokens"] for c in cfgs[1:4]] == [128, 128, 32]
+    assert [c.get("long_prefill_token_threshold", 0) for c in cfgs[1:4]] == [0, 64, 16]
     assert cfgs[-1]["enable_prefix_caching"] and cfgs[-1]["kv_host_cache_gb"] == 0.01 and cfgs[-1]["speculative_config"]
     ladder = run_ladder(DEFAULT_MODEL, str(out), "long-text", dict(
         num_prompts=8, request_rate=50.0, long_doc_len=256, short_len=16, question_len=8, questions_per_doc=2,

@@ -1,5 +1,6 @@
 """Benchmark metric math against hand-computed cases (vLLM's definitions), and arrival times."""
 import math
+import random
 
 import numpy as np
 import pytest
@@ -124,3 +125,19 @@ def test_arrival_times():
     assert cv(0.25) > 1.5 > cv(1.0) > 0.8 > cv(4.0)
     with pytest.raises(ValueError):
         arrival_times(3, 1.0, burstiness=0)
+
+
+def test_metrics_by_length_class():
+    rng = random.Random(0)
+    results = [RequestResult(success=True, prompt_len=10, output_tokens=4, ttft=0.01 * (i + 1), latency=0.1,
+                             length_class="short") for i in range(10)]
+    results += [RequestResult(success=True, prompt_len=9000, output_tokens=4, ttft=rng.uniform(0.5, 0.6) if i else 2.0,
+                              latency=2.5, length_class="long") for i in range(5)]
+    results.append(RequestResult(success=False, length_class="long", error="x"))
+    m = compute_metrics(results, 10.0)
+    by = m["by_length_class"]
+    assert by["short"]["completed"] == 10 and by["long"]["completed"] == 5 and by["long"]["failed"] == 1
+    assert by["short"]["median_ttft_ms"] == pytest.approx(55.0)
+    assert by["long"]["p99_ttft_ms"] > 1900  # the one cold document dominates the long P99
+    assert m["long_short_p99_ttft_ratio"] == pytest.approx(by["long"]["p99_ttft_ms"] / by["short"]["p99_ttft_ms"])
+    assert "by_length_class" not in compute_metrics([RequestResult(success=True, ttft=0.1, latency=0.2)], 1.0)

@@ -190,3 +190,9 @@ def test_contiguous_layout_reserves_max_model_len(llama_dir):
     assert len(ids) == 128 // 16 and ids == list(range(ids[0], ids[0] + len(ids)))
     eng.abort_request("a")
     eng.check_invariants()
+
+
+def test_long_prefill_threshold_gives_the_same_tokens(llama_dir, reference):
+    prompts, ref = reference
+    llm = make_llm(llama_dir, max_num_batched_tokens=40, long_prefill_token_threshold=12)
+    assert _run(llm, prompts) == ref

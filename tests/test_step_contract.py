@@ -150,3 +150,26 @@ def test_block_hash_extra_keys_are_a_tuple(extra):
     plain = hash_block(None, [1, 2])
     assert hash_block(None, [1, 2], extra) not in (plain, hash_block(None, [1, 2], extra[:-1] + ("x",)))
     assert hash_block(None, [1, 2], ("ab",)) != hash_block(None, [1, 2], ("a", "b"))
+
+
+def test_long_prefill_threshold_lets_a_short_prompt_start_behind_a_long_one():
+    def steps_until_short_runs(**kw):
+        sched = _scheduler(num_blocks=64, block_size=4, budget=16, **kw)
+        sched.add_request(_request("long", 60))
+        sizes = []
+        out = _run_step(sched)
+        sizes.append({s.request_id: s.num_new_tokens for s in out.seqs})
+        sched.add_request(_request("short", 3))
+        for step in range(1, 10):
+            out = _run_step(sched)
+            got = {s.request_id: s.num_new_tokens for s in out.seqs}
+            sizes.append(got)
+            if "short" in got:
+                return step, sizes
+        raise AssertionError(sizes)
+
+    step, sizes = steps_until_short_runs()
+    assert step == 3 and sizes[0] == {"long": 16}  # uncapped, the long prefill takes each step until its last
+    step, sizes = steps_until_short_runs(long_prefill_token_threshold=8)
+    assert step == 1 and sizes[0] == {"long": 8} and sizes[1] == {"long": 8, "short": 3}
+    assert all(n <= 16 for s in sizes for n in [sum(s.values())])

@@ -108,6 +108,9 @@ class EngineConfig:
     num_kv_blocks: int | None = option(None, "exact KV block count (overrides the memory budget)")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of shared prompt prefixes")
     enable_chunked_prefill: bool = option(True, "split long prompts across steps, sharing them with decodes")
+    long_prefill_token_threshold: int = option(0, "chunked prefill: most tokens one request's prefill takes per "
+                                               "step (0: the whole budget), so prompts behind a long one start "
+                                               "in the same step instead of after its whole prefill (vLLM's name)")
     scheduling_policy: str = option("fcfs", "fcfs, or priority (lower values run first)",
                                     choices=("fcfs", "priority"))
     load_format: str = option("auto", "dummy: random weights for any config.json (benchmarking real shapes)",
@@ -262,6 +265,11 @@ class EngineConfig:
             self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else self.max_model_len
         if self.batching == "static":  # a static batch prefills all its prompts in one step
             self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_num_seqs * self.max_model_len)
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold needs chunked prefill (a prompt's prefill is split "
+                             "across steps only then)")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
 

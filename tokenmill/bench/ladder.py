@@ -47,18 +47,27 @@ RUNGS = [
 PENDING: list[tuple[str, str]] = []
 
 
-def long_text_rungs(budgets: tuple[int, ...] = (2048, 512), host_cache_gb: float = 2.0) -> list[tuple[str, str, dict]]:
-    """The long-text ladder: the production engine with the four long-prompt levers off, then each in turn."""
+def long_text_rungs(budgets: tuple[int, ...] = (2048, 512), host_cache_gb: float = 2.0,
+                    prefill_cap: int | None = None) -> list[tuple[str, str, dict]]:
+    """The long-text ladder: the production engine with the long-prompt levers off, then each in turn.
+    After the first budget comes the long-prefill cap (`prefill_cap`, default half the budget), then the
+    smaller budgets (the cap at most half of each)."""
     rungs = [("baseline", "the production engine (continuous batching, paged KV, fused attention, packed GEMMs) with "
               "chunked prefill and prefix caching off: a step takes whole prompts, so whatever arrives behind a "
               "document waits for all of its prefill", {})]
-    for i, b in enumerate(budgets):
-        if i == 0:
-            rungs.append((f"+ chunked prefill ({b})", f"prompts prefilled {b} tokens per step, sharing each step with "
-                          "decodes and short prefills", dict(enable_chunked_prefill=True, max_num_batched_tokens=b)))
-        else:
-            rungs.append((f"chunk budget {b}", f"a smaller per-step token budget: short prompts wait behind at most "
-                          f"{b} tokens of a document's prefill", dict(max_num_batched_tokens=b)))
+    first, *smaller = budgets
+    cap = prefill_cap or first // 2
+    rungs += [
+        (f"+ chunked prefill ({first})", f"prompts prefilled {first} tokens per step, sharing each step with decodes "
+         "and short prefills", dict(enable_chunked_prefill=True, max_num_batched_tokens=first)),
+        (f"+ long-prefill cap ({cap})", f"one prefill takes at most {cap} tokens of a step (long_prefill_token_threshold):"
+         " a short prompt behind a document starts in the next step, not after the document's whole prefill",
+         dict(long_prefill_token_threshold=cap)),
+    ]
+    for b in smaller:
+        rungs.append((f"chunk budget {b}", f"a smaller per-step token budget, {b} (cap {min(cap, b // 2)}): each step, "
+                      "and so each short prompt's wait, is shorter",
+                      dict(max_num_batched_tokens=b, long_prefill_token_threshold=min(cap, b // 2))))
     rungs += [
         ("+ prefix caching", "a document's KV blocks are computed once and reused by its later questions",
          dict(enable_prefix_caching=True)),
@@ -221,6 +230,8 @@ def add_ladder_parser(sub) -> None:
     w.add_argument("--long-fraction", type=float, help="long-text: share of requests that are document questions")
     w.add_argument("--chunk-budgets", default="2048,512",
                    help="long-text: the chunked-prefill token budgets tried in turn (comma-separated)")
+    w.add_argument("--prefill-cap", type=int, default=None,
+                   help="long-text: the long_prefill_token_threshold rung's cap (default: half the first budget)")
     w.add_argument("--host-cache-gb", type=float, default=2.0, help="long-text: the tiered rung's host-RAM tier")
     w.add_argument("--result-file", default="ladder.json")
     # The rungs set their own flags (batching, kv_layout, attention_impl, cpu_linear_kernel, prefix caching,
@@ -232,7 +243,8 @@ def add_ladder_parser(sub) -> None:
 
 _RUN_LADDER_ARGS = {"model", "dtype", "max_model_len", "max_num_seqs", "num_kv_blocks", "seed"}
 _SET_BY_RUNGS = {"batching", "kv_layout", "attention_impl", "cpu_linear_kernel", "enable_prefix_caching", "quantization",
-                 "kv_host_cache_gb", "speculative_config", "enable_chunked_prefill", "max_num_batched_tokens"}
+                 "kv_host_cache_gb", "speculative_config", "enable_chunked_prefill", "max_num_batched_tokens",
+                 "long_prefill_token_threshold"}
 _WORKLOAD_ARGS = ("num_prompts", "request_rate", "output_len", "prefix_len", "suffix_len", "num_prefixes",
                   "long_doc_len", "short_len", "question_len", "questions_per_doc", "long_fraction")
 
@@ -248,7 +260,7 @@ def cmd_ladder(args) -> int:
     rungs = None
     if args.scenario == "long-text":
         budgets = tuple(int(b) for b in args.chunk_budgets.split(",") if b.strip())
-        rungs = long_text_rungs(budgets, args.host_cache_gb)
+        rungs = long_text_rungs(budgets, args.host_cache_gb, args.prefill_cap)
     max_model_len = args.max_model_len or (512 if args.scenario == "playbook" else None)
     extra = {k: v for k, v in engine_kwargs(args).items() if k not in _SET_BY_RUNGS and k not in _RUN_LADDER_ARGS}
     run_ladder(args.model, args.result_file, args.scenario, workload, max_model_len, args.max_num_seqs,

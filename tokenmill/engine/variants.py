@@ -28,7 +28,7 @@ def build_kv_manager(config: EngineConfig, num_blocks: int, tiers: TierChain | N
 
 def build_scheduler(config: EngineConfig, kv: KVCacheManager) -> Scheduler:
     args = (kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len, config.scheduling_policy,
-            config.enable_chunked_prefill, build_draft_policy(config.speculative))
+            config.enable_chunked_prefill, build_draft_policy(config.speculative), config.long_prefill_token_threshold)
     if config.batching == "static":
         return StaticBatchScheduler(*args, batch_wait_s=config.static_batch_wait_s)
     return Scheduler(*args)

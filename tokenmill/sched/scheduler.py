@@ -1,7 +1,8 @@
 """Continuous batching under a token budget (vLLM v1's rule, no prefill/decode phases).
 
 Each step: running requests first (in order), each asking for the tokens it still lacks, capped by
-the budget (chunked prefill); when blocks run out the lowest-priority running request is preempted
+the budget (chunked prefill; `long_prefill_token_threshold` caps one prefill's share of a step, so a
+short prompt behind a long one starts in the next step); when blocks run out the lowest-priority running request is preempted
 (its blocks freed, recomputed later). Then waiting requests join while budget, sequence slots and
 blocks last. Because one request never needs more blocks than the cache holds (checked at startup),
 preempting everyone else always makes room: no deadlock, and every request finishes.
@@ -73,13 +74,17 @@ class WaitingQueue:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, policy: str = "fcfs", enable_chunked_prefill: bool = True,
-                 spec: DraftPolicy | None = None):
+                 spec: DraftPolicy | None = None, long_prefill_token_threshold: int = 0):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.policy = policy
         self.chunked = enable_chunked_prefill
+        # a prefill chunk takes at most this many tokens of a step (0: all of the budget), leaving the
+        # rest to prompts that arrive behind a long one; decodes are never capped
+        self.prefill_cap = long_prefill_token_threshold if enable_chunked_prefill and long_prefill_token_threshold \
+            else max_num_batched_tokens
         self.requests: dict[str, Request] = {}
         # per running request: how many of its block ids the worker has been sent
         self._blocks_sent: dict[str, int] = {}
@@ -172,6 +177,8 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                n = min(n, self.prefill_cap)
             drafts = self._fit_drafts(req, n, budget)
             n += len(drafts)
             ahead = self._lookahead(req, n - len(drafts))
@@ -227,6 +234,8 @@ class Scheduler:
                     break
             num_cached = len(cached) * self.kv.block_size
             n = req.num_tokens - num_cached
+            if self.chunked:
+                n = min(n, self.prefill_cap)
             if n > budget:
                 if not self.chunked:
                     break

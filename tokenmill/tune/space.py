@@ -12,6 +12,7 @@ SPACE: dict[str, list] = {
     "max_num_seqs": [4, 8, 16, 32, 64, 128, 256],
     "max_num_batched_tokens": [256, 512, 1024, 2048, 4096],
     "enable_chunked_prefill": [True, False],
+    "long_prefill_token_threshold": [0, 256, 512, 1024, 2048],
     "enable_prefix_caching": [True, False],
     "block_size": [16, 32],
     "quantization": [None, "int8"],
@@ -40,6 +41,9 @@ def normalize(settings: dict) -> dict:
     s = dict(settings)
     if s.get("enable_chunked_prefill") is False:
         s.pop("max_num_batched_tokens", None)
+        s.pop("long_prefill_token_threshold", None)
+    elif s.get("long_prefill_token_threshold", 0) >= s.get("max_num_batched_tokens", 2048):
+        s["long_prefill_token_threshold"] = 0  # a cap at or above the budget caps nothing
     if s.get("kv_host_cache_gb") and s.get("enable_prefix_caching") is False:
         s["kv_host_cache_gb"] = 0.0  # tiers store prefix-cache blocks
     return s
