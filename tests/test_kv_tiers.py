@@ -187,7 +187,10 @@ def test_tiers_under_chunked_prefill_and_preemption(llama_dir, tmp_path):
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     kw = dict(num_kv_blocks=17, max_model_len=256, max_num_batched_tokens=32)
     r = _workload(seed=3)
-    rounds = [r[0], r[1] + r[2], r[3], r[4] + r[5] + r[6]]  # concurrent fills: 2 x 15 blocks > 17, preempting
+    # concurrent fills (2 x 15 blocks > 17: the second waits for room), and three short prompts whose
+    # decodes outgrow the pool together (3 x 7 blocks > 17: preemption, then a recompute in chunks)
+    growing = [{"prompt_token_ids": t} for t in random_prompts([64, 64, 64], seed=9)]
+    rounds = [r[0], r[1] + r[2], growing, r[3], r[4] + r[5] + r[6]]
     plain = _run(make_llm(llama_dir, **kw), rounds, sp)
     llm = make_llm(llama_dir, **kw, kv_host_cache_gb=0.05, kv_disk_cache_dir=str(tmp_path))
     assert _run(llm, rounds, sp) == plain

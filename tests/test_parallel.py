@@ -18,8 +18,9 @@ from server_fixtures import ServerProcess, core_pid, tiny_model_dir  # noqa: F40
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=12, seed=7, ignore_eos=True)
-# chunked prefill (16-token budget), prefix hits (the second pass over SHARED), preemption (10 blocks
-# cannot hold the four DISTINCT requests at once)
+LONGER = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+# chunked prefill (16-token budget), prefix hits (the second pass over SHARED), preemption (the four
+# DISTINCT prompts fit in 10 blocks, their 20-token decodes do not)
 ENGINE = dict(max_num_batched_tokens=16, num_kv_blocks=10, max_model_len=64, allow_cpu_oversubscription=True)
 SHARED = [random_prompts([24], seed=6)[0] + tail for tail in random_prompts([3, 9, 5], seed=7)]
 DISTINCT = random_prompts([30, 41, 25, 36], seed=10)
@@ -30,7 +31,7 @@ def run(llm) -> dict:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs]
 
-    out = {"shared": gen(SHARED, GREEDY), "shared_again": gen(SHARED, GREEDY), "distinct": gen(DISTINCT, GREEDY),
+    out = {"shared": gen(SHARED, GREEDY), "shared_again": gen(SHARED, GREEDY), "distinct": gen(DISTINCT, LONGER),
            "seeded": gen(SHARED[:2], SEEDED)}
     stats = llm.llm_engine.get_stats()
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0, stats

@@ -109,8 +109,8 @@ def test_worker_state_follows_the_engine_and_is_released(llama_dir):
     has finished the worker holds no request state or generator."""
     prompts = random_prompts([40, 40, 23, 61, 9], seed=3)
     prompts[1][:32] = prompts[0][:32]  # a prefix hit
-    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-              SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True)]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=40, ignore_eos=True)]
     batch = [{"prompt_token_ids": p} for p in prompts]
     ref = make_llm(llama_dir, max_model_len=128)
     tight = make_llm(llama_dir, max_model_len=128, num_kv_blocks=9, max_num_batched_tokens=24)
@@ -173,3 +173,20 @@ def test_long_prefill_threshold_lets_a_short_prompt_start_behind_a_long_one():
     step, sizes = steps_until_short_runs(long_prefill_token_threshold=8)
     assert step == 1 and sizes[0] == {"long": 8} and sizes[1] == {"long": 8, "short": 3}
     assert all(n <= 16 for s in sizes for n in [sum(s.values())])
+
+
+def test_a_long_prompt_starts_only_when_the_pool_holds_all_of_it():
+    """Two 40-token prompts, a pool of 15 four-token blocks (room for one and a half), chunks of 8: the second
+    waits for the first to finish instead of both prefilling, and preempting each other, in turns."""
+    sched = _scheduler(num_blocks=15, block_size=4, budget=8)
+    sched.add_request(_request("a", 40, max_tokens=4))
+    sched.add_request(Request("b", list(range(100, 140)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
+    seen = []
+    for _ in range(40):
+        out = _run_step(sched)
+        seen.append(sorted(s.request_id for s in out.seqs))
+        if not sched.num_unfinished:
+            break
+    assert not sched.num_unfinished and sched.num_preemptions == 0
+    first_b = next(i for i, ids in enumerate(seen) if "b" in ids)
+    assert all(ids == ["a"] for ids in seen[:first_b]) and "a" not in seen[first_b]

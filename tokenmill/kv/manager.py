@@ -57,6 +57,10 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
+    def blocks_still_needed(self, req: Request, num_tokens: int) -> int:
+        """Blocks `req` lacks to hold `num_tokens` tokens (0 once it holds them)."""
+        return max(0, cdiv(num_tokens, self.block_size) - len(self.req_blocks.get(req.request_id, ())))
+
     def block_ids(self, request_id: str, start: int = 0) -> list[int]:
         """The request's block table from entry `start` on."""
         return [b.block_id for b in self.req_blocks.get(request_id, ())[start:]]
