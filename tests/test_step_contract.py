@@ -190,3 +190,19 @@ def test_a_long_prompt_starts_only_when_the_pool_holds_all_of_it():
     assert not sched.num_unfinished and sched.num_preemptions == 0
     first_b = next(i for i, ids in enumerate(seen) if "b" in ids)
     assert all(ids == ["a"] for ids in seen[:first_b]) and "a" not in seen[first_b]
+
+
+def test_a_short_prompt_passes_a_long_one_that_waits_for_room():
+    sched = _scheduler(num_blocks=15, block_size=4, budget=8)
+    sched.add_request(_request("a", 40, max_tokens=4))
+    _run_step(sched)
+    sched.add_request(Request("b", list(range(100, 140)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
+    sched.add_request(Request("c", [7, 8, 9], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)))
+    sched.add_request(Request("d", list(range(200, 220)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)))
+    for _ in range(8):  # a's prefill takes each step's budget; then c (3 tokens, one step) passes b, d (20) does not
+        out = _run_step(sched)
+        ids = {s.request_id for s in out.seqs}
+        assert "b" not in ids and "d" not in ids
+        if "c" in ids:
+            break
+    assert "c" in ids and sched.num_preemptions == 0

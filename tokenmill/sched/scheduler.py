@@ -221,7 +221,10 @@ class Scheduler:
         # the pool holds all of it on top: otherwise chunked prefills of long prompts take turns preempting
         # each other and recompute thousands of tokens each time (the long-text ladder measured 160-500
         # preemptions where this check gives none).
+        # While a prompt waits for that room, only prompts prefilled whole in this step may pass it (short
+        # requests behind a document); max_num_seqs bounds how many blocks they can hold at once.
         debt = sum(self.kv.blocks_still_needed(r, r.num_tokens) for r in self.running) if self.chunked else 0
+        blocked = False
         for req in self.waiting.ordered():
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
@@ -243,7 +246,10 @@ class Scheduler:
                 whole = self.kv.blocks_still_needed(req, req.num_tokens) - len(cached)
                 reclaimed = sum(1 for b in cached if b.ref_cnt == 0)  # hits sitting in the free queue
                 if whole + debt > self.kv.num_free_blocks - reclaimed:
-                    break
+                    blocked = True
+                    continue
+                if blocked and n > min(budget, self.prefill_cap):
+                    continue
                 n = min(n, self.prefill_cap)
             if n > budget:
                 if not self.chunked:
