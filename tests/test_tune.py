@@ -77,6 +77,9 @@ def test_the_cli_reports_bad_input_clearly():
     r = subprocess.run([sys.executable, "-m", "tokenmill", "tune", "--slo", "ttft_p99=1s", "--search", "warp_drive"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "unknown setting(s) to search: warp_drive" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "tokenmill", "tune", "--slo", "ttft_p99=1s", "--max-model-len", "99999"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "exceeds the model's limit" in r.stderr  # before any trial starts a server
 
 
 def test_when_no_trial_meets_the_slo_the_closest_is_named(tmp_path):

@@ -40,6 +40,7 @@ def cmd_tune(args) -> int:
 
     slos = parse_slos(args.slo)
     kwargs = engine_kwargs(args)
+    _check_engine_flags(kwargs)
     fixed = fixed_settings(kwargs)
     fixed.pop("model", None)
     space = searched(args.search.split(",") if args.search else None, fixed)
@@ -82,3 +83,12 @@ def cmd_tune(args) -> int:
         print(f"no trial met every SLO{hint}; loosen the targets or the load", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_engine_flags(kwargs: dict) -> None:
+    """The fixed engine flags, checked once against the model before any trial starts a server (a bad one
+    would otherwise fail every trial). Raises ValueError."""
+    from tokenmill.config import EngineConfig, ModelConfig
+    from tokenmill.models.loader import load_hf_config
+
+    EngineConfig(**kwargs).resolve(ModelConfig.from_hf(load_hf_config(kwargs["model"])))
