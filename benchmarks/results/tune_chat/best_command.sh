@@ -1,1 +1,1 @@
-tokenmill serve --model /work/main/tokenmill/assets/models/tiny-shakespeare --max-num-seqs 32 --no-enable-chunked-prefill --enable-prefix-caching --block-size 32 --speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}' --kv-host-cache-gb 0.0
+tokenmill serve --model /work/main/tokenmill/assets/models/tiny-shakespeare --max-num-seqs 16 --no-enable-chunked-prefill --no-enable-prefix-caching --block-size 16 --kv-host-cache-gb 0.0
