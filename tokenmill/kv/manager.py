@@ -57,6 +57,12 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
+    def fits(self, num_new_blocks: int, cached: list[KVBlock] = (), reserved: int = 0) -> bool:
+        """Whether `num_new_blocks` beyond the prefix hits `cached` can be taken while `reserved` free blocks
+        stay for others (cached hits sitting in the free queue leave it when adopted)."""
+        reclaimed = sum(1 for b in cached if b.ref_cnt == 0)
+        return num_new_blocks + reserved <= self.pool.num_free - reclaimed
+
     def blocks_still_needed(self, req: Request, num_tokens: int) -> int:
         """Blocks `req` lacks to hold `num_tokens` tokens (0 once it holds them)."""
         return max(0, cdiv(num_tokens, self.block_size) - len(self.req_blocks.get(req.request_id, ())))
@@ -123,8 +129,7 @@ class KVCacheManager:
         blocks = self.req_blocks.get(req.request_id, [])
         total = req.num_computed_tokens + num_new_tokens
         need = cdiv(total, self.block_size) - len(blocks) - len(cached)
-        reclaimed = sum(1 for b in cached if b.ref_cnt == 0)  # cached hits sitting in the free queue
-        if need > self.pool.num_free - reclaimed:
+        if not self.fits(need, cached):
             return False
         self.pool.touch(cached)
         blocks = self.req_blocks.setdefault(req.request_id, blocks)

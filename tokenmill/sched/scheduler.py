@@ -223,6 +223,8 @@ class Scheduler:
         # preemptions where this check gives none).
         # While a prompt waits for that room, only prompts prefilled whole in this step may pass it (short
         # requests behind a document); max_num_seqs bounds how many blocks they can hold at once.
+        if not len(self.waiting):
+            return budget
         debt = sum(self.kv.blocks_still_needed(r, r.num_tokens) for r in self.running) if self.chunked else 0
         blocked = False
         for req in self.waiting.ordered():
@@ -243,9 +245,7 @@ class Scheduler:
             num_cached = len(cached) * self.kv.block_size
             n = req.num_tokens - num_cached
             if self.chunked:
-                whole = self.kv.blocks_still_needed(req, req.num_tokens) - len(cached)
-                reclaimed = sum(1 for b in cached if b.ref_cnt == 0)  # hits sitting in the free queue
-                if whole + debt > self.kv.num_free_blocks - reclaimed:
+                if not self.kv.fits(self.kv.blocks_still_needed(req, req.num_tokens) - len(cached), cached, debt):
                     blocked = True
                     continue
                 if blocked and n > min(budget, self.prefill_cap):
