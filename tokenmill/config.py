@@ -43,6 +43,14 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     sliding_window: int | None
+    # LLaVA-style models: the placeholder token of an image and the encoder rows each image becomes
+    # (0 / None for text-only models); the text fields above are the language model's
+    image_token_id: int | None = None
+    mm_tokens_per_image: int = 0
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.image_token_id is not None
 
     @classmethod
     def from_hf(cls, hf_config) -> "ModelConfig":
@@ -50,6 +58,27 @@ class ModelConfig:
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; cannot pick a model class")
         check_architecture(archs[0])  # unknown architectures fail here, naming themselves
+        vision = getattr(hf_config, "vision_config", None)
+        if vision is None:
+            return cls._from_text_config(hf_config, archs[0])
+        text = hf_config.text_config
+        if getattr(vision, "model_type", "") != "clip_vision_model":
+            raise ValueError(f"vision tower {getattr(vision, 'model_type', None)!r} is not supported; "
+                             f"supported: clip_vision_model")
+        image_token = getattr(hf_config, "image_token_id", None)
+        if image_token is None:
+            image_token = getattr(hf_config, "image_token_index", None)
+        patches = (vision.image_size // vision.patch_size) ** 2
+        strategy = getattr(hf_config, "vision_feature_select_strategy", "default")
+        if strategy not in ("default", "full"):
+            raise ValueError(f"vision_feature_select_strategy {strategy!r} is not supported (default or full)")
+        mc = cls._from_text_config(text, archs[0], getattr(text, "model_type", "llama"))
+        mc.hf_config, mc.image_token_id = hf_config, int(image_token)
+        mc.mm_tokens_per_image = patches if strategy == "default" else patches + 1
+        return mc
+
+    @classmethod
+    def _from_text_config(cls, hf_config, architecture: str, text_type: str | None = None) -> "ModelConfig":
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         rope = dict(getattr(hf_config, "rope_parameters", None) or {})  # transformers >= 5
@@ -62,7 +91,7 @@ class ModelConfig:
             sliding = None
         return cls(
             hf_config=hf_config,
-            architecture=archs[0],
+            architecture=architecture,
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
             intermediate_size=hf_config.intermediate_size,
@@ -76,7 +105,8 @@ class ModelConfig:
             rope_scaling=dict(scaling) if scaling else None,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             # Qwen2 always has q/k/v bias; Llama/Mistral only when attention_bias is set.
-            attention_bias=bool(getattr(hf_config, "attention_bias", False)) or archs[0].startswith("Qwen2"),
+            attention_bias=bool(getattr(hf_config, "attention_bias", False)) or architecture.startswith("Qwen2")
+            or text_type == "qwen2",
             sliding_window=sliding,
         )
 
@@ -137,6 +167,24 @@ class EngineConfig:
         None, "speculative decoding, vLLM's shape, as a dict or JSON: {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 5, \"prompt_lookup_min\": 2}; k adapts to "
         "measured acceptance and step cost unless \"adaptive\": false")
+    limit_mm_per_prompt: str | None = option(
+        None, "multimodal: most items of each kind per prompt, as a dict or JSON, e.g. {\"image\": 4, \"video\": 1} "
+        "(default: 4 images, 1 video)")
+    mm_max_image_pixels: int = option(4096 * 4096, "multimodal: an image with more pixels (width x height) is refused")
+    mm_allow_remote_urls: bool = option(False, "server: fetch http(s) image_url / video_url parts (data: URIs are "
+                                        "always accepted)")
+    mm_fetch_timeout_s: float = option(5.0, "server: an image or video fetch that takes longer is refused")
+    mm_max_fetch_bytes: int = option(20 * 2**20, "server: a fetched image or video larger than this is refused")
+    mm_video_num_frames: int = option(4, "video input: frames sampled uniformly from each clip (each is encoded "
+                                      "like an image)")
+    mm_encoder_budget: int | None = option(None, "multimodal: most encoder output tokens computed in one step "
+                                           "(default: max_num_batched_tokens)")
+    mm_encoder_cache_tokens: int | None = option(None, "multimodal: encoder outputs kept across requests, in "
+                                                 "tokens, keyed by a hash of the pixels (default: 8 x the budget)")
+    mm_encoder_overlap: bool = option(True, "multimodal: encode waiting requests' images in a worker thread while "
+                                      "decode steps run")
+    mm_encoder_quantization: str | None = option(None, "multimodal: run the vision encoder's linears in int8 "
+                                                 "(w8a8: int8 weights and activations)", choices=(None, "int8", "w8a8"))
     tensor_parallel_size: int = option(1, "tensor-parallel ranks: each holds 1/tp of every layer's heads and MLP, "
                                        "joined by one all-reduce per attention and MLP block", aliases=("-tp",))
     pipeline_parallel_size: int = option(1, "pipeline-parallel stages: each holds 1/pp of the layers; as many "
@@ -272,6 +320,29 @@ class EngineConfig:
                              "across steps only then)")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+        self._resolve_multimodal(model_config)
+
+    def _resolve_multimodal(self, mc: ModelConfig) -> None:
+        from tokenmill.multimodal.processor import parse_limits
+
+        parse_limits(self.limit_mm_per_prompt)  # a bad value fails at startup, not at the first request
+        if not mc.is_multimodal:
+            return
+        if self.world_size > 1:
+            raise ValueError("multimodal models do not run with tensor or pipeline parallelism yet")
+        if self.speculative is not None and self.speculative.method == "draft_model":
+            raise ValueError("a draft model cannot see images: use speculative method 'ngram' with multimodal models")
+        per_image = mc.mm_tokens_per_image
+        if self.mm_encoder_budget is None:
+            self.mm_encoder_budget = max(self.max_num_batched_tokens, per_image)
+        if self.mm_encoder_cache_tokens is None:
+            self.mm_encoder_cache_tokens = 8 * self.mm_encoder_budget
+        if self.mm_encoder_budget < per_image:
+            raise ValueError(f"mm_encoder_budget={self.mm_encoder_budget} is below one image's {per_image} encoder "
+                             f"rows")
+        if self.mm_encoder_cache_tokens < 2 * self.mm_encoder_budget:
+            raise ValueError(f"mm_encoder_cache_tokens={self.mm_encoder_cache_tokens} must hold at least two steps' "
+                             f"encoder budget ({2 * self.mm_encoder_budget})")
 
     def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
         if self.dtype != "auto":

@@ -98,7 +98,7 @@ class EngineCore:
         if tiers is not None:
             self.kv_transfer = KVTransferWorker(self.runner.kv_cache, tiers, config.kv_load_timeout_s)
             self._finalizer = weakref.finalize(self, _close_tiers, self.kv_transfer, self.kv)
-        self.scheduler = build_scheduler(config, self.kv)
+        self.scheduler = build_scheduler(config, self.kv, mc.is_multimodal)
         self.scheduler.sync_output_tokens = config.pipeline_parallel_size > 1  # stages that do not sample
         if spec is not None and spec.method == "draft_model":
             self.scheduler.spec_lookahead = spec.num_speculative_tokens
@@ -129,9 +129,11 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if self.governor is not None:
             self.governor.tick()
-        xfer = self.kv_transfer
+        xfer, encoder = self.kv_transfer, self.runner.encoder
         if xfer is not None:
             self.scheduler.finish_loads(xfer.poll())
+        if encoder is not None:
+            self.scheduler.finish_encodes(encoder.poll())
         sched = self.scheduler.schedule()
         if xfer is not None:
             xfer.store(sched.kv_stores)  # before the forward, which may overwrite the evicted blocks
@@ -143,6 +145,11 @@ class EngineCore:
                 return self._finish_oldest()
             if xfer is not None and xfer.num_in_flight:
                 xfer.wait(0.01)  # only loads are in flight: sleep until one lands instead of spinning
+            if encoder is not None:  # no forward this step to hand the encoder its orders
+                encoder.free(sched.encoder_frees)
+                encoder.prefetch(sched.encoder_prefetch)
+                if encoder.num_in_flight:  # only encodes are in flight: sleep until one lands
+                    self.scheduler.finish_encodes(encoder.poll(wait_s=0.01))
             return []
         self.num_steps += 1
         if self.executor is not None and self.executor.max_in_flight > 1:
@@ -217,6 +224,8 @@ class EngineCore:
     def check_invariants(self) -> None:
         """KV accounting is exact; when idle, every block is back in the pool."""
         self.kv.check_invariants()
+        if self.scheduler.encoder is not None:
+            self.scheduler.encoder.cache.check_invariants()
         if self.kv.tiers is not None:
             self.kv.tiers.check_invariants()
         if not self.has_unfinished():

@@ -35,8 +35,11 @@ def eos_token_ids(model_path: str, tokenizer, hf_config) -> tuple[int, ...]:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_ids: tuple[int, ...]):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_ids: tuple[int, ...], mm=None,
+                 chat_media=None):
         self.tokenizer = tokenizer
+        self.mm = mm  # multimodal/processor.py MultiModalProcessor (None: a text-only model)
+        self.chat_media = chat_media  # (resolve_image, resolve_video, limits) for chat content parts
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_ids
@@ -49,8 +52,17 @@ class InputProcessor:
         """Load the tokenizer and EOS ids for a resolved EngineConfig (the same in every process)."""
         tok = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model,
                                                                     config.trust_remote_code)
+        mm = chat_media = None
+        if model_config.is_multimodal:
+            from tokenmill.multimodal.chat import make_resolvers
+            from tokenmill.multimodal.processor import MultiModalProcessor
+
+            mm = MultiModalProcessor.from_config(config, model_config, tok)
+            chat_media = (*make_resolvers(config.mm_allow_remote_urls, config.mm_fetch_timeout_s,
+                                          config.mm_max_fetch_bytes, config.mm_max_image_pixels,
+                                          config.mm_video_num_frames), mm.limits)
         return cls(tok, model_config.vocab_size, config.max_model_len,
-                   eos_token_ids(config.model, tok, model_config.hf_config))
+                   eos_token_ids(config.model, tok, model_config.hf_config), mm, chat_media)
 
     def encode(self, text: str, add_special_tokens: bool = True, field: str = "prompt") -> list[int]:
         """Token ids of `text`; a text that cannot fit in max_model_len tokens is refused before it is
@@ -65,8 +77,18 @@ class InputProcessor:
     def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True,
                     chat_template: str | None = None) -> dict:
         """A conversation as {"prompt": text, "prompt_token_ids": ids} through the model's chat template."""
+        mm_data = None
+        if self.mm is not None:  # image / video content parts -> {"type": "image"} parts + the media in order
+            from tokenmill.multimodal.chat import parse_chat_messages
+
+            resolve_image, resolve_video, limits = self.chat_media
+            conversation, mm_data = parse_chat_messages(conversation, resolve_image=resolve_image,
+                                                        resolve_video=resolve_video, limits=limits)
         text = self.chat_text(conversation, add_generation_prompt, chat_template)
-        return {"prompt": text, "prompt_token_ids": self.encode_chat(text)}
+        prompt = {"prompt": text, "prompt_token_ids": self.encode_chat(text)}
+        if mm_data and mm_data.get("items"):
+            prompt["multi_modal_data"] = mm_data
+        return prompt
 
     def chat_text(self, conversation: list[dict], add_generation_prompt: bool = True,
                   chat_template: str | None = None) -> str:
@@ -106,10 +128,19 @@ class InputProcessor:
         """Returns the prompt text (if any) and the request for the core. Raises ValueError on bad input."""
         if not isinstance(params, SamplingParams):
             raise ValueError("'sampling_params' must be a SamplingParams")
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if mm_data and self.mm is None:
+            raise ValueError("this model takes no images or video ('multi_modal_data')")
+        media = []
+        if self.mm is not None:
+            prompt, media = self.mm.prepare(prompt, mm_data)
         text, ids = self.tokenize_prompt(prompt)
+        items = []
+        if self.mm is not None:
+            ids, items = self.mm.expand(ids, media)
         self.validate(ids)
         if params.stop and self.tokenizer is None:
             raise ValueError("'stop' strings need a tokenizer")
         params = replace(params, eos_token_ids=self.eos_token_ids)
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        return text, EngineCoreRequest(request_id, child_ids, ids, params, arrival_time, priority)
+        return text, EngineCoreRequest(request_id, child_ids, ids, params, arrival_time, priority, items)

@@ -11,6 +11,7 @@ import msgspec
 
 from tokenmill.engine.core import EngineCoreOutput, EngineStats
 from tokenmill.engine.request import Request
+from tokenmill.multimodal.inputs import MultiModalItem
 from tokenmill.sampling_params import SamplingParams
 
 # CoreOutputs.errors messages with this prefix are engine faults (HTTP 500), not bad input (400).
@@ -24,6 +25,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     params: SamplingParams  # eos_token_ids already filled in
     arrival_time: float
     priority: int = 0
+    mm_items: list[MultiModalItem] = []  # images / video frames, their placeholders already in the prompt
 
     def to_requests(self) -> list[Request]:
         """The core-side Request objects; child i gets seed + i so n samples differ but stay reproducible."""
@@ -32,7 +34,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
         for i, cid in enumerate(self.child_ids):
             cp = p if p.seed is None or i == 0 else replace(p, seed=(p.seed + i) % 2**64)
             req = Request(cid, self.prompt_token_ids, cp, arrival_time=self.arrival_time,
-                          priority=self.priority, prefix_leader=leader)
+                          priority=self.priority, prefix_leader=leader, mm_items=list(self.mm_items))
             leader = leader or req
             reqs.append(req)
         return reqs

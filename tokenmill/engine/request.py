@@ -57,6 +57,7 @@ class Request:
     kv_load_failed: bool = False  # a tier load fell short once: recompute instead of trying again
     kv_loaded: bool = False  # back from a tier load; its next prefix lookup finds the loaded blocks
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify at its next step
+    mm_items: list = field(default_factory=list)  # multimodal/inputs.py MultiModalItem, in prompt order
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -73,10 +74,13 @@ class Request:
     def token_ids(self, start: int, end: int) -> list[int]:
         return token_range(self.prompt_token_ids, self.output_token_ids, start, end)
 
-    @property
-    def block_hash_extra_keys(self) -> tuple:
-        """What else besides its tokens a cached block must match (see kv/hashing.py)."""
-        return (self.cache_salt,) if self.cache_salt else ()
+    def block_extra_keys(self, start: int, end: int) -> tuple:
+        """What else besides tokens start..end a cached block must match (see kv/hashing.py): the cache
+        salt, and the hash of every image whose placeholders overlap the block, so two prompts with the same
+        text but different images never share KV."""
+        keys = (self.cache_salt,) if self.cache_salt else ()
+        images = tuple(m.hash for m in self.mm_items if m.offset < end and m.end > start)
+        return keys + images if images else keys
 
     @property
     def is_finished(self) -> bool:

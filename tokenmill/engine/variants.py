@@ -14,6 +14,8 @@ from tokenmill.config import EngineConfig
 from tokenmill.kv.contiguous import ContiguousKVCacheManager
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.kv.tiers.chain import TierChain
+from tokenmill.multimodal.encoder_cache import EncoderCacheManager
+from tokenmill.multimodal.encoder_scheduler import EncoderScheduler
 from tokenmill.sched.scheduler import Scheduler
 from tokenmill.sched.static import StaticBatchScheduler
 from tokenmill.spec_decode.build import build_draft_policy
@@ -26,12 +28,16 @@ def build_kv_manager(config: EngineConfig, num_blocks: int, tiers: TierChain | N
                           config.kv_cache_store_policy)
 
 
-def build_scheduler(config: EngineConfig, kv: KVCacheManager) -> Scheduler:
+def build_scheduler(config: EngineConfig, kv: KVCacheManager, multimodal: bool = False) -> Scheduler:
     args = (kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len, config.scheduling_policy,
             config.enable_chunked_prefill, build_draft_policy(config.speculative), config.long_prefill_token_threshold)
+    encoder = None
+    if multimodal:
+        encoder = EncoderScheduler(EncoderCacheManager(config.mm_encoder_cache_tokens), config.mm_encoder_budget,
+                                   config.mm_encoder_overlap)
     if config.batching == "static":
-        return StaticBatchScheduler(*args, batch_wait_s=config.static_batch_wait_s)
-    return Scheduler(*args)
+        return StaticBatchScheduler(*args, encoder=encoder, batch_wait_s=config.static_batch_wait_s)
+    return Scheduler(*args, encoder=encoder)
 
 
 def build_attention_backend(config: EngineConfig) -> AttentionBackend:

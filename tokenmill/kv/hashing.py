@@ -8,7 +8,8 @@ A block's key covers its own tokens *and* everything before it, so equal keys me
               (partial block: never hashed, never shared)
 
 `extra_keys` is a tuple of whatever else must match for two blocks to be interchangeable: a cache salt
-today; image hashes, LoRA ids and the like as they land. Its items are str, bytes or int.
+and the hashes of the images whose placeholders the block holds; LoRA ids
+and the like as they land. Its items are str, bytes or int.
 """
 from __future__ import annotations
 
@@ -30,9 +31,12 @@ def hash_block(parent: bytes | None, token_ids: list[int], extra_keys: tuple = (
 
 
 def extend_block_hashes(hashes: list[bytes], token_ids_of, num_tokens: int, block_size: int,
-                        extra_keys: tuple = ()) -> None:
+                        extra_keys_of=None) -> None:
     """Append hashes for every full block among the first `num_tokens` tokens not hashed yet.
-    `token_ids_of(start, end)` returns that token range."""
+    `token_ids_of(start, end)` returns that token range; `extra_keys_of(start, end)` its extra keys
+    (a block holding image placeholders is keyed by those images' hashes)."""
     for i in range(len(hashes), num_tokens // block_size):
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block(parent, token_ids_of(i * block_size, (i + 1) * block_size), extra_keys))
+        start, end = i * block_size, (i + 1) * block_size
+        extra = extra_keys_of(start, end) if extra_keys_of is not None else ()
+        hashes.append(hash_block(parent, token_ids_of(start, end), extra))

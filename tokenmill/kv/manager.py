@@ -72,7 +72,7 @@ class KVCacheManager:
         return [b.block_id for b in self.req_blocks.get(request_id, ())[start:]]
 
     def _hashes(self, req: Request, num_tokens: int) -> list[bytes]:
-        extend_block_hashes(req.block_hashes, req.token_ids, num_tokens, self.block_size, req.block_hash_extra_keys)
+        extend_block_hashes(req.block_hashes, req.token_ids, num_tokens, self.block_size, req.block_extra_keys)
         return req.block_hashes
 
     def find_cached_prefix(self, req: Request, count_stats: bool = True) -> list[KVBlock]:

@@ -104,11 +104,13 @@ class LlamaModel(nn.Module):
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
 
-    def forward(self, input_ids, positions, kv_caches, meta, backend, intermediate=None):
+    def forward(self, input_ids, positions, kv_caches, meta, backend, intermediate=None, inputs_embeds=None):
         """`kv_caches` are this stage's layers' caches, in order. `intermediate` is the previous stage's
-        (hidden, residual). Returns the final hidden states on the last stage, else (hidden, residual)."""
+        (hidden, residual). `inputs_embeds` replaces the token embeddings (multimodal prompts). Returns the
+        final hidden states on the last stage, else (hidden, residual)."""
         if self.shard.is_first_stage:
-            x, residual = self.embed_tokens(input_ids), None
+            x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
         else:
             x, residual = intermediate
         cos, sin = self.rotary.cos_sin(positions)
@@ -137,8 +139,8 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings and shard.is_first_stage:
                 self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, positions, kv_caches, meta, backend, intermediate=None):
-        return self.model(input_ids, positions, kv_caches, meta, backend, intermediate)
+    def forward(self, input_ids, positions, kv_caches, meta, backend, intermediate=None, inputs_embeds=None):
+        return self.model(input_ids, positions, kv_caches, meta, backend, intermediate, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.shard.tp.all_gather(self.lm_head(hidden).float())

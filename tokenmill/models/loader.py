@@ -73,11 +73,14 @@ def load_model(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device:
     """The model, or this rank's shard of it (its TP slice of the layers of its pipeline stage)."""
     cls = model_class(mcfg.architecture)
     quant = build_quant_config(cfg.quantization, mcfg.hf_config, cfg.quantize_lm_head)
+    extra = {}
+    if getattr(cls, "is_multimodal", False):
+        extra["encoder_quant"] = build_quant_config(cfg.mm_encoder_quantization, mcfg.hf_config)
     with torch.device(device):
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            model = cls(mcfg, dtype, cfg.max_model_len, quant, shard)
+            model = cls(mcfg, dtype, cfg.max_model_len, quant, shard, **extra)
         finally:
             torch.set_default_dtype(prev)
     if cfg.load_format == "dummy":

@@ -8,6 +8,7 @@ _MODELS = {
     "LlamaForCausalLM": "tokenmill.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "tokenmill.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "tokenmill.models.llama:LlamaForCausalLM",
+    "LlavaForConditionalGeneration": "tokenmill.models.llava:LlavaForConditionalGeneration",
 }
 
 

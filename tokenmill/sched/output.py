@@ -26,6 +26,10 @@ worker keeps its own per-request state (worker/request_state.py) and updates it 
       kv_backups: [BlockStore]             write-through: blocks that fill this step, copied *after* it
       kv_loads: [KVLoad]                   fill these blocks from the tiers, off the step (async)
       kv_load_cancels                      request ids whose loads to stop (aborted)
+      encoder_prefetch: [MultiModalItem]   images of queued requests: encode them in the worker's encoder
+                                           thread (the hashes come back through poll, before a schedule)
+      encoder_frees                        image hashes the encoder cache evicted: drop their rows
+    ScheduledRequest.encoder_inputs        indices of its images to encode before this step's forward
 
     Load results come back as KVLoadResult, polled before each schedule().
 
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.multimodal.inputs import MultiModalItem
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -48,6 +53,7 @@ class NewRequestData:
     output_token_ids: list[int]  # [] for a new request; the tokens so far for one resumed after preemption
     sampling_params: SamplingParams
     block_ids: list[int]  # the whole block table (prefix-cache hits first)
+    mm_items: list[MultiModalItem] = field(default_factory=list)  # images / frames, with their pixels
 
 
 @dataclass
@@ -63,6 +69,7 @@ class ScheduledRequest:
     propose_k: int = 0
     output_start: int = 0
     new_output_token_ids: list[int] = field(default_factory=list)
+    encoder_inputs: list[int] = field(default_factory=list)  # its images to encode before this step's forward
 
 
 @dataclass
@@ -99,6 +106,8 @@ class SchedulerOutput:
     kv_backups: list[BlockStore] = field(default_factory=list)
     kv_loads: list[KVLoad] = field(default_factory=list)
     kv_load_cancels: list[str] = field(default_factory=list)
+    encoder_prefetch: list[MultiModalItem] = field(default_factory=list)  # encode in the worker's thread
+    encoder_frees: list[str] = field(default_factory=list)  # image hashes evicted from the encoder cache
 
     @property
     def is_empty(self) -> bool:

@@ -27,6 +27,7 @@ from collections import deque
 
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.kv.manager import KVCacheManager
+from tokenmill.multimodal.encoder_scheduler import EncoderScheduler
 from tokenmill.sched.output import KVLoad, KVLoadResult, NewRequestData, ScheduledRequest, SchedulerOutput
 from tokenmill.spec_decode.adaptive import DraftPolicy
 
@@ -74,7 +75,8 @@ class WaitingQueue:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, policy: str = "fcfs", enable_chunked_prefill: bool = True,
-                 spec: DraftPolicy | None = None, long_prefill_token_threshold: int = 0):
+                 spec: DraftPolicy | None = None, long_prefill_token_threshold: int = 0,
+                 encoder: EncoderScheduler | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -104,6 +106,8 @@ class Scheduler:
         self.in_flight: set[str] = set()
         self.sync_output_tokens = False
         self._outputs_sent: dict[str, int] = {}
+        self.encoder = encoder  # multimodal: images to encode per step, the encoder cache (None: text only)
+        self._encodes: dict[str, list[int]] = {}  # this step's inline encodes per request (image indices)
 
     # -- admission -------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -138,6 +142,8 @@ class Scheduler:
         self._finished_since_last_step.append(req.request_id)
         if self.spec is not None:
             self.spec.release(req.request_id)
+        if self.encoder is not None:
+            self.encoder.release(req)
 
     @property
     def num_unfinished(self) -> int:
@@ -165,6 +171,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_ids=self._finished_since_last_step)
         self._finished_since_last_step = []
+        if self.encoder is not None:
+            self.encoder.begin_step()
         budget = self.max_num_batched_tokens
         scheduled: dict[str, int] = {}  # request id -> tokens to run, in scheduling order
         preempted_now = False
@@ -179,6 +187,11 @@ class Scheduler:
                 continue
             if req.num_computed_tokens < req.num_prompt_tokens:
                 n = min(n, self.prefill_cap)
+            encodes = []
+            if req.mm_items:
+                n, encodes = self.encoder.plan(req, n)
+                if n <= 0:
+                    continue
             drafts = self._fit_drafts(req, n, budget)
             n += len(drafts)
             ahead = self._lookahead(req, n - len(drafts))
@@ -196,6 +209,8 @@ class Scheduler:
                 budget -= n
                 if drafts:
                     self._drafts[req.request_id] = drafts
+                if req.mm_items:
+                    self._commit_encodes(req, encodes, n)
 
         if not preempted_now and self._may_admit():
             budget = self._admit_waiting(budget, scheduled)
@@ -203,14 +218,39 @@ class Scheduler:
         propose = self._plan_drafts(scheduled)
         out.seqs = [self._scheduled(self.requests[rid], n, propose.get(rid, 0)) for rid, n in scheduled.items()]
         out.num_scheduled_tokens = sum(scheduled.values())
-        self._drafts = {}
+        self._drafts, self._encodes = {}, {}
         out.kv_stores, out.kv_backups = self.kv.take_stores()
         out.kv_loads, self._new_loads = self._new_loads, []
         out.kv_load_cancels, self._load_cancels = self._load_cancels, []
         for rid, n in scheduled.items():
-            self.requests[rid].num_computed_tokens += n
+            req = self.requests[rid]
+            req.num_computed_tokens += n
+            if req.mm_items:
+                self.encoder.advance(req)
         self.in_flight.update(scheduled)
+        if self.encoder is not None:
+            self._prefetch_waiting(out)
         return out
+
+    # -- multimodal ----------------------------------------------------------------------------------
+    def _commit_encodes(self, req: Request, encodes: list[int], n: int) -> None:
+        self.encoder.commit(req, encodes, n)
+        if encodes:
+            self._encodes[req.request_id] = encodes
+
+    def _prefetch_waiting(self, out: SchedulerOutput) -> None:
+        """Overlap: images of requests still queued go to the worker's encoder thread now."""
+        if self.encoder.overlap and self.running:
+            for req in self.waiting.ordered():
+                if req.mm_items:
+                    self.encoder.prefetch(req)
+        out.encoder_prefetch = self.encoder.take_prefetch()
+        out.encoder_frees = self.encoder.cache.take_freed()
+
+    def finish_encodes(self, hashes: list[str]) -> None:
+        """Images the encoder thread finished: their rows are on the worker now."""
+        if hashes:
+            self.encoder.cache.finish_pending(hashes)
 
     def _may_admit(self) -> bool:
         """Whether waiting requests may join this step (always, under continuous batching)."""
@@ -256,6 +296,12 @@ class Scheduler:
                     break
                 n = budget
             req.num_computed_tokens = num_cached
+            encodes = []
+            if req.mm_items:
+                n, encodes = self._plan_admitted_encodes(req, n, scheduled)
+                if n <= 0:
+                    req.num_computed_tokens = 0
+                    continue
             ahead = self._lookahead(req, n)
             if not self.kv.allocate_slots(req, n + ahead, cached, num_draft_tokens=ahead):
                 req.num_computed_tokens = 0
@@ -271,7 +317,20 @@ class Scheduler:
             scheduled[req.request_id] = n
             budget -= n
             debt += self.kv.blocks_still_needed(req, req.num_tokens)
+            if req.mm_items:
+                self._commit_encodes(req, encodes, n)
         return budget
+
+    def _plan_admitted_encodes(self, req: Request, n: int, scheduled: dict[str, int]) -> tuple[int, list[int]]:
+        """A joining request's tokens and inline encodes; 0 tokens when it must wait for its images (the
+        encoder budget, or overlap: they are encoded aside while the others step)."""
+        whole = n
+        n, encodes = self.encoder.plan(req, n)
+        if n < whole and not self.chunked:
+            return 0, []  # without chunked prefill a prompt runs whole or not at all
+        if encodes and self.encoder.encode_aside(req, bool(scheduled)):
+            return 0, []
+        return n, encodes
 
     def _start_tier_load(self, req: Request, cached: list) -> bool | None:
         """None: no tier holds the next blocks; True: a load started (or another request is loading them,
@@ -310,6 +369,8 @@ class Scheduler:
         req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
+        if self.encoder is not None:
+            self.encoder.release(req)
         self.waiting.add(req, front=True)
         out.preempted_ids.append(req.request_id)
 
@@ -361,7 +422,7 @@ class Scheduler:
         new = None
         if sent is None:  # just admitted (or resumed after preemption): the worker gets everything once
             new = NewRequestData(rid, list(req.prompt_token_ids), list(req.output_token_ids), req.sampling_params,
-                                 self.kv.block_ids(rid))
+                                 self.kv.block_ids(rid), req.mm_items)
             self._blocks_sent[rid] = len(new.block_ids)
             new_blocks = []
         else:
@@ -373,7 +434,7 @@ class Scheduler:
             num_sampled_positions=1 + len(drafts) if self._samples(req, n) else 0,
             wants_prompt_logprobs=req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens,
             new_request=new, draft_token_ids=list(drafts), propose_k=propose_k, output_start=out_start,
-            new_output_token_ids=new_outputs)
+            new_output_token_ids=new_outputs, encoder_inputs=self._encodes.get(rid, []))
 
     def _new_outputs(self, req: Request, sent_whole: bool) -> tuple[int, list[int]]:
         if not self.sync_output_tokens:

@@ -12,6 +12,7 @@ from tokenmill.engine.variants import build_attention_backend
 from tokenmill.kv.manager import cdiv
 from tokenmill.models.loader import load_model
 from tokenmill.spec_decode.build import build_proposer, kv_bytes_per_block, load_draft
+from tokenmill.worker.encoder_runner import EncoderRunner
 from tokenmill.worker.model_runner import ModelRunner
 
 _DEFAULT_CPU_KV_GB = 4.0
@@ -33,9 +34,12 @@ def build_runner(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, shar
     if shard.is_last_stage:
         proposer = build_proposer(spec, draft, num_blocks, config.block_size, dtype, config.device,
                                   build_attention_backend(config))
-    return ModelRunner(model, build_attention_backend(config), num_blocks, config.block_size, layers, kv_heads,
-                       mc.head_dim, dtype, config.device, config.seed, proposer=proposer, pipeline=pipeline,
-                       hidden_size=mc.hidden_size)
+    runner = ModelRunner(model, build_attention_backend(config), num_blocks, config.block_size, layers, kv_heads,
+                         mc.head_dim, dtype, config.device, config.seed, proposer=proposer, pipeline=pipeline,
+                         hidden_size=mc.hidden_size)
+    if mc.is_multimodal:
+        runner.encoder = EncoderRunner(model, config.device, dtype, config.mm_encoder_overlap)
+    return runner
 
 
 def num_kv_blocks(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype, layers: int, kv_heads: int,

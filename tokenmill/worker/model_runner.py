@@ -58,6 +58,7 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.requests = RequestStates()
         self.proposer = proposer  # spec_decode: propose_batch(runner, items) -> drafts, release(ids)
+        self.encoder = None  # worker/encoder_runner.py EncoderRunner, for multimodal models
 
     def release_requests(self, request_ids) -> None:
         """Drop finished requests' state (also when a step schedules nothing)."""
@@ -129,7 +130,11 @@ class ModelRunner:
         intermediate = None
         if not self.is_first_stage:
             intermediate = self.pipeline.recv(len(positions), self.hidden_size, self.dtype, self.device)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend, intermediate)
+        if self.encoder is not None:
+            embeds = self._multimodal_embeds(sched, seqs, input_ids, qsl)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend, intermediate, embeds)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend, intermediate)
         out = ModelRunnerOutput()
         if not self.is_last_stage:
             self.pipeline.send(*hidden)
@@ -148,6 +153,21 @@ class ModelRunner:
                 out.prompt_logprobs[s.request_id] = self._prompt_logprobs(s, self.requests[s.request_id],
                                                                           hidden[qsl[i]:qsl[i + 1]])
         return out
+
+    def _multimodal_embeds(self, sched: SchedulerOutput, seqs: list[ScheduledRequest], input_ids: torch.Tensor,
+                           qsl: list[int]) -> torch.Tensor | None:
+        """Encode what the step needs (and queue the prefetches), then splice image rows into the embeddings;
+        None when no sequence in the step touches an image's placeholders."""
+        enc = self.encoder
+        enc.free(sched.encoder_frees)
+        if sched.encoder_prefetch:
+            enc.prefetch(sched.encoder_prefetch)
+        states = [self.requests[s.request_id] for s in seqs]
+        enc.encode([st.mm_items[i] for s, st in zip(seqs, states) for i in s.encoder_inputs])
+        spans = [(qsl[i], s.start_pos, s.num_new_tokens - len(s.draft_token_ids), st.mm_items)
+                 for i, (s, st) in enumerate(zip(seqs, states))
+                 if st.mm_items and s.start_pos < st.mm_items[-1].end]
+        return enc.inputs_embeds(input_ids, spans) if spans else None
 
     def _sample(self, out: ModelRunnerOutput, seqs: list[ScheduledRequest], hidden: torch.Tensor) -> None:
         """One token per sequence from its last position's hidden state; appended to the worker's state."""

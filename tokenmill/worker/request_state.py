@@ -10,7 +10,7 @@ scheduler's per-step output can stay a small diff of plain data (sched/output.py
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,7 @@ class RequestState:
     output_token_ids: list[int]
     sampling_params: SamplingParams
     block_ids: list[int]
+    mm_items: list = field(default_factory=list)  # multimodal/inputs.py MultiModalItem, in prompt order
 
     def token_ids(self, start: int, end: int) -> list[int]:
         return token_range(self.prompt_token_ids, self.output_token_ids, start, end)
@@ -61,7 +62,7 @@ class RequestStates:
     def _install(self, new: NewRequestData) -> None:
         # the lists are the scheduler's copies, made for this message: the state takes them over
         self.states[new.request_id] = RequestState(new.prompt_token_ids, new.output_token_ids, new.sampling_params,
-                                                   new.block_ids)
+                                                   new.block_ids, new.mm_items)
 
     def release(self, request_ids) -> None:
         """Drop finished requests' state and generators."""

@@ -1,0 +1,1 @@
+"""Multimodal input: images and video frames for LLaVA-style models (docs/multimodal.md)."""
