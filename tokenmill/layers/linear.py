@@ -21,6 +21,7 @@ and a tensor-parallel rank cuts its part out of each checkpoint tensor the same 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,8 +50,21 @@ def padded_rows(m: int) -> int:
     return -(-m // step) * step
 
 
-def onednn_linear_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def onednn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN can pack weights of `dtype` here: its bf16 path needs AVX512 (or AVX-NE-CONVERT), so an
+    AVX2-only CPU takes F.linear for bfloat16 instead of failing at load."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    return _onednn_packs(dtype)
+
+
+@functools.cache
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
+        return True
+    except RuntimeError:
+        return False
 
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -103,10 +103,11 @@ def cpu_linear_kernel(cfg: EngineConfig, device: str, model: torch.nn.Module, dt
     kind = cfg.cpu_linear_kernel
     if device != "cpu":
         return "torch"
-    if kind != "torch" and not onednn_linear_available():
+    if kind != "torch" and not onednn_linear_available(dtype):
         if kind == "auto":
             return "torch"
-        raise ValueError(f"cpu_linear_kernel={kind!r} needs a PyTorch build with oneDNN (mkldnn)")
+        raise ValueError(f"cpu_linear_kernel={kind!r} needs a PyTorch build with oneDNN (mkldnn) that packs "
+                         f"{dtype} weights on this CPU")
     if kind == "onednn+gemv" and not (dtype in cpu_gemv.DTYPES and cpu_gemv.available()):
         raise ValueError("cpu_linear_kernel='onednn+gemv' needs bfloat16 or float32 weights, an AVX512-BF16 CPU "
                          "and gcc")

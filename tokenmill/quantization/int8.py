@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers.linear import LinearMethod, LoadContext, UnquantizedLinearMethod, add_param, padded_rows
-from tokenmill.ops import cpu_qgemv
+from tokenmill.ops import cpu_qgemv, native
 from tokenmill.quantization.awq_format import quantize_w8
 from tokenmill.quantization.config import QuantizationConfig
 
@@ -25,7 +25,11 @@ GEMV_MAX_ROWS = cpu_qgemv.MAX_ROWS
 
 
 def qlinear_available() -> bool:
-    return hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_prepack") and \
+    """oneDNN's int8 GEMM, where it is exact: with VNNI (or AMX). Without it (AVX2 only) oneDNN multiplies
+    u8 x s8 pairs with vpmaddubsw, whose int16 sums saturate, so tokens would differ from the twin."""
+    flags = native.cpu_flags()
+    vnni = bool({"avx512_vnni", "avx_vnni", "amx_int8"} & flags)
+    return vnni and hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_prepack") and \
         torch.backends.mkldnn.is_available()
 
 
