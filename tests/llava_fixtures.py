@@ -12,7 +12,7 @@ from PIL import Image
 
 from conftest import SHAPE, VOCAB, build_tokenizer
 
-IMAGE_TOKEN = VOCAB - 1  # inside the text vocabulary, as in llava-hf checkpoints
+IMAGE_TOKEN = 3  # "<image>", a special token of the tokenizer, inside the text vocabulary as in llava-hf
 IMAGE_SIZE, PATCH = 16, 4  # 16 patches per image ("default" drops CLS)
 TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH) ** 2
 CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
@@ -39,7 +39,7 @@ def build_llava(path: str, text: str, seed: int = 0, feature_layer=-2):
             if "norm" not in name and "layrnorm" not in name:
                 p.normal_(0, 0.08)
     model.save_pretrained(path)
-    build_tokenizer(path)
+    build_tokenizer(path, extra_specials=("<image>",))
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
         json.dump({"image_processor_type": "CLIPImageProcessor", "do_resize": True,
                    "size": {"shortest_edge": IMAGE_SIZE}, "resample": 3, "do_center_crop": True,

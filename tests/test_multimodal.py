@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tokenmill import SamplingParams
-from conftest import make_llm, random_prompts
+from conftest import VOCAB, make_llm, random_prompts
 from llava_fixtures import IMAGE_TOKEN, TOKENS_PER_IMAGE, build_llava, expand, hf_greedy_mm, hf_pixels, random_image
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -22,7 +22,7 @@ def llava_dirs(tmp_path_factory):
 
 def mm_prompt(seed: int, lengths: list[int]) -> list[int]:
     """Random text pieces with one image token between consecutive pieces."""
-    pieces = random_prompts(lengths, seed=seed, vocab=IMAGE_TOKEN)
+    pieces = [[t + 1 for t in p] for p in random_prompts(lengths, seed=seed, vocab=VOCAB - 1)]  # never id 3
     ids = pieces[0]
     for p in pieces[1:]:
         ids = ids + [IMAGE_TOKEN] + p
@@ -76,3 +76,124 @@ def test_deeper_feature_layer_list_matches_transformers(tmp_path):
     ids, imgs = mm_prompt(6, [4, 8]), [random_image(6)]
     out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}}, GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy_mm(hf, expand(ids), hf_pixels(path, imgs), 12)
+
+
+def _req(ids, imgs):
+    return {"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}}
+
+
+def test_encoder_cache_and_image_keyed_prefix_blocks(llava_dirs):
+    """The same image twice: encoded once, its blocks reused, same tokens. A different image with the same
+    text: different tokens, and no block at or after the image is shared."""
+    path, hf = llava_dirs["llama"]
+    llm = make_llm(path, block_size=4)
+    ids = mm_prompt(7, [10, 12])  # image placeholders at 10 .. 25
+    a, b = random_image(20), random_image(21)
+    first = llm.generate(_req(ids, [a]), GREEDY, use_tqdm=False)[0]
+    enc = llm.llm_engine.core.runner.encoder
+    assert enc.images_encoded == 1
+    again = llm.generate(_req(ids, [a.copy()]), GREEDY, use_tqdm=False)[0]
+    assert enc.images_encoded == 1  # an encoder cache hit by pixel hash
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert again.num_cached_tokens >= 10 + TOKENS_PER_IMAGE  # the image's blocks are prefix hits
+    other = llm.generate(_req(ids, [b]), GREEDY, use_tqdm=False)[0]
+    assert other.num_cached_tokens == 8  # only whole blocks before the image (10 tokens -> 2 blocks of 4)
+    assert other.outputs[0].token_ids != first.outputs[0].token_ids
+    assert other.outputs[0].token_ids == hf_greedy_mm(hf, expand(ids), hf_pixels(path, [b]), 12)
+    assert enc.images_encoded == 2
+    llm.llm_engine.check_invariants()
+
+
+def test_encoder_cache_hit_gives_the_same_tokens_without_prefix_caching(llava_dirs):
+    path, _ = llava_dirs["qwen2"]
+    llm = make_llm(path, enable_prefix_caching=False)
+    img = random_image(30)
+    prompts = [_req(mm_prompt(s, [4, 6]), [img]) for s in (8, 9)]  # different text, same image
+    separate = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert llm.llm_engine.core.runner.encoder.images_encoded == 1
+    fresh = make_llm(path, enable_prefix_caching=False)
+    assert [fresh.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts[::-1]] == separate[::-1]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_many_requests_with_and_without_overlap_match_one_at_a_time(llava_dirs, overlap):
+    """Requests arriving while others decode: with overlap their images are encoded in the encoder thread;
+    the tokens are those of each request run alone."""
+    path, _ = llava_dirs["llama"]
+    imgs = [random_image(40 + i) for i in range(6)]
+    prompts = [_req(mm_prompt(50 + i, [3 + i, 5]), [imgs[i % 4]]) for i in range(6)]
+    alone = make_llm(path, mm_encoder_overlap=False)
+    expected = [alone.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    llm = make_llm(path, mm_encoder_overlap=overlap, max_num_seqs=3, mm_encoder_budget=TOKENS_PER_IMAGE,
+                   mm_encoder_cache_tokens=4 * TOKENS_PER_IMAGE, max_num_batched_tokens=32)
+    engine = llm.llm_engine
+    ids = [engine.add_request(None, prompts[0], GREEDY)]
+    done = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        if steps in (2, 3, 5, 6, 8):  # arrivals while the first requests decode
+            ids.append(engine.add_request(None, prompts[len(ids)], GREEDY))
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+        if steps == 9 and len(ids) < len(prompts):
+            ids.append(engine.add_request(None, prompts[len(ids)], GREEDY))
+    assert [done[i] for i in ids] == expected
+    engine.check_invariants()
+    enc = engine.core.runner.encoder
+    assert enc.images_encoded >= 4  # the cache holds 4 images: at least each distinct one once
+    assert (enc.images_prefetched > 0) == overlap
+    assert (engine.core.scheduler.encoder.cache.used <= 4 * TOKENS_PER_IMAGE)
+
+
+def test_text_prompt_with_image_and_video_markers(llava_dirs):
+    """'<image>' is one image; '<video>' becomes one image per sampled frame, in prompt order."""
+    path, hf = llava_dirs["llama"]
+    llm = make_llm(path, mm_video_num_frames=2)
+    tok = llm.get_tokenizer()
+    img, clip = random_image(60), [random_image(61 + i) for i in range(5)]  # 5 frames -> frames 0 and 4 (or so)
+    out = llm.generate({"prompt": "To be <video> or not <image> to be",
+                        "multi_modal_data": {"image": img, "video": clip}}, GREEDY, use_tqdm=False)[0]
+    from tokenmill.multimodal.video import load_video
+    frames = load_video(clip, 2, 10**8)
+    ids = tok.encode("To be <image><image> or not <image> to be")
+    assert out.prompt_token_ids == expand(ids)
+    assert out.outputs[0].token_ids == hf_greedy_mm(hf, expand(ids), hf_pixels(path, [*frames, img]), 12)
+
+
+@pytest.mark.parametrize("prompt, data, message", [
+    ({"prompt_token_ids": [5, IMAGE_TOKEN, 6]}, {}, "1 image placeholder token(s) but 0"),
+    ({"prompt_token_ids": [5, IMAGE_TOKEN, 6]}, {"image": [random_image(1)] * 2}, "but 2 image(s)"),
+    ({"prompt": "two <image> <image>"}, {"image": random_image(1)}, "2 <image>"),
+    ({"prompt_token_ids": [5] + [IMAGE_TOKEN] * 5}, {"image": [random_image(1)] * 5}, "at most 4 images"),
+    ({"prompt_token_ids": [5, IMAGE_TOKEN]}, {"image": b"not an image at all"}, "could not decode image"),
+    ({"prompt_token_ids": [5, IMAGE_TOKEN]}, {"image": random_image(1, size=(300, 300))}, "pixel"),
+    ({"prompt_token_ids": [5, IMAGE_TOKEN]}, {"audio": b"x"}, "unsupported multi_modal_data"),
+])
+def test_bad_multimodal_input_is_refused_and_the_engine_keeps_serving(llava_dirs, prompt, data, message):
+    path, hf = llava_dirs["llama"]
+    llm = make_llm(path, mm_max_image_pixels=200 * 200)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        llm.generate({**prompt, "multi_modal_data": data} if data else prompt, GREEDY, use_tqdm=False)
+    ids, imgs = mm_prompt(70, [4, 4]), [random_image(70)]
+    out = llm.generate(_req(ids, imgs), GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy_mm(hf, expand(ids), hf_pixels(path, imgs), 12)
+    llm.llm_engine.check_invariants()
+
+
+def test_text_model_refuses_images(model_dirs):
+    llm = make_llm(model_dirs["llama"][0])
+    with pytest.raises(ValueError, match="takes no images"):
+        llm.generate({"prompt_token_ids": [5, 6], "multi_modal_data": {"image": random_image(1)}}, use_tqdm=False)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"mm_encoder_budget": TOKENS_PER_IMAGE - 1}, "below one image"),
+    ({"mm_encoder_cache_tokens": TOKENS_PER_IMAGE}, "at least two steps"),
+    ({"limit_mm_per_prompt": '{"audio": 1}'}, "limit_mm_per_prompt"),
+    ({"speculative_config": {"method": "draft_model", "model": "x", "num_speculative_tokens": 2}}, "draft model"),
+])
+def test_bad_multimodal_settings_are_refused(llava_dirs, kw, message):
+    with pytest.raises(ValueError, match=message):
+        make_llm(llava_dirs["llama"][0], **kw)

@@ -107,7 +107,9 @@ class _RequestStream:
 
 
 def _needs_tokenizer(prompt) -> bool:
-    return isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
+    """Tokenizing, and decoding + preprocessing images, run on the tokenizer thread, off the event loop."""
+    return isinstance(prompt, str) or (isinstance(prompt, dict) and ("prompt_token_ids" not in prompt
+                                                                     or bool(prompt.get("multi_modal_data"))))
 
 
 def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:

@@ -106,8 +106,8 @@ class MultiModalProcessor:
         from tokenmill.multimodal.image import load_image
         from tokenmill.multimodal.video import load_video
 
-        if kind == "video":
-            return x if _is_loaded_clip(x) else load_video(x, self.num_frames, self.max_pixels)
+        if kind == "video":  # frames the chat path sampled already come back unchanged (no more than num_frames)
+            return load_video(x, self.num_frames, self.max_pixels)
         return load_image(x, self.max_pixels)
 
     def _order_by_markers(self, text: str, loaded) -> tuple[str, list[tuple[str, object]]]:
@@ -152,8 +152,3 @@ class MultiModalProcessor:
         out.extend(ids[prev:])
         return out, items
 
-
-def _is_loaded_clip(x) -> bool:
-    from PIL import Image
-
-    return isinstance(x, list) and bool(x) and all(isinstance(f, Image.Image) for f in x)

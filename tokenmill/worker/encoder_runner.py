@@ -30,7 +30,8 @@ class EncoderRunner:
         self._futures: dict[str, Future] = {}
         self._lock = threading.Lock()
         self.encode_seconds = 0.0
-        self.images_encoded = 0
+        self.images_encoded = 0  # inline and in the thread
+        self.images_prefetched = 0  # of those, in the thread
 
     # -- what the scheduler sends --------------------------------------------------------------------
     def free(self, hashes: list[str]) -> None:
@@ -40,6 +41,7 @@ class EncoderRunner:
     def prefetch(self, items: list[MultiModalItem]) -> None:
         for item in items:
             self._futures[item.hash] = self._pool.submit(self._encode, [item])
+        self.images_prefetched += len(items)
 
     def poll(self, wait_s: float = 0.0) -> list[str]:
         """Hashes the encoder thread finished since the last poll (their rows are in the cache now)."""

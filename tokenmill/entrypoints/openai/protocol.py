@@ -125,10 +125,28 @@ class TextPart(OpenAIBase):
     text: StrictStr
 
 
+class MediaURL(OpenAIBase):
+    url: StrictStr
+    detail: str | None = None  # accepted for OpenAI compatibility; images are encoded at the model's size
+
+
+class ImageURLPart(OpenAIBase):
+    type: Literal["image_url"]
+    image_url: MediaURL | StrictStr
+
+
+class VideoURLPart(OpenAIBase):
+    """Not in OpenAI's API (vLLM's extension): a clip as an animated GIF / WebP, data: or http(s)."""
+    type: Literal["video_url"]
+    video_url: MediaURL | StrictStr
+
+
+Part = Annotated[Union[TextPart, ImageURLPart, VideoURLPart], Field(discriminator="type")]
 Content = Annotated[
-    Union[Annotated[StrictStr, Tag("<text>")], Annotated[list[TextPart], Tag("<parts>")]],
+    Union[Annotated[StrictStr, Tag("<text>")], Annotated[list[Part], Tag("<parts>")]],
     Discriminator(lambda v: "<text>" if isinstance(v, str) else "<parts>" if isinstance(v, list) else None,
-                  custom_error_type="content_type", custom_error_message="must be a string or a list of text parts")]
+                  custom_error_type="content_type",
+                  custom_error_message="must be a string or a list of text, image_url or video_url parts")]
 
 
 class ChatMessage(OpenAIBase):

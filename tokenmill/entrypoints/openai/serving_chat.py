@@ -19,15 +19,31 @@ async def render_chat(engine: AsyncLLM, messages: list[ChatMessage], add_generat
     tokenizer = engine.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+    multimodal = engine.input_processor.mm is not None
     convo = []
     for m in messages:
-        content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
-        convo.append({"role": m.role, "content": content or ""})
+        if isinstance(m.content, str) or m.content is None:
+            content = m.content or ""
+        elif multimodal:  # parts go to multimodal/chat.py as they came
+            content = [p.model_dump(exclude_none=True) for p in m.content]
+        elif any(p.type != "text" for p in m.content):
+            raise APIError(400, "this model takes no images or video; send text parts only", "messages")
+        else:
+            content = "".join(p.text for p in m.content)
+        convo.append({"role": m.role, "content": content})
     return await engine.run_tokenizer(_render, engine, convo, add_generation_prompt)
 
 
 def _render(engine: AsyncLLM, convo: list[dict], add_generation_prompt: bool) -> dict:
+    """Template + tokenize; for a multimodal model also fetch, decode and check the images (a bad one is a
+    400 naming 'messages')."""
     ip = engine.input_processor
+    if ip.mm is not None:
+        with engine_errors():
+            try:
+                return ip.chat_prompt(convo, add_generation_prompt)
+            except (TypeError, KeyError) as e:
+                raise APIError(400, f"chat template failed: {e}", "messages") from None
     try:
         text = ip.chat_text(convo, add_generation_prompt)
     except Exception as e:  # jinja errors from the template (e.g. role order it rejects)
