@@ -113,6 +113,10 @@ def test_encoder_cache_hit_gives_the_same_tokens_without_prefix_caching(llava_di
     assert llm.llm_engine.core.runner.encoder.images_encoded == 1
     fresh = make_llm(path, enable_prefix_caching=False)
     assert [fresh.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts[::-1]] == separate[::-1]
+    baseline = make_llm(path, enable_prefix_caching=False, mm_encoder_cache=False)  # the ladder's naive rung
+    assert [baseline.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts] == separate
+    assert baseline.llm_engine.core.runner.encoder.images_encoded == 2
+    baseline.llm_engine.check_invariants()
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -224,6 +224,8 @@ class EngineConfig:
     attention_impl: str = option("fused", "baseline mode eager: materialized scores, repeated KV heads, one "
                                  "sequence at a time", choices=("fused", "eager"))
     static_batch_wait_s: float = option(0.05, "static batching: how long a partial batch waits to fill")
+    mm_encoder_cache: bool = option(True, "baseline mode off: an image's encoder output is dropped once its request "
+                                    "has passed it, so the same image is encoded again for every request")
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -5,6 +5,7 @@ swapped in here:
     batching="static"        -> sched/static.py      StaticBatchScheduler
     kv_layout="contiguous"   -> kv/contiguous.py     ContiguousKVCacheManager
     attention_impl="eager"   -> attention/registry.py -> EagerAttentionBackend
+    mm_encoder_cache=False   -> multimodal/encoder_cache.py NoReuseEncoderCache
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.kv.contiguous import ContiguousKVCacheManager
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.kv.tiers.chain import TierChain
-from tokenmill.multimodal.encoder_cache import EncoderCacheManager
+from tokenmill.multimodal.encoder_cache import EncoderCacheManager, NoReuseEncoderCache
 from tokenmill.multimodal.encoder_scheduler import EncoderScheduler
 from tokenmill.sched.scheduler import Scheduler
 from tokenmill.sched.static import StaticBatchScheduler
@@ -33,7 +34,8 @@ def build_scheduler(config: EngineConfig, kv: KVCacheManager, multimodal: bool =
             config.enable_chunked_prefill, build_draft_policy(config.speculative), config.long_prefill_token_threshold)
     encoder = None
     if multimodal:
-        encoder = EncoderScheduler(EncoderCacheManager(config.mm_encoder_cache_tokens), config.mm_encoder_budget,
+        cache_class = EncoderCacheManager if config.mm_encoder_cache else NoReuseEncoderCache
+        encoder = EncoderScheduler(cache_class(config.mm_encoder_cache_tokens), config.mm_encoder_budget,
                                    config.mm_encoder_overlap)
     if config.batching == "static":
         return StaticBatchScheduler(*args, encoder=encoder, batch_wait_s=config.static_batch_wait_s)

@@ -69,5 +69,19 @@ class EncoderCacheManager:
         return freed
 
     def check_invariants(self) -> None:
-        assert self.used == sum(self.entries.values()) <= self.capacity, "encoder cache rows miscounted"
         assert self.pending <= set(self.entries), "a pending encode has no entry"
+        assert self.used == sum(self.entries.values()) <= self.capacity, "encoder cache rows miscounted"
+
+
+class NoReuseEncoderCache(EncoderCacheManager):
+    """The ladder's baseline (mm_encoder_cache=False): rows live only while a request needs them, so every
+    request encodes its images again, as engines without a shared encoder cache do."""
+
+    def release(self, request_id: str, hashes) -> None:
+        super().release(request_id, hashes)
+        for h in hashes:
+            if h in self.entries and self._evictable(h):
+                self.used -= self.entries.pop(h)
+                self.refs.pop(h, None)
+                self._freed.append(h)
+
