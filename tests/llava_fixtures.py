@@ -15,6 +15,11 @@ from conftest import SHAPE, VOCAB, build_tokenizer
 IMAGE_TOKEN = 3  # "<image>", a special token of the tokenizer, inside the text vocabulary as in llava-hf
 IMAGE_SIZE, PATCH = 16, 4  # 16 patches per image ("default" drops CLS)
 TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH) ** 2
+# content as a string or a list of parts, each image part rendered as its <image> token (llava-hf style)
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['content'] is string %}{{ m['content'] }}"
+                 "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}"
+                 "{% endif %}{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n"
+                 "{% endif %}")
 CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
 
 
@@ -40,6 +45,8 @@ def build_llava(path: str, text: str, seed: int = 0, feature_layer=-2):
                 p.normal_(0, 0.08)
     model.save_pretrained(path)
     build_tokenizer(path, extra_specials=("<image>",))
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:  # where transformers 5 keeps it
+        f.write(CHAT_TEMPLATE)
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
         json.dump({"image_processor_type": "CLIPImageProcessor", "do_resize": True,
                    "size": {"shortest_edge": IMAGE_SIZE}, "resample": 3, "do_center_crop": True,
