@@ -101,6 +101,9 @@ def test_encoder_cache_and_image_keyed_prefix_blocks(llava_dirs):
     assert other.outputs[0].token_ids != first.outputs[0].token_ids
     assert other.outputs[0].token_ids == hf_greedy_mm(hf, expand(ids), hf_pixels(path, [b]), 12)
     assert enc.images_encoded == 2
+    stats = llm.llm_engine.get_stats()
+    assert (stats.mm_images_encoded, stats.mm_encoder_cache_misses) == (2, 2)
+    assert stats.mm_encoder_seconds > 0
     llm.llm_engine.check_invariants()
 
 

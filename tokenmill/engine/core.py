@@ -61,6 +61,12 @@ class EngineStats:
     comm_seconds: float = 0.0
     comm_ops: int = 0
     comm_bytes: int = 0
+    # multimodal: images / frames encoded (inline and in the encoder thread), encoder time, encoder cache
+    mm_images_encoded: int = 0
+    mm_images_prefetched: int = 0
+    mm_encoder_seconds: float = 0.0
+    mm_encoder_cache_hits: int = 0
+    mm_encoder_cache_misses: int = 0
 
 
 class EngineCore:
@@ -205,7 +211,16 @@ class EngineCore:
             prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
             prefix_cache_hit_rate=kv.stats.hit_rate, num_preemptions=s.num_preemptions, num_steps=self.num_steps,
             num_loading_kv=len(s.loading), kv_tiers=kv.tiers.snapshot() if kv.tiers is not None else {},
-            **_spec_stats(s.spec), **self._comm_stats())
+            **_spec_stats(s.spec), **self._comm_stats(), **self._mm_stats())
+
+    def _mm_stats(self) -> dict:
+        enc = self.runner.encoder
+        if enc is None:
+            return {}
+        cache = self.scheduler.encoder.cache
+        return dict(mm_images_encoded=enc.images_encoded, mm_images_prefetched=enc.images_prefetched,
+                    mm_encoder_seconds=enc.encode_seconds, mm_encoder_cache_hits=cache.hits,
+                    mm_encoder_cache_misses=cache.misses)
 
     def _comm_stats(self) -> dict:
         if self.executor is None:

@@ -57,6 +57,16 @@ class _EngineStatsCollector:
         yield from _tier_metrics(s.kv_tiers, self.model_name)
         if s.spec_num_drafts or s.spec_accepted_per_pos:
             yield from _spec_metrics(s, self.model_name)
+        if s.mm_images_encoded or s.mm_encoder_cache_hits:  # multimodal models
+            yield counter("mm_images_encoded", "Images and video frames run through the vision encoder.",
+                          s.mm_images_encoded)
+            yield counter("mm_images_prefetched", "Of those, encoded in the encoder thread while decode steps ran.",
+                          s.mm_images_prefetched)
+            yield counter("mm_encoder_seconds", "Time spent in the vision encoder.", s.mm_encoder_seconds)
+            yield counter("mm_encoder_cache_hits", "Images a step needed that the encoder cache held.",
+                          s.mm_encoder_cache_hits)
+            yield counter("mm_encoder_cache_misses", "Images a step needed that had to be encoded.",
+                          s.mm_encoder_cache_misses)
         if s.comm_ops:  # tensor / pipeline parallelism: rank 0's share of communication
             yield counter("comm_seconds", "Time rank 0 spent in all-reduces, all-gathers and pipeline sends "
                           "(divide by engine_steps for the time per step).", s.comm_seconds)
