@@ -25,24 +25,28 @@ GEMV_MAX_ROWS = cpu_qgemv.MAX_ROWS
 
 
 def qlinear_available() -> bool:
-    """oneDNN's int8 GEMM, where it is exact: with VNNI (or AMX). Without it (AVX2 only) oneDNN multiplies
-    u8 x s8 pairs with vpmaddubsw, whose int16 sums saturate, so tokens would differ from the twin."""
-    flags = native.cpu_flags()
-    vnni = bool({"avx512_vnni", "avx_vnni", "amx_int8"} & flags)
-    return vnni and hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_prepack") and \
+    return hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_prepack") and \
         torch.backends.mkldnn.is_available()
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row symmetric int8: x [M, K] -> (xq int8 [M, K], t float32 [M])."""
+def activation_qmax() -> int:
+    """Largest activation code. With VNNI (or AMX) oneDNN's int8 GEMM accumulates u8 x s8 products in int32:
+    full 8-bit activations. Without it (AVX2) it sums pairs of them in int16 (vpmaddubsw), which saturates
+    past 32767; 7-bit activations (|x| <= 63, as PyTorch's fbgemm `reduce_range` does there) keep every pair
+    sum below it, so the product stays exact and equal to the twin."""
+    return 127 if {"avx512_vnni", "avx_vnni", "amx_int8"} & native.cpu_flags() else 63
+
+
+def quantize_rows(x: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 with codes in [-qmax, qmax]: x [M, K] -> (xq int8 [M, K], t float32 [M])."""
     xf = x.float()
-    t = xf.abs().amax(-1).clamp(min=1e-8) / 127
-    return (xf / t[:, None]).round_().clamp_(-127, 127).to(torch.int8), t
+    t = xf.abs().amax(-1).clamp(min=1e-8) / qmax
+    return (xf / t[:, None]).round_().clamp_(-qmax, qmax).to(torch.int8), t
 
 
-def w8a8_linear_ref(x, qweight, scales, bias=None):
+def w8a8_linear_ref(x, qweight, scales, bias=None, qmax: int = 127):
     """The pure-torch twin of the W8A8 product (exact int32 accumulation)."""
-    xq, t = quantize_rows(x)
+    xq, t = quantize_rows(x, qmax)
     acc = (xq.to(torch.int32) @ qweight.to(torch.int32).t()).float()
     y = acc * t[:, None] * scales.float()[None, :]
     return (y if bias is None else y + bias.float()).to(x.dtype)
@@ -87,6 +91,7 @@ class Int8LinearMethod(LinearMethod):
             layer.qlinear = torch.ops.onednn.qlinear_prepack(q, [32, k])
             layer.register_buffer("zero_points", torch.zeros(n, dtype=torch.int64), persistent=False)
         layer.use_int_mm = fast and self.activations
+        layer.act_qmax = activation_qmax()  # the same on every kernel path, so the twin stays exact
 
     def codes(self, layer) -> torch.Tensor:
         """int8 [N, K], whichever layout is stored."""
@@ -104,15 +109,18 @@ class Int8LinearMethod(LinearMethod):
         return w8a16_linear_ref(x, self.codes(layer), layer.wscale, layer.bias)
 
     def _w8a8(self, layer, x):
-        xq, t = quantize_rows(x)
+        qmax = layer.act_qmax
+        xq, t = quantize_rows(x, qmax)
         if layer.qlinear is not None:
             m = xq.shape[0]
             rows = padded_rows(m)  # a bounded set of shapes for oneDNN's primitive cache
             if rows != m:
                 xq = F.pad(xq, (0, 0, 0, rows - m))
-            # oneDNN's fast int8 path wants unsigned activations: xq + 128 (flip the sign bit), zero point 128
-            xu = xq.view(torch.uint8).bitwise_xor_(128)
-            y = torch.ops.onednn.qlinear_pointwise(xu, 1.0, 128, layer.qlinear, layer.wscale, layer.zero_points, None,
+            # oneDNN's fast int8 path wants unsigned activations: xq + qmax + 1 (wrapping uint8 adds), that
+            # zero point
+            zp = qmax + 1
+            xu = xq.view(torch.uint8).add_(zp)
+            y = torch.ops.onednn.qlinear_pointwise(xu, 1.0, zp, layer.qlinear, layer.wscale, layer.zero_points, None,
                                                    1.0, 0, torch.float32, "none", [None], "")[:m].mul_(t[:, None])
         else:
             acc = torch._int_mm(xq, layer.qweight.t()) if layer.use_int_mm else \
