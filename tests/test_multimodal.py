@@ -69,6 +69,16 @@ def test_image_inside_a_chunked_prefill_gives_the_same_tokens(llava_dirs):
     llm.llm_engine.check_invariants()
 
 
+def test_the_same_image_twice_in_one_prompt_is_encoded_once(llava_dirs):
+    path, hf = llava_dirs["qwen2"]
+    llm = make_llm(path)
+    ids, img = mm_prompt(12, [3, 5, 4]), random_image(12)
+    out = llm.generate(_req(ids, [img, img.copy()]), GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy_mm(hf, expand(ids), hf_pixels(path, [img, img]), 12)
+    assert llm.llm_engine.core.runner.encoder.images_encoded == 1
+    llm.llm_engine.check_invariants()
+
+
 def test_deeper_feature_layer_list_matches_transformers(tmp_path):
     path = str(tmp_path / "llava-layers")
     hf = build_llava(path, "llama", seed=3, feature_layer=[-3, -1])

@@ -34,15 +34,17 @@ class EncoderScheduler:
     def plan(self, req: Request, n: int) -> tuple[int, list[int]]:
         """How many of the step's `n` tokens (from req.num_computed_tokens) can run, and the indices of
         the request's images to encode inline for them."""
-        start, todo, need = req.num_computed_tokens, [], 0
+        start, todo, need, planned = req.num_computed_tokens, [], 0, set()
         for i, item in enumerate(req.mm_items):
             if item.offset >= start + n:
                 break
-            if item.end <= start or self.cache.cached(item.hash) or item.hash in self._step_hashes:
-                continue
+            h = item.hash
+            if item.end <= start or self.cache.cached(h) or h in self._step_hashes or h in planned:
+                continue  # (the same image twice in one prompt is encoded once)
             if item.hash not in self.cache.pending and need + item.length <= self._left \
                     and self.cache.room_for(need + item.length):
                 todo.append(i)
+                planned.add(h)
                 need += item.length
                 continue
             return item.offset - start, todo
