@@ -1,8 +1,8 @@
 """Benchmark workloads: lists of SampleRequest, the same for `bench serve` and `bench offline`.
 
 Each dataset is a class with `sample(num_requests, tokenizer, rng) -> list[SampleRequest]`, registered in
-DATASETS by name. To add one (e.g. random images later): subclass Dataset, fill `multi_modal_data` with
-OpenAI content parts ({"type": "image_url", ...}), register it, and add its flags in `add_dataset_args`.
+DATASETS by name. To add one: subclass Dataset, fill `multi_modal_data` with OpenAI content parts
+({"type": "image_url", ...}, as `random-mm` does), register it, and add its flags in `add_dataset_args`.
 
 With a tokenizer, synthetic prompts are token-id lists, so the prompt length is exact (text would not
 round-trip through the tokenizer). Without one, prompts are text and lengths are estimates.
@@ -10,6 +10,8 @@ round-trip through the tokenizer). Without one, prompts are text and lengths are
 from __future__ import annotations
 
 import argparse
+import base64
+import io
 import json
 import random
 from dataclasses import dataclass
@@ -198,8 +200,100 @@ class LongTextDataset(Dataset):
         return reqs
 
 
+def parse_image_size(size) -> tuple[int, int]:
+    """"336x336" (or a (width, height) pair) -> (width, height)."""
+    try:
+        w, h = (int(x) for x in (size.lower().split("x") if isinstance(size, str) else size))
+    except (ValueError, TypeError, AttributeError):
+        raise ValueError(f"--mm-image-size must be WIDTHxHEIGHT, e.g. 336x336, got {size!r}") from None
+    if w < 1 or h < 1:
+        raise ValueError(f"--mm-image-size must be positive, got {size!r}")
+    return w, h
+
+
+def synthetic_image(size: tuple[int, int], rng: random.Random):
+    """A PIL image: a noisy background of one colour with a few random ellipses, boxes and triangles."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    w, h = size
+    gen = np.random.default_rng(rng.getrandbits(32))
+    base = np.array([rng.randrange(256) for _ in range(3)], dtype=np.int16)
+    pixels = np.clip(base + gen.integers(-8, 9, (h, w, 3), dtype=np.int16), 0, 255).astype(np.uint8)
+    img = Image.fromarray(pixels)
+    draw = ImageDraw.Draw(img)
+    for _ in range(rng.randint(1, 5)):
+        x0, x1 = sorted(rng.randrange(w) for _ in range(2))
+        y0, y1 = sorted(rng.randrange(h) for _ in range(2))
+        fill = tuple(rng.randrange(256) for _ in range(3))
+        kind = rng.randrange(3)
+        if kind == 0:
+            draw.ellipse((x0, y0, x1, y1), fill=fill)
+        elif kind == 1:
+            draw.rectangle((x0, y0, x1, y1), fill=fill)
+        else:
+            draw.polygon([(x0, y1), (x1, y1), ((x0 + x1) // 2, y0)], fill=fill)
+    return img
+
+
+def _data_uri(mime: str, data: bytes) -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+def image_part(img) -> dict:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG", compress_level=1)  # fast to write; decoding costs the same
+    return {"type": "image_url", "image_url": {"url": _data_uri("image/png", buf.getvalue())}}
+
+
+def video_part(frames: list) -> dict:
+    """An animated GIF: the form of video a chat request can carry inline (the engine samples its frames)."""
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    return {"type": "video_url", "video_url": {"url": _data_uri("image/gif", buf.getvalue())}}
+
+
+class RandomMMDataset(Dataset):
+    """vLLM's `random-mm`: random text prompts (as `random`) with synthetic images as chat content parts.
+
+    Each request carries `images_per_request` PNG images of `image_size`, or, for a `video_fraction` share
+    of the requests, one animated GIF of `video_frames` frames instead. `num_distinct_images` = 0 makes every
+    image new; K > 0 draws them from a pool of K, so repeats hit the engine's encoder cache. `prompt_len`
+    counts the text tokens only: a server's usage (and `bench offline`) counts the image placeholders too.
+    Send them to a server with `--endpoint chat`.
+    """
+
+    name = "random-mm"
+
+    def __init__(self, input_len: int = 256, output_len: int = 128, range_ratio: float = 0.0,
+                 images_per_request: int = 1, image_size="336x336", num_distinct_images: int = 0,
+                 video_fraction: float = 0.0, video_frames: int = 4):
+        if images_per_request < 0 or num_distinct_images < 0 or video_frames < 1:
+            raise ValueError("--mm-images-per-request and --mm-num-distinct-images must be >= 0, "
+                             "--mm-video-frames >= 1")
+        if not 0 <= video_fraction <= 1:
+            raise ValueError(f"--mm-video-fraction must be in [0, 1], got {video_fraction}")
+        self.text = RandomDataset(input_len, output_len, range_ratio)
+        self.images_per_request, self.image_size = images_per_request, parse_image_size(image_size)
+        self.num_distinct_images, self.video_fraction, self.video_frames = (
+            num_distinct_images, video_fraction, video_frames)
+
+    def sample(self, num_requests, tokenizer, rng):
+        reqs = self.text.sample(num_requests, tokenizer, rng)
+        pool = [image_part(synthetic_image(self.image_size, rng)) for _ in range(self.num_distinct_images)]
+        videos = set(rng.sample(range(num_requests), round(self.video_fraction * num_requests)))
+        for i, r in enumerate(reqs):
+            if i in videos:
+                r.multi_modal_data = [video_part([synthetic_image(self.image_size, rng)
+                                                  for _ in range(self.video_frames)])]
+            else:
+                r.multi_modal_data = [rng.choice(pool) if pool else image_part(synthetic_image(self.image_size, rng))
+                                      for _ in range(self.images_per_request)]
+        return reqs
+
+
 DATASETS = {c.name: c for c in (RandomDataset, PrefixRepetitionDataset, ShareGPTDataset, LongDocumentDataset,
-                                LongTextDataset)}
+                                LongTextDataset, RandomMMDataset)}
 
 
 def add_dataset_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
@@ -219,6 +313,14 @@ def add_dataset_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     g.add_argument("--questions-per-doc", type=int, default=4, help="long-text: questions asked of each document")
     g.add_argument("--long-fraction", type=float, default=0.25,
                    help="long-text: share of requests that are document questions (the rest: --input-len tokens)")
+    g.add_argument("--mm-images-per-request", type=int, default=1, help="random-mm: images per request")
+    g.add_argument("--mm-image-size", default="336x336", help="random-mm: WIDTHxHEIGHT of each synthetic image")
+    g.add_argument("--mm-num-distinct-images", type=int, default=0,
+                   help="random-mm: draw images from a pool of K (repeats hit the encoder cache); 0: all distinct")
+    g.add_argument("--mm-video-fraction", type=float, default=0.0,
+                   help="random-mm: share of requests carrying one video (an animated GIF) instead of images")
+    g.add_argument("--mm-video-frames", type=int, default=4,
+                   help="random-mm: frames of each video (the engine samples --mm-video-num-frames of them)")
     if seed:  # `bench offline` shares the engine's --seed
         g.add_argument("--seed", type=int, default=0)
 
@@ -237,7 +339,20 @@ def dataset_from_args(args) -> Dataset:
     if name == "long-text":
         return LongTextDataset(args.long_doc_len, args.input_len, args.question_len, args.questions_per_doc,
                                args.long_fraction, out or 128, args.dataset_path)
+    if name == "random-mm":
+        if hasattr(args, "backend"):  # bench serve: images travel only in chat requests
+            _require_chat_endpoint(args)
+        return RandomMMDataset(args.input_len, out or 128, args.random_range_ratio, args.mm_images_per_request,
+                               args.mm_image_size, args.mm_num_distinct_images, args.mm_video_fraction,
+                               args.mm_video_frames)
     raise ValueError(f"unknown dataset {name!r}")
+
+
+def _require_chat_endpoint(args) -> None:
+    endpoint = args.endpoint or ("chat" if args.backend == "openai-chat" else "completions")
+    if endpoint != "chat" and not endpoint.rstrip("/").endswith("chat/completions"):
+        raise SystemExit("error: the random-mm dataset sends its images as chat content parts; run bench serve "
+                         "with --endpoint chat (the completions endpoint takes no images)")
 
 
 def sample_requests(dataset: Dataset, num_requests: int, tokenizer=None, seed: int = 0) -> list[SampleRequest]:
@@ -254,7 +369,9 @@ def dataset_config(args) -> dict:
             "sharegpt": ("dataset_path", "output_len"),
             "long-document": ("long_doc_len", "output_len", "dataset_path"),
             "long-text": ("long_doc_len", "input_len", "question_len", "questions_per_doc", "long_fraction",
-                          "output_len", "dataset_path")}[args.dataset_name]
+                          "output_len", "dataset_path"),
+            "random-mm": ("input_len", "output_len", "random_range_ratio", "mm_images_per_request", "mm_image_size",
+                          "mm_num_distinct_images", "mm_video_fraction", "mm_video_frames")}[args.dataset_name]
     return {"dataset_name": args.dataset_name, "num_prompts": args.num_prompts, "seed": args.seed,
             **{k: getattr(args, k) for k in keys}}
 

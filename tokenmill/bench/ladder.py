@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from datetime import datetime
 
-from tokenmill.bench.datasets import Dataset, LongTextDataset, PrefixRepetitionDataset
+from tokenmill.bench.datasets import Dataset, LongTextDataset, PrefixRepetitionDataset, RandomMMDataset
 from tokenmill.bench.report import LADDER_KIND, ladder_rung
 
 BASELINE = dict(batching="static", kv_layout="contiguous", attention_impl="eager", cpu_linear_kernel="torch",
@@ -80,6 +80,21 @@ def long_text_rungs(budgets: tuple[int, ...] = (2048, 512), host_cache_gb: float
     return rungs
 
 
+# The multimodal ladder: one image workload (random-mm, some images repeated across requests), the encoder
+# levers switched on in turn from an engine that encodes every image again, inline, for every request.
+MULTIMODAL_BASELINE = dict(mm_encoder_cache=False, mm_encoder_overlap=False, enable_prefix_caching=False)
+MULTIMODAL_RUNGS = [
+    ("baseline", "every request's images encoded again even when an earlier request carried the same image (no "
+     "encoder cache across requests), inline before the step's forward (no overlap); no prefix caching", {}),
+    ("+ encoder cache", "encoder outputs kept across requests, keyed by a hash of the pixels: a repeated image is "
+     "encoded once (--mm-num-distinct-images makes repeats)", dict(mm_encoder_cache=True)),
+    ("+ encoder overlap", "waiting requests' images encoded in a worker thread while decode steps run, so a new "
+     "request's prefill finds its encoder output ready", dict(mm_encoder_overlap=True)),
+    ("+ int8 encoder (w8a8)", "the vision tower's linears in int8, weights and activations (W8A8); lossy: its greedy "
+     "text may differ from the baseline's, which the rung records", dict(mm_encoder_quantization="w8a8")),
+]
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
@@ -96,6 +111,9 @@ SCENARIOS = {
                                             max_num_batched_tokens=None), long_text_rungs(), dict(
         dataset="long-text", num_prompts=48, request_rate=1.0, long_doc_len=8192, short_len=256, question_len=32,
         questions_per_doc=4, long_fraction=0.25, output_len=64)),
+    "multimodal": Scenario("multimodal", MULTIMODAL_BASELINE, MULTIMODAL_RUNGS, dict(
+        dataset="random-mm", num_prompts=16, request_rate=2.0, input_len=64, output_len=32, mm_images_per_request=1,
+        mm_image_size="336x336", mm_num_distinct_images=4, mm_video_fraction=0.0, mm_video_frames=8)),
 }
 
 
@@ -105,6 +123,9 @@ def workload_dataset(w: dict) -> Dataset:
     if w["dataset"] == "long-text":
         return LongTextDataset(w["long_doc_len"], w["short_len"], w["question_len"], w["questions_per_doc"],
                                w["long_fraction"], w["output_len"])
+    if w["dataset"] == "random-mm":
+        return RandomMMDataset(w["input_len"], w["output_len"], 0.0, w["mm_images_per_request"], w["mm_image_size"],
+                               w["mm_num_distinct_images"], w["mm_video_fraction"], w["mm_video_frames"])
     raise ValueError(f"no ladder workload for dataset {w['dataset']!r}")
 
 
@@ -152,6 +173,31 @@ def default_kv_blocks(scenario: str, workload: dict, max_model_len: int, max_num
     return max_num_seqs * math.ceil(max_model_len / block_size)
 
 
+def multimodal_max_model_len(model: str, workload: dict, video_num_frames: int = 4) -> int:
+    """Room for the longest random-mm request: its images' placeholder tokens (a video: one image per sampled
+    frame), twice its text tokens (random ids decoded to text come back as more tokens) plus the chat template,
+    and its output; at most the model's limit."""
+    from tokenmill.config import ModelConfig
+    from tokenmill.models.loader import load_hf_config
+
+    mc = ModelConfig.from_hf(load_hf_config(model))
+    frames = min(video_num_frames, workload["mm_video_frames"]) if workload["mm_video_fraction"] > 0 else 0
+    images = max(workload["mm_images_per_request"], frames)
+    need = images * mc.mm_tokens_per_image + 2 * workload["input_len"] + 64 + workload["output_len"]
+    return min(need, mc.max_position_embeddings)
+
+
+def _vs_baseline(rung: dict, first: dict) -> None:
+    """Throughput ratios against rung 0 (same workload, same run)."""
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    rung["output_throughput_vs_baseline"] = ratio(rung["output_throughput"], first["output_throughput"])
+    if rung.get("multimodal"):
+        rung["images_per_s_vs_baseline"] = ratio(rung["multimodal"]["images_per_s"],
+                                                 first["multimodal"]["images_per_s"])
+
+
 def run_ladder(model: str, out: str, scenario: str = "playbook", workload: dict | None = None,
                max_model_len: int | None = 512, max_num_seqs: int = 16, kv_blocks: int | None = None,
                dtype: str = "float32", seed: int = 0, extra_engine_kwargs: dict | None = None,
@@ -164,6 +210,9 @@ def run_ladder(model: str, out: str, scenario: str = "playbook", workload: dict 
     workload = {**sc.workload, **(workload or {}), "seed": seed}
     if scenario == "long-text" and max_model_len is None:
         max_model_len = workload["long_doc_len"] + workload["question_len"] + workload["output_len"]
+    if scenario == "multimodal" and max_model_len is None:
+        frames = (extra_engine_kwargs or {}).get("mm_video_num_frames", 4)
+        max_model_len = multimodal_max_model_len(model, workload, frames)
     kv_blocks = kv_blocks or default_kv_blocks(scenario, workload, max_model_len, max_num_seqs)
     base = dict(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                 num_kv_blocks=kv_blocks, seed=seed, **(extra_engine_kwargs or {}))
@@ -177,17 +226,28 @@ def run_ladder(model: str, out: str, scenario: str = "playbook", workload: dict 
         res = _run_rung(name, cfg, workload, path)
         rung = ladder_rung(name, changes, res, config=cfg, result_file=os.path.basename(path))
         rung["failed_requests"] = res.get("failed")
+        if res.get("multimodal"):
+            rung["multimodal"] = res["multimodal"]
         texts = res.get("generated_texts")
         first = texts if i == 0 else first
         rung["same_greedy_text_as_baseline"] = texts == first
+        rung["same_greedy_text_by_request"] = [a == b for a, b in zip(texts, first)]
+        # quantized rungs may change tokens: recorded, not an error
+        rung["lossy"] = bool(cfg.get("quantization") or cfg.get("mm_encoder_quantization"))
         if not rung["same_greedy_text_as_baseline"]:
-            print(f"[ladder]   WARNING: {sum(a != b for a, b in zip(texts, first))} of {len(texts)} requests "
+            print(f"[ladder]   {'note (lossy rung)' if rung['lossy'] else 'WARNING'}: "
+                  f"{rung['same_greedy_text_by_request'].count(False)} of {len(texts)} requests "
                   "generated other text than the baseline rung", flush=True)
+        _vs_baseline(rung, out_rungs[0] if out_rungs else rung)
         out_rungs.append(rung)
         line = (f"[ladder]   {rung['output_throughput']:.1f} tok/s, P50/P99 TTFT {rung['p50_ttft_ms']:.0f}/"
                 f"{rung['p99_ttft_ms']:.0f} ms, P50 TPOT {rung['p50_tpot_ms']:.1f} ms")
         if rung.get("long_short_p99_ttft_ratio") is not None:
             line += f", long/short P99 TTFT {rung['long_short_p99_ttft_ratio']:.2f}x"
+        if rung.get("multimodal"):
+            mm = rung["multimodal"]
+            line += (f", {mm['images_per_s']:.2f} images/s ({rung['images_per_s_vs_baseline']:.2f}x), "
+                     f"{mm['images_encoded']} encoded")
         print(line, flush=True)
     ladder = {"kind": LADDER_KIND, "version": 1, "scenario": scenario, "model": model, "device": _device(),
               "date": datetime.now().isoformat(timespec="seconds"), "workload": workload,
@@ -215,7 +275,8 @@ def add_ladder_parser(sub) -> None:
     p = sub.add_parser("ladder", help="the optimization ladder: one workload, one optimization added per rung")
     p.add_argument("--scenario", default="playbook", choices=sorted(SCENARIOS),
                    help="playbook: shared-prefix chat from an unoptimized baseline; long-text: short prompts mixed "
-                        "with 8K-token document questions, the long-prompt levers switched on in turn")
+                        "with 8K-token document questions, the long-prompt levers switched on in turn; multimodal: "
+                        "random-mm image requests, the encoder levers switched on in turn")
     w = p.add_argument_group("workload (defaults depend on --scenario)")
     w.add_argument("--num-prompts", type=int)
     w.add_argument("--request-rate", type=float, help="Poisson arrivals per second")
@@ -228,6 +289,12 @@ def add_ladder_parser(sub) -> None:
     w.add_argument("--question-len", type=int, help="long-text")
     w.add_argument("--questions-per-doc", type=int, help="long-text")
     w.add_argument("--long-fraction", type=float, help="long-text: share of requests that are document questions")
+    w.add_argument("--input-len", type=int, help="multimodal: text tokens per request")
+    w.add_argument("--mm-images-per-request", type=int, help="multimodal")
+    w.add_argument("--mm-image-size", help="multimodal: WIDTHxHEIGHT")
+    w.add_argument("--mm-num-distinct-images", type=int, help="multimodal: a pool of K images (0: all distinct)")
+    w.add_argument("--mm-video-fraction", type=float, help="multimodal: share of requests carrying a video")
+    w.add_argument("--mm-video-frames", type=int, help="multimodal: frames of each video")
     w.add_argument("--chunk-budgets", default="2048,512",
                    help="long-text: the chunked-prefill token budgets tried in turn (comma-separated)")
     w.add_argument("--prefill-cap", type=int, default=None,
@@ -236,7 +303,8 @@ def add_ladder_parser(sub) -> None:
     w.add_argument("--result-file", default="ladder.json")
     # The rungs set their own flags (batching, kv_layout, attention_impl, cpu_linear_kernel, prefix caching,
     # chunked prefill, ...); every other engine flag applies to all rungs. The KV budget defaults to what
-    # the scenario needs (default_kv_blocks). max_model_len: 512 (playbook), the longest request (long-text).
+    # the scenario needs (default_kv_blocks). max_model_len: 512 (playbook), the longest request (long-text,
+    # multimodal: multimodal_max_model_len).
     add_engine_args(p, dtype="float32", max_model_len=None, max_num_seqs=16)
     p.set_defaults(func=cmd_ladder)
 
@@ -244,9 +312,11 @@ def add_ladder_parser(sub) -> None:
 _RUN_LADDER_ARGS = {"model", "dtype", "max_model_len", "max_num_seqs", "num_kv_blocks", "seed"}
 _SET_BY_RUNGS = {"batching", "kv_layout", "attention_impl", "cpu_linear_kernel", "enable_prefix_caching", "quantization",
                  "kv_host_cache_gb", "speculative_config", "enable_chunked_prefill", "max_num_batched_tokens",
-                 "long_prefill_token_threshold"}
+                 "long_prefill_token_threshold", "mm_encoder_cache", "mm_encoder_overlap", "mm_encoder_quantization"}
 _WORKLOAD_ARGS = ("num_prompts", "request_rate", "output_len", "prefix_len", "suffix_len", "num_prefixes",
-                  "long_doc_len", "short_len", "question_len", "questions_per_doc", "long_fraction")
+                  "long_doc_len", "short_len", "question_len", "questions_per_doc", "long_fraction", "input_len",
+                  "mm_images_per_request", "mm_image_size", "mm_num_distinct_images", "mm_video_fraction",
+                  "mm_video_frames")
 
 
 def cmd_ladder(args) -> int:

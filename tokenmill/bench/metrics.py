@@ -254,6 +254,14 @@ def format_table(result: dict, metrics: list[str], percentiles: list[float], tit
                 row("Mean store latency per block (ms):", 1000 * t["store_seconds"] / t["blocks_stored"])
             row("Occupancy (MiB of cap):", f"{t['bytes'] / 2**20:.1f} of {t['capacity_bytes'] / 2**20:.0f}")
             row("Errors:", t["errors"], "{:<10}")
+    mm = result.get("multimodal")
+    if mm:
+        lines.append(f"{' Multimodal ':-^60}")
+        row("Images (completed requests):", mm["images"], "{:<10}")
+        row("Images per second:", mm["images_per_s"])
+        row("Images encoded / in the encoder thread:", f"{mm['images_encoded']} / {mm['images_prefetched']}")
+        row("Encoder seconds:", mm["encoder_seconds"])
+        row("Encoder cache hits / misses:", f"{mm['encoder_cache_hits']} / {mm['encoder_cache_misses']}")
     spec = result.get("spec_decode")
     if spec:
         lines.append(f"{' Speculative decoding ':-^60}")

@@ -8,6 +8,11 @@ behind a running step counts, as it would in a server's queue.
 
 `run_offline(requests, engine_kwargs, ...)` takes the engine's keyword arguments (or a built engine), so a
 ladder can send one workload through several configurations.
+
+A request with images (`multi_modal_data`: OpenAI content parts) goes in as the chat message a server would
+build from it, [text part, *its parts], through the model's chat template; its data URIs are decoded at its
+arrival, as a server would. Its input length then counts the image placeholder tokens, as a server's usage
+does, and the result gains a `multimodal` block (images, encoder work and the encoder cache).
 """
 from __future__ import annotations
 
@@ -37,6 +42,48 @@ def _params(req: SampleRequest, sampling: dict, ignore_eos: bool):
                           **{k: v for k, v in sampling.items() if v is not None})
 
 
+def _engine_prompt(engine, req: SampleRequest, parts: list[dict] | None = None):
+    """(the prompt to add, images in it: one per image, one per sampled video frame)."""
+    parts = req.multi_modal_data if parts is None else parts
+    if not parts:
+        return req.prompt, 0
+    text = req.prompt if isinstance(req.prompt, str) else engine.tokenizer.decode(req.prompt)
+    prompt = engine.input_processor.chat_prompt([{"role": "user", "content": [{"type": "text", "text": text}, *parts]}])
+    items = prompt.get("multi_modal_data", {}).get("items", [])
+    return prompt, sum(len(x) if kind == "video" else 1 for kind, x in items)
+
+
+def _warmup_prompt(engine, req: SampleRequest):
+    """The first request's text; with images, one flat grey image that no request carries, so the warm-up
+    runs the encoder yet leaves no encoder-cache hit behind for the measured run."""
+    if not req.multi_modal_data:
+        return req.prompt
+    from PIL import Image
+
+    return _engine_prompt(engine, req, [{"type": "image", "image": Image.new("RGB", (64, 64), (127, 127, 127))}])[0]
+
+
+def _encoder_counters(engine) -> dict | None:
+    """The engine's cumulative encoder counters; None for a text-only model (or an engine core elsewhere)."""
+    core = getattr(engine, "core", None)
+    encoder = getattr(getattr(core, "runner", None), "encoder", None)
+    if encoder is None:
+        return None
+    cache = core.scheduler.encoder.cache
+    return {"images_encoded": encoder.images_encoded, "images_prefetched": encoder.images_prefetched,
+            "encoder_seconds": encoder.encode_seconds, "encoder_cache_hits": cache.hits,
+            "encoder_cache_misses": cache.misses}
+
+
+def _multimodal_block(before: dict | None, after: dict | None, images: int, duration: float) -> dict | None:
+    """What the measured run (not the warm-up) asked of the encoder. images: those in completed requests."""
+    if after is None:
+        return None
+    out = {k: after[k] - before[k] for k in after}
+    out.update(images=images, images_per_s=images / duration if duration > 0 else 0.0)
+    return out
+
+
 def _drain(engine, ids: set[str]) -> None:
     while ids:
         for out in engine.step():
@@ -52,11 +99,17 @@ def run_offline(requests: list[SampleRequest], engine_kwargs: dict | None = None
     if engine is None:
         engine = build_engine(engine_kwargs or {})
     sampling = sampling or {}
+    multimodal = any(r.multi_modal_data for r in requests)
+    if multimodal and getattr(getattr(engine, "input_processor", None), "mm", None) is None:
+        raise ValueError("the workload carries images but the model takes none: use a multimodal (LLaVA) model")
     params = [_params(r, sampling, ignore_eos) for r in requests]
     # warm-up: one-off costs (allocator, kernel selection, first-call paths) stay out of the measurement
     if num_warmups and requests:
-        warm = {engine.add_request(f"warmup-{i}", requests[0].prompt, params[0]) for i in range(num_warmups)}
+        warm_prompt = _warmup_prompt(engine, requests[0])
+        warm = {engine.add_request(f"warmup-{i}", warm_prompt, params[0]) for i in range(num_warmups)}
         _drain(engine, warm)
+    counters = _encoder_counters(engine) if multimodal else None
+    images = [0] * len(requests)
 
     n = len(requests)
     offsets = arrival_times(n, request_rate, burstiness, seed)
@@ -78,8 +131,8 @@ def run_offline(requests: list[SampleRequest], engine_kwargs: dict | None = None
                 nxt += 1
                 rid = requests[i].request_id or f"bench-{i}"
                 try:
-                    engine.add_request(rid, requests[i].prompt, params[i],
-                                       arrival_time=time.time() - (now - offsets[i]))
+                    prompt, images[i] = _engine_prompt(engine, requests[i])
+                    engine.add_request(rid, prompt, params[i], arrival_time=time.time() - (now - offsets[i]))
                     index[rid] = i
                 except ValueError as e:  # e.g. prompt longer than max_model_len: a failed request
                     results[i].error = str(e)
@@ -104,6 +157,8 @@ def run_offline(requests: list[SampleRequest], engine_kwargs: dict | None = None
                 if k > seen[i]:
                     if seen[i] == 0:
                         r.ttft = t - r.start_time
+                        if images[i]:  # the engine's prompt: the chat template's and the images' tokens too
+                            r.prompt_len = len(out.prompt_token_ids)
                     else:
                         r.itl.append(t - last[i])
                     last[i], seen[i] = t, k
@@ -143,6 +198,9 @@ def run_offline(requests: list[SampleRequest], engine_kwargs: dict | None = None
         if st.comm_ops:
             result["comm"] = {"seconds": st.comm_seconds, "ops": st.comm_ops, "bytes": st.comm_bytes,
                               "ms_per_step": 1e3 * st.comm_seconds / max(1, st.num_steps)}
+    if multimodal:
+        done_images = sum(c for c, r in zip(images, results) if r.success)
+        result["multimodal"] = _multimodal_block(counters, _encoder_counters(engine), done_images, duration)
     result.update(mon.summary())
     result.update(per_request_fields(results))
     return result
