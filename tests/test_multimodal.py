@@ -214,3 +214,21 @@ def test_text_model_refuses_images(model_dirs):
 def test_bad_multimodal_settings_are_refused(llava_dirs, kw, message):
     with pytest.raises(ValueError, match=message):
         make_llm(llava_dirs["llama"][0], **kw)
+
+
+@pytest.mark.parametrize("reuse, overlap", [(False, False), (True, False), (True, True)])
+def test_shared_images_under_preemption_and_chunking_match_one_at_a_time(llava_dirs, reuse, overlap):
+    """A small KV pool (preemptions), a small budget (chunks through images) and two images shared by eight
+    requests, with and without encoder-cache reuse and overlap: every request gets its tokens as if alone."""
+    path, _ = llava_dirs["llama"]
+    imgs = [random_image(80), random_image(81)]
+    prompts = [_req(mm_prompt(90 + i, [2 + i, 6]), [imgs[i % 2]]) for i in range(8)]
+    alone = make_llm(path, max_model_len=48)
+    expected = [alone.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    llm = make_llm(path, mm_encoder_cache=reuse, mm_encoder_overlap=overlap, enable_prefix_caching=False,
+                   max_num_batched_tokens=20, mm_encoder_budget=TOKENS_PER_IMAGE, num_kv_blocks=14, block_size=4,
+                   max_model_len=48)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.llm_engine.get_stats().num_preemptions > 0
+    llm.llm_engine.check_invariants()

@@ -25,11 +25,12 @@ class EncoderScheduler:
         self.cache, self.budget, self.overlap = cache, budget, overlap
         self._left = budget  # encoder rows still free in the step being scheduled
         self._step_hashes: set[str] = set()  # images encoded inline in this step
+        self._step_items: list[MultiModalItem] = []
         self._prefetch: list[MultiModalItem] = []
 
     def begin_step(self) -> None:
         self._left = self.budget
-        self._step_hashes = set()
+        self._step_hashes, self._step_items = set(), []
 
     def plan(self, req: Request, n: int) -> tuple[int, list[int]]:
         """How many of the step's `n` tokens (from req.num_computed_tokens) can run, and the indices of
@@ -50,19 +51,31 @@ class EncoderScheduler:
             return item.offset - start, todo
         return n, todo
 
-    def commit(self, req: Request, todo: list[int], n: int) -> None:
-        """The request runs tokens [start, start + n) this step, encoding `todo` first."""
+    def commit(self, req: Request, n: int) -> None:
+        """The request runs tokens [start, start + n) this step: it holds every image those tokens overlap,
+        and the ones not cached are encoded before the step's forward. The encodes belong to the step, not
+        to the request: if it is preempted later in this schedule, a request that counted on the same image
+        still finds it encoded. (An image the plan found cached but a preemption's release evicted since is
+        encoded here too.)"""
         start = req.num_computed_tokens
-        for i in todo:
-            item = req.mm_items[i]
-            self.cache.add(item.hash, item.length, req.request_id)
-            self._step_hashes.add(item.hash)
+        for item in req.mm_items:
+            if item.offset >= start + n or item.end <= start:
+                continue
+            h = item.hash
+            if h in self._step_hashes or self.cache.cached(h):
+                if h not in self._step_hashes:
+                    self.cache.hits += 1
+                self.cache.ref(h, req.request_id)
+                continue
+            self.cache.add(h, item.length, req.request_id)
+            self._step_hashes.add(h)
+            self._step_items.append(item)
             self._left -= item.length
             self.cache.misses += 1
-        for item in req.mm_items:
-            if item.offset < start + n and item.end > start and item.hash not in self._step_hashes:
-                self.cache.ref(item.hash, req.request_id)
-                self.cache.hits += 1
+
+    def take_step_encodes(self) -> list[MultiModalItem]:
+        items, self._step_items = self._step_items, []
+        return items
 
     def encode_aside(self, req: Request, others_running: bool) -> bool:
         """Whether an admitted request's inline encodes should go to the encoder thread instead (overlap:
@@ -91,7 +104,8 @@ class EncoderScheduler:
         return items
 
     def advance(self, req: Request) -> None:
-        """After the step: images whose placeholders are all computed no longer need their rows."""
+        """Images whose placeholders were all computed by earlier steps no longer need their rows (the ones
+        this step finishes are released at the next: the worker frees evicted rows before its forward)."""
         self.cache.release(req.request_id, [m.hash for m in req.mm_items if m.end <= req.num_computed_tokens])
 
     def release(self, req: Request) -> None:

@@ -26,10 +26,10 @@ worker keeps its own per-request state (worker/request_state.py) and updates it 
       kv_backups: [BlockStore]             write-through: blocks that fill this step, copied *after* it
       kv_loads: [KVLoad]                   fill these blocks from the tiers, off the step (async)
       kv_load_cancels                      request ids whose loads to stop (aborted)
+      encoder_inputs: [MultiModalItem]     images to encode before this step's forward (not cached yet)
       encoder_prefetch: [MultiModalItem]   images of queued requests: encode them in the worker's encoder
                                            thread (the hashes come back through poll, before a schedule)
       encoder_frees                        image hashes the encoder cache evicted: drop their rows
-    ScheduledRequest.encoder_inputs        indices of its images to encode before this step's forward
 
     Load results come back as KVLoadResult, polled before each schedule().
 
@@ -69,7 +69,6 @@ class ScheduledRequest:
     propose_k: int = 0
     output_start: int = 0
     new_output_token_ids: list[int] = field(default_factory=list)
-    encoder_inputs: list[int] = field(default_factory=list)  # its images to encode before this step's forward
 
 
 @dataclass
@@ -106,6 +105,7 @@ class SchedulerOutput:
     kv_backups: list[BlockStore] = field(default_factory=list)
     kv_loads: list[KVLoad] = field(default_factory=list)
     kv_load_cancels: list[str] = field(default_factory=list)
+    encoder_inputs: list[MultiModalItem] = field(default_factory=list)  # encode before this step's forward
     encoder_prefetch: list[MultiModalItem] = field(default_factory=list)  # encode in the worker's thread
     encoder_frees: list[str] = field(default_factory=list)  # image hashes evicted from the encoder cache
 

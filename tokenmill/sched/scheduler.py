@@ -107,7 +107,6 @@ class Scheduler:
         self.sync_output_tokens = False
         self._outputs_sent: dict[str, int] = {}
         self.encoder = encoder  # multimodal: images to encode per step, the encoder cache (None: text only)
-        self._encodes: dict[str, list[int]] = {}  # this step's inline encodes per request (image indices)
 
     # -- admission -------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -189,7 +188,7 @@ class Scheduler:
                 n = min(n, self.prefill_cap)
             encodes = []
             if req.mm_items:
-                n, encodes = self.encoder.plan(req, n)
+                n, _ = self.encoder.plan(req, n)
                 if n <= 0:
                     continue
             drafts = self._fit_drafts(req, n, budget)
@@ -210,7 +209,7 @@ class Scheduler:
                 if drafts:
                     self._drafts[req.request_id] = drafts
                 if req.mm_items:
-                    self._commit_encodes(req, encodes, n)
+                    self.encoder.commit(req, n)
 
         if not preempted_now and self._may_admit():
             budget = self._admit_waiting(budget, scheduled)
@@ -218,32 +217,28 @@ class Scheduler:
         propose = self._plan_drafts(scheduled)
         out.seqs = [self._scheduled(self.requests[rid], n, propose.get(rid, 0)) for rid, n in scheduled.items()]
         out.num_scheduled_tokens = sum(scheduled.values())
-        self._drafts, self._encodes = {}, {}
+        self._drafts = {}
         out.kv_stores, out.kv_backups = self.kv.take_stores()
         out.kv_loads, self._new_loads = self._new_loads, []
         out.kv_load_cancels, self._load_cancels = self._load_cancels, []
         for rid, n in scheduled.items():
             req = self.requests[rid]
-            req.num_computed_tokens += n
-            if req.mm_items:
+            if req.mm_items:  # before counting this step's tokens: their images are read by this step's forward
                 self.encoder.advance(req)
+            req.num_computed_tokens += n
         self.in_flight.update(scheduled)
         if self.encoder is not None:
             self._prefetch_waiting(out)
         return out
 
     # -- multimodal ----------------------------------------------------------------------------------
-    def _commit_encodes(self, req: Request, encodes: list[int], n: int) -> None:
-        self.encoder.commit(req, encodes, n)
-        if encodes:
-            self._encodes[req.request_id] = encodes
-
     def _prefetch_waiting(self, out: SchedulerOutput) -> None:
         """Overlap: images of requests still queued go to the worker's encoder thread now."""
         if self.encoder.overlap and self.running:
             for req in self.waiting.ordered():
                 if req.mm_items:
                     self.encoder.prefetch(req)
+        out.encoder_inputs = self.encoder.take_step_encodes()
         out.encoder_prefetch = self.encoder.take_prefetch()
         out.encoder_frees = self.encoder.cache.take_freed()
 
@@ -296,9 +291,8 @@ class Scheduler:
                     break
                 n = budget
             req.num_computed_tokens = num_cached
-            encodes = []
             if req.mm_items:
-                n, encodes = self._plan_admitted_encodes(req, n, scheduled)
+                n = self._plan_admitted_encodes(req, n, scheduled)
                 if n <= 0:
                     req.num_computed_tokens = 0
                     continue
@@ -318,19 +312,19 @@ class Scheduler:
             budget -= n
             debt += self.kv.blocks_still_needed(req, req.num_tokens)
             if req.mm_items:
-                self._commit_encodes(req, encodes, n)
+                self.encoder.commit(req, n)
         return budget
 
-    def _plan_admitted_encodes(self, req: Request, n: int, scheduled: dict[str, int]) -> tuple[int, list[int]]:
+    def _plan_admitted_encodes(self, req: Request, n: int, scheduled: dict[str, int]) -> int:
         """A joining request's tokens and inline encodes; 0 tokens when it must wait for its images (the
         encoder budget, or overlap: they are encoded aside while the others step)."""
         whole = n
         n, encodes = self.encoder.plan(req, n)
         if n < whole and not self.chunked:
-            return 0, []  # without chunked prefill a prompt runs whole or not at all
+            return 0  # without chunked prefill a prompt runs whole or not at all
         if encodes and self.encoder.encode_aside(req, bool(scheduled)):
-            return 0, []
-        return n, encodes
+            return 0
+        return n
 
     def _start_tier_load(self, req: Request, cached: list) -> bool | None:
         """None: no tier holds the next blocks; True: a load started (or another request is loading them,
@@ -434,7 +428,7 @@ class Scheduler:
             num_sampled_positions=1 + len(drafts) if self._samples(req, n) else 0,
             wants_prompt_logprobs=req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens,
             new_request=new, draft_token_ids=list(drafts), propose_k=propose_k, output_start=out_start,
-            new_output_token_ids=new_outputs, encoder_inputs=self._encodes.get(rid, []))
+            new_output_token_ids=new_outputs)
 
     def _new_outputs(self, req: Request, sent_whole: bool) -> tuple[int, list[int]]:
         if not self.sync_output_tokens:

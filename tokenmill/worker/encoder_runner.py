@@ -4,7 +4,7 @@
     encoder_frees: [hash]            -> drop those rows
     encoder_prefetch: [item]         -> encode in the encoder thread (overlaps the decode steps that run
                                         meanwhile); poll() hands finished hashes back to the scheduler
-    ScheduledRequest.encoder_inputs  -> encode before this step's forward, images batched by shape
+    encoder_inputs: [item]           -> encode before this step's forward, images batched by shape
     then                             -> inputs_embeds: token embeddings with each image's rows spliced in
 
     step rows:   [ seq A (decode) | seq B tokens 10..29                          ]

@@ -163,7 +163,7 @@ class ModelRunner:
         if sched.encoder_prefetch:
             enc.prefetch(sched.encoder_prefetch)
         states = [self.requests[s.request_id] for s in seqs]
-        enc.encode([st.mm_items[i] for s, st in zip(seqs, states) for i in s.encoder_inputs])
+        enc.encode(sched.encoder_inputs)
         spans = [(qsl[i], s.start_pos, s.num_new_tokens - len(s.draft_token_ids), st.mm_items)
                  for i, (s, st) in enumerate(zip(seqs, states))
                  if st.mm_items and s.start_pos < st.mm_items[-1].end]
