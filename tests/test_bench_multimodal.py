@@ -112,7 +112,8 @@ def test_multimodal_rungs_add_one_lever_each():
                        "enable_prefix_caching": False}
     for before, after, (_, _, delta) in zip(cfgs, cfgs[1:], MULTIMODAL_RUNGS[1:]):
         assert {k for k in after if after[k] != before.get(k)} == set(delta)
-    assert cfgs[-1]["mm_encoder_quantization"] == "w8a8" and not cfgs[-1]["enable_prefix_caching"]
+    assert cfgs[3]["mm_encoder_quantization"] == "w8a8" and not cfgs[3]["enable_prefix_caching"]
+    assert cfgs[-1]["enable_prefix_caching"]
 
 
 def test_multimodal_ladder_end_to_end(llava_dir, tmp_path):
@@ -130,6 +131,7 @@ def test_multimodal_ladder_end_to_end(llava_dir, tmp_path):
     assert rungs[0]["output_throughput_vs_baseline"] == 1.0
     assert all(r["same_greedy_text_as_baseline"] for r in rungs[:3])
     assert rungs[3]["lossy"] and not rungs[0]["lossy"]  # int8: recorded either way, never a failure
+    assert rungs[4]["same_greedy_text_by_request"] == rungs[3]["same_greedy_text_by_request"]  # prefix hits: exact
     # no reuse: an image is encoded again unless a running request still holds it; with the cache, once
     encoded = [r["multimodal"]["images_encoded"] for r in rungs]
     assert encoded[0] >= encoded[1] and encoded[1] <= 2

@@ -92,6 +92,8 @@ MULTIMODAL_RUNGS = [
      "request's prefill finds its encoder output ready", dict(mm_encoder_overlap=True)),
     ("+ int8 encoder (w8a8)", "the vision tower's linears in int8, weights and activations (W8A8); lossy: its greedy "
      "text may differ from the baseline's, which the rung records", dict(mm_encoder_quantization="w8a8")),
+    ("+ image-keyed prefix caching", "KV blocks keyed by the images they hold: a request whose prompt starts with an "
+     "image another request carried skips that image's prefill too", dict(enable_prefix_caching=True)),
 ]
 
 
