@@ -181,8 +181,9 @@ class EngineConfig:
                                            "(default: max_num_batched_tokens)")
     mm_encoder_cache_tokens: int | None = option(None, "multimodal: encoder outputs kept across requests, in "
                                                  "tokens, keyed by a hash of the pixels (default: 8 x the budget)")
-    mm_encoder_overlap: bool = option(True, "multimodal: encode waiting requests' images in a worker thread while "
-                                      "decode steps run")
+    mm_encoder_overlap: bool = option(False, "multimodal: encode waiting requests' images in a worker thread while "
+                                      "decode steps run (off by default: on a 2-core CPU the thread competes with "
+                                      "the decode steps and measured slower, BENCHMARKS.md 'Multimodal')")
     mm_encoder_quantization: str | None = option(None, "multimodal: run the vision encoder's linears in int8 "
                                                  "(w8a8: int8 weights and activations)", choices=(None, "int8", "w8a8"))
     tensor_parallel_size: int = option(1, "tensor-parallel ranks: each holds 1/tp of every layer's heads and MLP, "
