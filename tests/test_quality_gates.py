@@ -56,6 +56,7 @@ def test_awq_8bit_within_half_a_percent(tmp_path_factory, float_ppl):
     assert ppl != float_ppl and increase(ppl, float_ppl) <= 0.005
 
 
+@pytest.mark.timeout(1800)  # two calibrations: ~4 min on an AVX-512 machine, over 10 on an AVX2-only one
 @pytest.mark.parametrize("which", ["shipped", "outliers"])
 def test_awq_4bit_beats_round_to_nearest(tmp_path_factory, float_ppl, outlier_model, which):
     src = DEFAULT_MODEL if which == "shipped" else outlier_model

@@ -66,7 +66,8 @@ def _shape(value) -> str | None:
 
 
 # branch tags show in error locations (they cannot be field names); errors drop them: prompt[0], not prompt.<ids>[0]
-UNION_TAGS = frozenset({"<text>", "<texts>", "<ids>", "<id_lists>", "<parts>"})
+UNION_TAGS = frozenset({"<text>", "<texts>", "<ids>", "<id_lists>", "<parts>", "<text-part>", "<image_url-part>",
+                        "<video_url-part>"})
 
 Prompt = Annotated[
     Union[Annotated[StrictStr, Tag("<text>")], Annotated[list[StrictStr], Tag("<texts>")],
@@ -141,7 +142,13 @@ class VideoURLPart(OpenAIBase):
     video_url: MediaURL | StrictStr
 
 
-Part = Annotated[Union[TextPart, ImageURLPart, VideoURLPart], Field(discriminator="type")]
+_PART_TAGS = {"text": "<text-part>", "image_url": "<image_url-part>", "video_url": "<video_url-part>"}
+Part = Annotated[
+    Union[Annotated[TextPart, Tag("<text-part>")], Annotated[ImageURLPart, Tag("<image_url-part>")],
+          Annotated[VideoURLPart, Tag("<video_url-part>")]],
+    Discriminator(lambda v: _PART_TAGS.get(v.get("type") if isinstance(v, dict) else getattr(v, "type", None)),
+                  custom_error_type="part_type",
+                  custom_error_message="must be a text, image_url or video_url part")]
 Content = Annotated[
     Union[Annotated[StrictStr, Tag("<text>")], Annotated[list[Part], Tag("<parts>")]],
     Discriminator(lambda v: "<text>" if isinstance(v, str) else "<parts>" if isinstance(v, list) else None,
