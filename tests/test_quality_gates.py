@@ -4,6 +4,7 @@ import pytest
 
 from tokenmill.config import DEFAULT_MODEL
 from tokenmill.evaluation.engine_ppl import evaluate_perplexity
+from tokenmill.ops import native
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,10 @@ def test_awq_8bit_within_half_a_percent(tmp_path_factory, float_ppl):
     assert ppl != float_ppl and increase(ppl, float_ppl) <= 0.005
 
 
-@pytest.mark.timeout(1800)  # two calibrations: ~4 min on an AVX-512 machine, over 10 on an AVX2-only one
+@pytest.mark.timeout(1800)  # two calibrations: ~4 min on an AVX-512 machine
+@pytest.mark.skipif(not native.cpu_flags() & {"avx512f"},
+                    reason="AWQ calibration runs single-core and took over 27 min on an AVX2-only CPU (2026-12-02); "
+                           "the gate runs on AVX-512 machines")
 @pytest.mark.parametrize("which", ["shipped", "outliers"])
 def test_awq_4bit_beats_round_to_nearest(tmp_path_factory, float_ppl, outlier_model, which):
     src = DEFAULT_MODEL if which == "shipped" else outlier_model
