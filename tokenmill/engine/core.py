@@ -152,9 +152,7 @@ class EngineCore:
             if xfer is not None and xfer.num_in_flight:
                 xfer.wait(0.01)  # only loads are in flight: sleep until one lands instead of spinning
             if encoder is not None:  # no forward this step to hand the encoder its orders
-                encoder.free(sched.encoder_frees)
-                encoder.encode(sched.encoder_inputs)  # (their requests were preempted; the ledger keeps them)
-                encoder.prefetch(sched.encoder_prefetch)
+                encoder.apply(sched)  # (encodes of requests preempted in this schedule: the ledger keeps them)
                 if encoder.num_in_flight:  # only encodes are in flight: sleep until one lands
                     self.scheduler.finish_encodes(encoder.poll(wait_s=0.01))
             return []

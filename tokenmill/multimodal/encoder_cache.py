@@ -40,9 +40,7 @@ class EncoderCacheManager:
         for old in [o for o in self.entries if self._evictable(o)]:
             if self.capacity - self.used >= tokens:
                 break
-            self.used -= self.entries.pop(old)
-            self.refs.pop(old, None)
-            self._freed.append(old)
+            self._evict(old)
         if self.capacity - self.used < tokens:
             raise RuntimeError("encoder cache has no room: room_for() was not checked")
         self.entries[h] = tokens
@@ -50,6 +48,11 @@ class EncoderCacheManager:
         if pending:
             self.pending.add(h)
         self.ref(h, request_id)
+
+    def _evict(self, h: str) -> None:
+        self.used -= self.entries.pop(h)
+        self.refs.pop(h, None)
+        self._freed.append(h)
 
     def ref(self, h: str, request_id: str) -> None:
         self.refs.setdefault(h, set()).add(request_id)
@@ -81,7 +84,5 @@ class NoReuseEncoderCache(EncoderCacheManager):
         super().release(request_id, hashes)
         for h in hashes:
             if h in self.entries and self._evictable(h):
-                self.used -= self.entries.pop(h)
-                self.refs.pop(h, None)
-                self._freed.append(h)
+                self._evict(h)
 

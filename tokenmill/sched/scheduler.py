@@ -186,7 +186,6 @@ class Scheduler:
                 continue
             if req.num_computed_tokens < req.num_prompt_tokens:
                 n = min(n, self.prefill_cap)
-            encodes = []
             if req.mm_items:
                 n, _ = self.encoder.plan(req, n)
                 if n <= 0:

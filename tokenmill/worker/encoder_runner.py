@@ -34,6 +34,14 @@ class EncoderRunner:
         self.images_prefetched = 0  # of those, in the thread
 
     # -- what the scheduler sends --------------------------------------------------------------------
+    def apply(self, sched) -> None:
+        """A step's orders, in this order: evicted rows go first (an image evicted and encoded again in the
+        same step keeps its new rows), then this step's encodes, then the background ones."""
+        self.free(sched.encoder_frees)
+        self.encode(sched.encoder_inputs)
+        if sched.encoder_prefetch:
+            self.prefetch(sched.encoder_prefetch)
+
     def free(self, hashes: list[str]) -> None:
         for h in hashes:
             self.cache.pop(h, None)

@@ -159,11 +159,8 @@ class ModelRunner:
         """Encode what the step needs (and queue the prefetches), then splice image rows into the embeddings;
         None when no sequence in the step touches an image's placeholders."""
         enc = self.encoder
-        enc.free(sched.encoder_frees)
-        if sched.encoder_prefetch:
-            enc.prefetch(sched.encoder_prefetch)
+        enc.apply(sched)
         states = [self.requests[s.request_id] for s in seqs]
-        enc.encode(sched.encoder_inputs)
         spans = [(qsl[i], s.start_pos, s.num_new_tokens - len(s.draft_token_ids), st.mm_items)
                  for i, (s, st) in enumerate(zip(seqs, states))
                  if st.mm_items and s.start_pos < st.mm_items[-1].end]
