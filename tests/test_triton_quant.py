@@ -1,11 +1,7 @@
 """Triton dequantize-GEMM kernels (ops/triton_quant.py) against their pure-torch twins.
 
-Triton picks interpreter mode when its JIT decorates a kernel, from TRITON_INTERPRET, so the kernel
-cases run in one child process (this file run as a script) with TRITON_INTERPRET=1 set before anything
-imports triton; the pytest process may already have imported the kernels in compiled mode. The child
-prints one JSON record per case and each case is its own test here. A second child, with TRITON_INTERPRET
-unset, compiles the kernel for an sm_90 target down to a cubin (no GPU needed), which the interpreter never
-does: that catches what only the compiler checks (tl.dot shapes, layouts, dtype rules).
+Kernel cases run in a child process under Triton's interpreter, and a second child compiles the kernels
+for sm_90 (tests/triton_child.py says why).
 
 A case passes when the kernel is within `tol` of the twin (relative to max |y|) and at least 10 x tol
 away from every mutant twin: the same weights read with the nibble order ignored, the zero points
@@ -15,7 +11,6 @@ those bugs fails; so did kernels with the K tail, the group index or split-K's b
 from __future__ import annotations
 
 import functools
-import json
 import os
 import subprocess
 import sys
@@ -27,14 +22,8 @@ import torch
 import tokenmill
 from tokenmill.ops import triton_quant as tq
 from tokenmill.quantization import awq_format
+from triton_child import TRITON_TYPES, child_main, compile_for_sm90, needs_triton, run_child, skip_without_nvidia_backend
 
-try:
-    import triton
-    HAVE_TRITON = True
-except ImportError:
-    HAVE_TRITON = False
-
-needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install 'tokenmill[test]')")
 # relative to max |y|; bfloat16 also absorbs the interpreter's fp32 -> bf16 casts, which truncate (a GPU
 # rounds to nearest): the weight tile on its way into tl.dot and the output, up to 1e-2 seen here
 TOL = {"float32": 1e-5, "float16": 3e-3, "bfloat16": 2e-2}
@@ -124,7 +113,6 @@ def _run_case(c: dict) -> dict:
 
 COMPILE_CASES = [(kind, dtype, m) for kind in ("w4", "w8") for dtype in ("float16", "bfloat16", "float32")
                  for m in (1, 17)] + [("w4", "bfloat16", 5)]
-_TRITON_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 
 def _compile_id(case: tuple) -> str:
@@ -133,62 +121,36 @@ def _compile_id(case: tuple) -> str:
 
 def _compile_case(kind: str, dtype: str, m: int) -> dict:
     """Compile, as `_launch` would launch it, for an sm_90 target: no GPU needed, ptxas ships with triton."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     group = {"float16": 32, "bfloat16": 64, "float32": 128}[dtype] if kind == "w4" else 1
     plan = tq._plan(m, 256, 512, group if kind == "w4" else tq._W8_BLOCK_K, torch.device("cpu"), None, None)
     consts = plan.constexprs(4 if kind == "w4" else 8, group, getattr(torch, dtype), True, False)
-    x_t, w_t = "*" + _TRITON_TYPES[dtype], "*i32" if kind == "w4" else "*i8"
+    x_t, w_t = "*" + TRITON_TYPES[dtype], "*i32" if kind == "w4" else "*i8"
     ptrs = dict(x_ptr=x_t, qw_ptr=w_t, qz_ptr=w_t, s_ptr="*fp16", b_ptr="*fp32",
                 out_ptr=x_t if plan.split_k == 1 else "*fp32")
     ints = {name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_xk", "tiles_per_split")}
     signature = {**ptrs, **ints, **{name: "constexpr" for name in consts}}
-    kernel = tq._kernels().qgemm_kernel
-    compiled = triton.compile(ASTSource(kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": plan.num_warps})
-    return {"cubin_bytes": len(compiled.asm["cubin"]), "use_dot": plan.use_dot, "split_k": plan.split_k}
+    cubin = compile_for_sm90(tq._kernels().qgemm_kernel, signature, consts, plan.num_warps)
+    return {"cubin_bytes": cubin, "use_dot": plan.use_dot, "split_k": plan.split_k}
 
 
 def _child_main(mode: str) -> None:
-    torch.set_num_threads(1)
     if mode == "interpret":
-        jobs = {case_id: functools.partial(_run_case, c) for case_id, c in CASES.items()}
+        child_main({case_id: functools.partial(_run_case, c) for case_id, c in CASES.items()})
     else:
-        jobs = {_compile_id(c): functools.partial(_compile_case, *c) for c in COMPILE_CASES}
-    results = {}
-    for case_id, job in jobs.items():
-        try:
-            results[case_id] = job()
-        except Exception as e:  # reported per case by the parent
-            results[case_id] = {"exception": f"{type(e).__name__}: {e}"[-3000:]}
-    print("RESULTS " + json.dumps(results))
+        child_main({_compile_id(c): functools.partial(_compile_case, *c) for c in COMPILE_CASES})
 
 
 # ------------------------------------------------------------------ the pytest side
 
-def _child(mode: str) -> dict:
-    """Run this file as a script in `mode`, with the parent's tokenmill first on the path."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(tokenmill.__file__).parents[1]), env.get("PYTHONPATH", "")])
-    if mode == "interpret":
-        env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, __file__, mode], env=env, capture_output=True, text=True, timeout=300)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"{mode} child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1].removeprefix("RESULTS "))
-
-
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    return _child("interpret")
+    return run_child(__file__, "interpret")
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    from triton.backends import backends
-    if "nvidia" not in backends:
-        pytest.skip("this triton build has no NVIDIA backend to compile for")
-    return _child("compile")
+    skip_without_nvidia_backend()
+    return run_child(__file__, "compile")
 
 
 @needs_triton

@@ -1,0 +1,74 @@
+"""Running Triton kernel cases in a child process, for the kernel test files (test_triton_*.py).
+
+Triton picks interpreter mode when its JIT decorates a kernel, from TRITON_INTERPRET, so kernel cases run
+in a child (the test file run as a script) with TRITON_INTERPRET=1 set before anything imports triton; the
+pytest process may already have imported the kernels in compiled mode. The child prints one JSON record per
+case, and each case is its own test in the parent. A second child, with TRITON_INTERPRET unset, compiles
+kernels for an sm_90 target down to a cubin (no GPU needed): that catches what only Triton's compiler checks
+(tl.dot shapes, layouts, dtype rules), which the interpreter never runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+import tokenmill
+
+try:
+    import triton
+    HAVE_TRITON = True
+except ImportError:
+    triton = None
+    HAVE_TRITON = False
+
+needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install 'tokenmill[test]')")
+TRITON_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+
+
+def child_main(jobs: dict[str, Callable[[], dict]]) -> None:
+    """In the child: run every job, print their records (an exception is a record too) on one line."""
+    import torch
+    torch.set_num_threads(1)
+    results = {}
+    for case_id, job in jobs.items():
+        try:
+            results[case_id] = job()
+        except Exception as e:  # reported per case by the parent
+            results[case_id] = {"exception": f"{type(e).__name__}: {e}"[-3000:]}
+    print("RESULTS " + json.dumps(results))
+
+
+def run_child(test_file: str, mode: str, timeout: float = 300) -> dict:
+    """In the parent: run `test_file` as a script with argument `mode` ("interpret" sets TRITON_INTERPRET=1),
+    with this tokenmill first on the path; returns the child's records."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(tokenmill.__file__).parents[1]), str(Path(__file__).parent),
+                                         env.get("PYTHONPATH", "")])
+    if mode == "interpret":
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, test_file, mode], env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, f"{mode} child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1].removeprefix("RESULTS "))
+
+
+def skip_without_nvidia_backend() -> None:
+    from triton.backends import backends
+    if "nvidia" not in backends:
+        pytest.skip("this triton build has no NVIDIA backend to compile for")
+
+
+def compile_for_sm90(kernel, signature: dict, constexprs: dict, num_warps: int = 4) -> int:
+    """Compile `kernel` for an H100/H200 (sm_90) without a GPU (ptxas ships with triton); cubin size in bytes.
+    `signature` maps every argument to a Triton type ("*fp16", "i32", ...) or "constexpr"."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps})
+    return len(compiled.asm["cubin"])
