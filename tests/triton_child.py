@@ -44,15 +44,15 @@ def child_main(jobs: dict[str, Callable[[], dict]]) -> None:
     print("RESULTS " + json.dumps(results))
 
 
-def run_child(test_file: str, mode: str, timeout: float = 300) -> dict:
-    """In the parent: run `test_file` as a script with argument `mode` ("interpret" sets TRITON_INTERPRET=1),
-    with this tokenmill first on the path; returns the child's records."""
+def run_child(test_file: str, mode: str, timeout: float = 300, extra_args: list[str] = ()) -> dict:
+    """In the parent: run `test_file` as a script with arguments `mode` ("interpret" sets TRITON_INTERPRET=1)
+    and `extra_args`, with this tokenmill and tests/ first on the path; returns the child's records."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(tokenmill.__file__).parents[1]), str(Path(__file__).parent),
                                          env.get("PYTHONPATH", "")])
     if mode == "interpret":
         env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, test_file, mode], env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, test_file, mode, *extra_args], env=env, capture_output=True, text=True, timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, f"{mode} child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(lines[-1].removeprefix("RESULTS "))

@@ -205,7 +205,11 @@ class EngineConfig:
                                 "only; auto: shm where it works (x86-64 Linux)", choices=("auto", "shm", "gloo"))
     allow_cpu_oversubscription: bool = option(False, "CPU: run more ranks on a node than it has cores (slow; "
                                               "for tests)")
-    device: str = option("auto", "auto or cpu (the GPU path has not landed yet)")
+    device: str = option("auto", "auto picks cuda when torch sees a GPU, else cpu", choices=("auto", "cpu", "cuda"))
+    attention_backend: str = option("auto", "paged attention kernels: torch (the CPU path and the oracle), triton "
+                                    "(unified paged attention; falls back to torch if it fails to compile); auto: "
+                                    "triton on CUDA, torch on CPU", choices=("auto", "torch", "triton"))
+    enforce_eager: bool = option(False, "CUDA: run every step eagerly (no CUDA graphs for decode steps)")
     skip_tokenizer_init: bool = option(False, "load no tokenizer (token-id prompts only)")
     revision: str | None = option(None, "accepted for vLLM compatibility; models load from local directories")
     trust_remote_code: bool = option(False, "let transformers run the model directory's own tokenizer code")
@@ -244,14 +248,23 @@ class EngineConfig:
         self._check_parallel()
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.device == "auto":
-            self.device = "cpu"  # the GPU path (Triton kernels, device-side sampling) has not landed yet
-        if self.device != "cpu":
-            raise ValueError(f"device={self.device!r} is not supported yet; tokenmill runs on CPU for now")
+        self._resolve_device()
         self._check_kv_tiers()
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
         if not os.path.isdir(self.model):
             raise ValueError(f"model directory not found: {self.model!r} (models load from local directories only)")
+
+    def _resolve_device(self) -> None:
+        from tokenmill.attention.registry import resolve_attention_backend
+
+        cuda = torch.cuda.is_available()
+        if self.device == "auto":
+            self.device = "cuda" if cuda else "cpu"
+        elif self.device == "cuda" and not cuda:
+            raise ValueError("device='cuda' was asked for, but torch sees no CUDA GPU (torch "
+                             f"{torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); install a CUDA build "
+                             "of torch on a GPU machine, or use device='cpu'")
+        self.attention_backend = resolve_attention_backend(self.attention_backend, self.device)
 
     @property
     def world_size(self) -> int:

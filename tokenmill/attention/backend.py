@@ -1,4 +1,4 @@
-"""The attention interface: what every backend reads, and the layout of the paged KV cache.
+"""The attention interface: one common description of a step's batch, and the backends that read it.
 
 Batch layout for one step (decodes first, then prefill chunks), flat over tokens:
 
@@ -8,7 +8,15 @@ Batch layout for one step (decodes first, then prefill chunks), flat over tokens
     slot_mapping    [a8,       b3,        c5, c6, c7]  (block_id * block_size + offset; -1 = pad)
     block_tables    int32 [num_seqs, max_blocks]  (rows padded with 0; seq_lens says what is valid)
 
-KV cache per layer: key and value each [num_blocks, block_size, num_kv_heads, head_dim].
+Query j of a row with n new tokens sits at position seq_len - n + j and sees keys 0 .. seq_len - n + j.
+
+The model runner builds one `AttentionBatch` per step; each backend turns it into its own step metadata
+(`build_metadata`: masks, split plans, graph buffers, ...) which only that backend reads. The model code
+passes that metadata through to `forward` without looking inside, so a backend never writes into shared
+state and a new backend (FlashAttention, FlashInfer wheels) plugs in without touching the runner.
+
+KV cache per layer: key and value each `kv_cache_shape(...)`; today every backend uses
+[num_blocks, block_size, num_kv_heads, head_dim], which lets the Triton backend fall back to torch.
 """
 from __future__ import annotations
 
@@ -18,37 +26,44 @@ import torch
 
 
 @dataclass
-class AttentionMetadata:
+class AttentionBatch:
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
     seq_lens: torch.Tensor  # int32 [num_seqs]
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
     num_decodes: int  # the first num_decodes sequences have exactly one query token
     max_seq_len: int
-    # Host copies, so CPU loops never read device tensors.
+    max_query_len: int
+    # Host copies, so host code (launch sizes, CPU loops) never reads device tensors.
     query_start_loc_host: list[int]
     seq_lens_host: list[int]
-    # Prefill-only rows whose whole context is new (no cached prefix): plain causal attention.
-    fresh_prefill: list[bool]
-    # per prefill row with a cached prefix: bool [new, seq_len] causal mask offset by the prefix
-    prefill_masks: dict[int, torch.Tensor] | None = None
-    decode_mask: torch.Tensor | None = None  # float bias [num_decodes, 1, 1, max_len]: 0 or -inf, built once per step
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
 
 
 class AttentionBackend:
     """Writes this step's keys/values into the paged cache and attends over cached + new tokens.
     Backends are chosen by name through attention/registry.py."""
 
+    name = "base"
+
+    @classmethod
+    def supports(cls, device: str) -> bool:
+        """Whether this backend can run on `device` here ("auto" picks the first that can)."""
+        return True
+
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """The layout this backend reads, for the key cache and for the value cache of one layer."""
         return (num_blocks, block_size, num_kv_heads, head_dim)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
-        raise NotImplementedError
+    def build_metadata(self, batch: AttentionBatch):
+        """This backend's step metadata, built once per step and shared by every layer."""
+        return batch
 
-    def build_step_state(self, meta: AttentionMetadata) -> None:
-        """Per-step precomputation shared by every layer (e.g. masks)."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                key_cache: torch.Tensor, value_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; `meta` is what build_metadata returned."""
+        raise NotImplementedError

@@ -1,11 +1,22 @@
 """Pure-torch paged attention: the CPU path and the oracle for GPU kernels."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.attention.backend import AttentionBackend, AttentionBatch
 from tokenmill.ops import cpu_attention
+
+
+@dataclass
+class TorchAttentionMetadata:
+    batch: AttentionBatch
+    fresh_prefill: list[bool]  # per row: a prefill whose whole context is new (plain causal attention)
+    # per prefill row with a cached prefix: bool [new, seq_len] causal mask offset by the prefix
+    prefill_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    decode_mask: torch.Tensor | None = None  # float bias [num_decodes, 1, 1, max_len]: 0 or -inf, built once per step
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -55,26 +66,31 @@ class TorchAttentionBackend(AttentionBackend):
     """Decodes go through the C paged-attention kernel where it runs (`use_kernel`), else through the
     gather + matmul path below, which is also the kernel's test oracle."""
 
+    name = "torch"
+
     def __init__(self, use_kernel: bool | None = None):
         self.use_kernel = use_kernel  # None: decided by the first decode (dtype and head shapes never change)
 
-    def build_step_state(self, meta: AttentionMetadata) -> None:
-        nd = meta.num_decodes
-        qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
+    def build_metadata(self, batch: AttentionBatch) -> TorchAttentionMetadata:
+        nd = batch.num_decodes
+        qsl, lens = batch.query_start_loc_host, batch.seq_lens_host
+        fresh = [False] * nd + [lens[i] == qsl[i + 1] - qsl[i] for i in range(nd, len(lens))]
         # query j of a chunk sits at absolute position L - n + j and sees keys 0 .. L - n + j
-        meta.prefill_masks = {
-            i: torch.ones(qsl[i + 1] - qsl[i], lens[i], dtype=torch.bool).tril_(diagonal=lens[i] - (qsl[i + 1] - qsl[i]))
-            for i in range(nd, len(lens)) if not meta.fresh_prefill[i]}
+        masks = {i: torch.ones(qsl[i + 1] - qsl[i], lens[i], dtype=torch.bool,
+                               device=batch.seq_lens.device).tril_(diagonal=lens[i] - (qsl[i + 1] - qsl[i]))
+                 for i in range(nd, len(lens)) if not fresh[i]}
+        return TorchAttentionMetadata(batch, fresh, masks)
 
-    def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float):
-        write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-        nd = meta.num_decodes
-        if nd == len(meta.seq_lens_host):  # decodes only: no output buffer to assemble
+    def forward(self, q, k, v, key_cache, value_cache, meta: TorchAttentionMetadata, scale: float):
+        batch = meta.batch
+        write_kv(k, v, key_cache, value_cache, batch.slot_mapping)
+        nd = batch.num_decodes
+        if nd == batch.num_seqs:  # decodes only: no output buffer to assemble
             return self._decode(q, key_cache, value_cache, meta, scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if nd:
             out[:nd] = self._decode(q[:nd], key_cache, value_cache, meta, scale)
-        qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
+        qsl, lens = batch.query_start_loc_host, batch.seq_lens_host
         for i in range(nd, len(lens)):
             s, e = qsl[i], qsl[i + 1]
             qi = q[s:e].transpose(0, 1)  # [Hq, n, D]
@@ -82,35 +98,36 @@ class TorchAttentionBackend(AttentionBackend):
                 ki, vi = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
                 o = prefill_attention(qi, ki, vi, scale)
             else:
-                ki = gather_kv(key_cache, meta.block_tables[i], lens[i])
-                vi = gather_kv(value_cache, meta.block_tables[i], lens[i])
+                ki = gather_kv(key_cache, batch.block_tables[i], lens[i])
+                vi = gather_kv(value_cache, batch.block_tables[i], lens[i])
                 o = prefill_attention(qi, ki, vi, scale, meta.prefill_masks[i])
             out[s:e] = o.transpose(0, 1)
         return out
 
-    def _decode(self, q, key_cache, value_cache, meta: AttentionMetadata, scale: float):
+    def _decode(self, q, key_cache, value_cache, meta: TorchAttentionMetadata, scale: float):
+        batch = meta.batch
         nd = q.shape[0]
         if self.use_kernel is None:
             self.use_kernel = cpu_attention.supports(q, key_cache)
         if self.use_kernel:
             # reads the cache in place; 4-17x faster than gathering a padded float32 copy (BENCHMARKS.md)
-            return cpu_attention.paged_decode_attention(q, key_cache, value_cache, meta.block_tables[:nd],
-                                                        meta.seq_lens[:nd], scale)
+            return cpu_attention.paged_decode_attention(q, key_cache, value_cache, batch.block_tables[:nd],
+                                                        batch.seq_lens[:nd], scale)
         if nd == 1:
-            L = meta.seq_lens_host[0]
-            kk = gather_kv(key_cache, meta.block_tables[0], L).unsqueeze(0)
-            vv = gather_kv(value_cache, meta.block_tables[0], L).unsqueeze(0)
+            L = batch.seq_lens_host[0]
+            kk = gather_kv(key_cache, batch.block_tables[0], L).unsqueeze(0)
+            vv = gather_kv(value_cache, batch.block_tables[0], L).unsqueeze(0)
             return decode_attention(q, kk, vv, scale)
         if meta.decode_mask is None:  # built by the first layer, shared by the rest
-            lens = meta.seq_lens[:nd]
-            max_len = int(max(meta.seq_lens_host[:nd]))
+            lens = batch.seq_lens[:nd]
+            max_len = int(max(batch.seq_lens_host[:nd]))
             valid = torch.arange(max_len, device=lens.device) < lens[:, None].to(torch.int64)
             bias = torch.zeros(nd, 1, 1, max_len, dtype=torch.float32, device=lens.device)
             meta.decode_mask = bias.masked_fill_(~valid.view(nd, 1, 1, max_len), float("-inf"))
         bias = meta.decode_mask
         max_len = bias.shape[-1]
         bs = key_cache.shape[1]
-        tables = meta.block_tables[:nd, : -(-max_len // bs)]
+        tables = batch.block_tables[:nd, : -(-max_len // bs)]
         # [nd, blocks, bs, Hkv, D] -> [nd, Hkv, L, D]; the padded tail is masked out by the bias
         kk = key_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
         vv = value_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)

@@ -4,6 +4,7 @@ swapped in here:
 
     batching="static"        -> sched/static.py      StaticBatchScheduler
     kv_layout="contiguous"   -> kv/contiguous.py     ContiguousKVCacheManager
+    attention_backend        -> attention/registry.py -> TorchAttentionBackend | TritonAttentionBackend
     attention_impl="eager"   -> attention/registry.py -> EagerAttentionBackend
     mm_encoder_cache=False   -> multimodal/encoder_cache.py NoReuseEncoderCache
 """
@@ -43,4 +44,5 @@ def build_scheduler(config: EngineConfig, kv: KVCacheManager, multimodal: bool =
 
 
 def build_attention_backend(config: EngineConfig) -> AttentionBackend:
-    return attention_backend_class(config.attention_impl)()
+    name = "eager" if config.attention_impl == "eager" else config.attention_backend
+    return attention_backend_class(name)()

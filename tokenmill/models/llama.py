@@ -6,7 +6,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import ModelConfig
 from tokenmill.distributed.comm import SINGLE, WHOLE_MODEL, ModelShard, TensorParallel
 from tokenmill.distributed.layout import kv_head_split
@@ -40,7 +40,8 @@ class Attention(nn.Module):
                                         prefix=o, tp=tp)
         self.scale = self.hd ** -0.5
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
+    def forward(self, x, cos, sin, kv_cache, meta, backend: AttentionBackend):
+        """`meta` is the backend's own step metadata (attention/backend.py); only the backend reads it."""
         qkv = self.qkv_proj(x)
         # rotate the query and key heads in one pass: [T, nh + nkv, hd]
         qk = rotate_heads(qkv, cos, sin, self.nh + self.nkv, self.hd)

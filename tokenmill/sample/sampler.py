@@ -1,6 +1,10 @@
 """Logits -> next tokens: penalties, min_tokens, greedy or temperature / top-k / top-p / min-p
 sampling, and logprobs. Seeded requests draw from their own generator, so a seed reproduces the same
-tokens whatever else shares the batch."""
+tokens whatever else shares the batch.
+
+Everything runs on the logits' device: generators live there (CUDA's Philox generators on a GPU), the
+per-row parameters go over in one small copy each, and the only device-to-host transfer is the chosen
+token ids (plus logprobs for the requests that ask), once per step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,9 +40,10 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
         if not sp.needs_penalties:
             continue
         row = logits[i]
-        out = torch.tensor(r.output_token_ids, dtype=torch.int64)
+        out = torch.tensor(r.output_token_ids, dtype=torch.int64, device=logits.device)
         if sp.repetition_penalty != 1.0:
-            seen = torch.tensor(r.prompt_token_ids + r.output_token_ids, dtype=torch.int64).unique()
+            seen = torch.tensor(r.prompt_token_ids + r.output_token_ids, dtype=torch.int64,
+                                device=logits.device).unique()
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
         if len(out) and (sp.presence_penalty or sp.frequency_penalty):
@@ -63,7 +68,7 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
         mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
         if use_k:
             k = torch.where(top_k > 0, top_k, logits.shape[-1])
-            mask |= torch.arange(logits.shape[-1]).unsqueeze(0) >= k.unsqueeze(1)
+            mask |= torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0) >= k.unsqueeze(1)
             sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
         if use_p:
             probs = sorted_logits.softmax(dim=-1)
@@ -80,16 +85,23 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 def exponential_sample(probs: torch.Tensor, generators: list[torch.Generator | None],
                        default: torch.Generator) -> torch.Tensor:
     """argmax(p / E) with E ~ Exp(1) draws a token with probability p (the Gumbel-max trick);
-    each row's noise comes from its own generator when it has one."""
+    each row's noise comes from its own generator when it has one, the others' from `default` in one call."""
     noise = torch.empty_like(probs)
-    for i, g in enumerate(generators):
-        noise[i].exponential_(generator=g or default)
+    shared = [i for i, g in enumerate(generators) if g is None]
+    if len(shared) == len(generators):
+        noise.exponential_(generator=default)
+    else:
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        if shared:
+            noise[shared] = torch.empty_like(noise[shared]).exponential_(generator=default)
     return (probs / noise).argmax(dim=-1)
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int = 0, device: str = "cpu"):
+        self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
         adjusted = self.adjusted_logits(logits, rows)
@@ -115,13 +127,17 @@ class Sampler:
     @staticmethod
     def probs(adjusted: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """The distribution a non-greedy row samples from: temperature, then top-k / top-p / min-p."""
-        temp = torch.tensor([r.params.temperature for r in rows], dtype=adjusted.dtype)
+        dev = adjusted.device
+        temp = torch.tensor([r.params.temperature for r in rows], dtype=adjusted.dtype, device=dev)
         logits = adjusted / temp.unsqueeze(1)
-        top_k = torch.tensor([r.params.top_k for r in rows])
-        top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype)
-        min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype)
-        logits = filter_logits(logits, top_k, top_p, min_p, bool((top_k > 0).any()),
-                               bool((top_p < 1).any()), bool((min_p > 0).any()))
+        ks, ps, mps = ([r.params.top_k for r in rows], [r.params.top_p for r in rows],
+                       [r.params.min_p for r in rows])
+        top_k = torch.tensor(ks, device=dev)
+        top_p = torch.tensor(ps, dtype=logits.dtype, device=dev)
+        min_p = torch.tensor(mps, dtype=logits.dtype, device=dev)
+        # which filters run is decided from the host lists: no device reads
+        logits = filter_logits(logits, top_k, top_p, min_p, any(k > 0 for k in ks), any(p < 1 for p in ps),
+                               any(m > 0 for m in mps))
         return logits.softmax(dim=-1)
 
     @staticmethod

@@ -3,6 +3,8 @@ The driver (engine/core.py) and every worker process (distributed/worker.py) bui
 ranks make the same decisions from the same config."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
@@ -13,8 +15,10 @@ from tokenmill.kv.manager import cdiv
 from tokenmill.models.loader import load_model
 from tokenmill.spec_decode.build import build_proposer, kv_bytes_per_block, load_draft
 from tokenmill.worker.encoder_runner import EncoderRunner
+from tokenmill.worker.memory_profile import GIB, GpuMemoryBudget, measure_gpu_budget, worst_case_lengths
 from tokenmill.worker.model_runner import ModelRunner
 
+logger = logging.getLogger("tokenmill")
 _DEFAULT_CPU_KV_GB = 4.0
 
 
@@ -29,35 +33,59 @@ def build_runner(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, shar
         draft = load_draft(config, mc, dtype)
     layers = len(shard.layers(mc.num_layers))
     kv_heads, _ = kv_head_split(mc.num_kv_heads, shard.tp.size, shard.tp.rank)
-    num_blocks = agree(num_kv_blocks(config, mc, dtype, layers, kv_heads, draft[1] if draft else None))
-    proposer = None
-    if shard.is_last_stage:
-        proposer = build_proposer(spec, draft, num_blocks, config.block_size, dtype, config.device,
-                                  build_attention_backend(config))
-    runner = ModelRunner(model, build_attention_backend(config), num_blocks, config.block_size, layers, kv_heads,
-                         mc.head_dim, dtype, config.device, config.seed, proposer=proposer, pipeline=pipeline,
-                         hidden_size=mc.hidden_size)
+
+    def make_runner(num_blocks: int) -> ModelRunner:
+        proposer = None
+        if shard.is_last_stage:
+            proposer = build_proposer(spec, draft, num_blocks, config.block_size, dtype, config.device,
+                                      build_attention_backend(config))
+        return ModelRunner(model, build_attention_backend(config), num_blocks, config.block_size, layers, kv_heads,
+                           mc.head_dim, dtype, config.device, config.seed, proposer=proposer, pipeline=pipeline,
+                           hidden_size=mc.hidden_size)
+
+    budget = None
+    if config.device == "cuda" and config.num_kv_blocks is None and pipeline is None:
+        lengths = worst_case_lengths(config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len)
+        budget = measure_gpu_budget(make_runner, lengths, config.block_size, config.gpu_memory_utilization,
+                                    kv_block_bytes(config, mc, dtype, layers, kv_heads, draft[1] if draft else None))
+    num_blocks = agree(num_kv_blocks(config, mc, dtype, layers, kv_heads, draft[1] if draft else None, budget))
+    runner = make_runner(num_blocks)
     if mc.is_multimodal:
         runner.encoder = EncoderRunner(model, config.device, dtype, config.mm_encoder_overlap)
     return runner
 
 
-def num_kv_blocks(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype, layers: int, kv_heads: int,
-                  draft_mc: ModelConfig | None = None) -> int:
-    """KV blocks for this rank's layers and heads within its memory budget (per rank: each GPU, or each CPU
-    rank's share of kv_cache_memory_gb)."""
-    per_seq = cdiv(cfg.max_model_len, cfg.block_size)
-    bytes_per_block = 2 * layers * cfg.block_size * kv_heads * mc.head_dim * dtype.itemsize
+def kv_block_bytes(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype, layers: int, kv_heads: int,
+                   draft_mc: ModelConfig | None = None) -> int:
+    """Bytes of one KV block over this rank's layers and heads (and the draft's, which shares the blocks)."""
+    n = 2 * layers * cfg.block_size * kv_heads * mc.head_dim * dtype.itemsize
     if draft_mc is not None:  # the draft's KV lives in the same blocks (spec_decode/draft_model.py)
-        bytes_per_block += kv_bytes_per_block(draft_mc, cfg.block_size, dtype)
+        n += kv_bytes_per_block(draft_mc, cfg.block_size, dtype)
+    return n
+
+
+def num_kv_blocks(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype, layers: int, kv_heads: int,
+                  draft_mc: ModelConfig | None = None, budget: GpuMemoryBudget | None = None) -> int:
+    """KV blocks for this rank's layers and heads within its memory budget (per rank: each GPU, measured by
+    worker/memory_profile.py, or each CPU rank's share of kv_cache_memory_gb)."""
+    per_seq = cdiv(cfg.max_model_len, cfg.block_size)
+    bytes_per_block = kv_block_bytes(cfg, mc, dtype, layers, kv_heads, draft_mc)
     if cfg.num_kv_blocks is not None:
         n = cfg.num_kv_blocks
     elif cfg.device == "cuda":
-        free, total = torch.cuda.mem_get_info()
-        used = total - free
-        # leave room for one worst-case step's activations (a rough bound; logits dominate)
-        act = cfg.max_num_batched_tokens * (mc.hidden_size * 16 + mc.vocab_size * 4)
-        n = int((total * cfg.gpu_memory_utilization - used - act) // bytes_per_block)
+        if budget is None:  # a pipeline stage cannot run a step alone: a bound (logits dominate)
+            free, total = torch.cuda.mem_get_info()
+            act = cfg.max_num_batched_tokens * (mc.hidden_size * 16 + mc.vocab_size * 4)
+            budget = GpuMemoryBudget(total, cfg.gpu_memory_utilization, total - free, act)
+        n = max(budget.kv_bytes // bytes_per_block, 0)
+        if n >= per_seq:
+            logger.info("GPU KV cache: %d blocks of %d tokens (%.2f GiB); %s", n, cfg.block_size,
+                        n * bytes_per_block / GIB, budget.describe())
+        else:
+            raise ValueError(f"not enough GPU memory for one {cfg.max_model_len}-token sequence: it needs {per_seq} "
+                             f"KV blocks of {bytes_per_block / 2**20:.2f} MiB ({per_seq * bytes_per_block / GIB:.2f} "
+                             f"GiB), and {n} fit. {budget.describe()}. Raise gpu_memory_utilization, lower "
+                             "max_model_len or max_num_batched_tokens, or quantize the weights")
     else:
         gb = (cfg.kv_cache_memory_gb or _DEFAULT_CPU_KV_GB) / cfg.world_size
         # more blocks than every sequence at full length can use only ever holds cached prefixes

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.attention.backend import AttentionBackend, AttentionBatch
 from tokenmill.sample.sampler import SampleRow, Sampler, TokenLogprobs, batch_token_logprobs
 from tokenmill.sched.output import ScheduledRequest, SchedulerOutput
 from tokenmill.spec_decode.verify import DraftCheck, verify
@@ -55,8 +55,8 @@ class ModelRunner:
         shape = backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
         self.kv_cache = torch.zeros(num_layers, 2, *shape, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(num_layers)]
-        self.sampler = Sampler(seed)
-        self.requests = RequestStates()
+        self.sampler = Sampler(seed, device)
+        self.requests = RequestStates(device)
         self.proposer = proposer  # spec_decode: propose_batch(runner, items) -> drafts, release(ids)
         self.encoder = None  # worker/encoder_runner.py EncoderRunner, for multimodal models
 
@@ -68,8 +68,9 @@ class ModelRunner:
 
     def prepare(self, seqs: list[ScheduledRequest], backend: AttentionBackend | None = None):
         """Tensors and attention metadata for `seqs`, built for `backend` (default: the target's).
-        Returns (input_ids, positions, meta, token_starts): token_starts[i] .. token_starts[i + 1] are
-        seq i's rows in the flat token batch.
+        Returns (input_ids, positions, meta, token_starts): meta is the backend's own step metadata, built
+        from the common AttentionBatch; token_starts[i] .. token_starts[i + 1] are seq i's rows in the flat
+        token batch.
 
         Attention rows are not always sequences: a sequence verifying k drafts (which must come first,
         with the decodes) becomes 1 + k decode rows, one per query, each seeing the keys up to its own
@@ -104,18 +105,18 @@ class ModelRunner:
         row_lens = np.concatenate([positions[:nd] + 1, (starts + n_tok)[num_dec_seqs:]])
         row_qsl = np.concatenate([np.arange(nd + 1), qsl[num_dec_seqs + 1:]])
         dev = self.device
-        meta = AttentionMetadata(
+        batch = AttentionBatch(
             slot_mapping=torch.from_numpy(slots).to(dev),
             query_start_loc=torch.from_numpy(row_qsl).to(dev, torch.int32),
             seq_lens=torch.from_numpy(row_lens).to(dev, torch.int32),
             block_tables=torch.from_numpy(tables[row_seq]).to(dev, torch.int32),
             num_decodes=nd,
             max_seq_len=int(row_lens.max()),
+            max_query_len=int(np.diff(row_qsl).max()),
             query_start_loc_host=row_qsl.tolist(),
             seq_lens_host=row_lens.tolist(),
-            fresh_prefill=[False] * nd + (starts[num_dec_seqs:] == 0).tolist(),
         )
-        (backend or self.backend).build_step_state(meta)
+        meta = (backend or self.backend).build_metadata(batch)
         return (torch.tensor(input_ids, dtype=torch.int64, device=dev), torch.from_numpy(positions).to(dev), meta,
                 qsl.tolist())
 

@@ -34,7 +34,8 @@ class RequestState:
 class RequestStates:
     """Per-request state and seeded generators, kept in step with the scheduler's outputs."""
 
-    def __init__(self):
+    def __init__(self, device: str = "cpu"):
+        self.device = device  # where seeded generators live: the logits' device
         self.states: dict[str, RequestState] = {}
         self.generators: dict[str, torch.Generator] = {}
 
@@ -77,5 +78,5 @@ class RequestStates:
         g = self.generators.get(request_id)
         if g is None:
             # any 64-bit seed (n > 1 children use seed + i) maps onto the generator's unsigned range
-            g = self.generators[request_id] = torch.Generator().manual_seed(seed % 2**64)
+            g = self.generators[request_id] = torch.Generator(device=self.device).manual_seed(seed % 2**64)
         return g

@@ -1,0 +1,152 @@
+"""The GPU path, as far as a CPU can check it: the Triton attention backend in the whole engine (under
+Triton's interpreter) against the torch backend, its fallback when the kernels cannot run, device and
+backend selection, and the worst-case step that sizes a GPU's KV cache. benchmarks/gpu_check.py covers
+the rest on a GPU."""
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+
+import pytest
+import torch
+
+from conftest import make_llm, random_prompts
+from tokenmill.attention.registry import attention_backend_class, resolve_attention_backend
+from tokenmill.config import EngineConfig
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.memory_profile import GpuMemoryBudget, run_worst_case_step, worst_case_lengths
+from triton_child import child_main, needs_triton, run_child
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+# chunked prefill (a 20-token budget splits the 40-token prompts), prefix hits (prompts 0-2 share 32
+# tokens, two full blocks), a one-token prompt, a prompt ending on a block boundary (32), and preemption
+# (16 blocks of 16 tokens cannot hold five sequences growing to ~50 tokens)
+_SHARED = random_prompts([32], seed=5)[0]
+PROMPTS = ([_SHARED + p for p in random_prompts([8, 3, 9], seed=6)] + random_prompts([1, 32, 40, 17], seed=7))
+SCENARIOS = {
+    "chunked+prefix": dict(max_num_batched_tokens=20, enable_prefix_caching=True),
+    "preemption": dict(num_kv_blocks=16, max_model_len=96, max_num_seqs=5),
+}
+
+
+def _generate(model_dir: str, backend: str, **kw) -> dict:
+    llm = make_llm(model_dir, attention_backend=backend, **kw)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    stats = llm.llm_engine.get_stats()
+    runner_backend = llm.llm_engine.core.runner.backend
+    return dict(tokens=[o.outputs[0].token_ids for o in outs], backend=type(runner_backend).__name__,
+                failure=getattr(runner_backend, "failure", None), preemptions=stats.num_preemptions,
+                prefix_hits=stats.prefix_cache_hits)
+
+
+# ------------------------------------------------------------------ the interpreter child
+
+
+def _child_main(mode: str, model_dir: str) -> None:
+    child_main({f"{backend}-{name}": functools.partial(_generate, model_dir, backend, **kw)
+                for name, kw in SCENARIOS.items() for backend in ("torch", "triton")})
+
+
+# ------------------------------------------------------------------ the pytest side
+
+
+@pytest.fixture(scope="module")
+def interpreted(llama_dir) -> dict:
+    return run_child(__file__, "interpret", timeout=900, extra_args=[llama_dir])
+
+
+@needs_triton
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_triton_engine_matches_torch_backend(interpreted, scenario):
+    torch_run, triton_run = interpreted[f"torch-{scenario}"], interpreted[f"triton-{scenario}"]
+    for r in (torch_run, triton_run):
+        assert "exception" not in r, r.get("exception")
+    assert triton_run["backend"] == "TritonAttentionBackend" and triton_run["failure"] is None, triton_run["failure"]
+    assert triton_run["tokens"] == torch_run["tokens"]
+    assert all(len(t) == GREEDY.max_tokens for t in triton_run["tokens"])
+    if scenario == "preemption":
+        assert triton_run["preemptions"] > 0
+    else:
+        assert triton_run["prefix_hits"] >= 2 * 32  # prompts 1 and 2 reuse prompt 0's two shared blocks
+
+
+@needs_triton
+def test_triton_backend_falls_back_to_torch_when_kernels_cannot_run(llama_dir, caplog, monkeypatch):
+    """On a CPU without the interpreter the kernels cannot launch: one warning, then torch, same tokens."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with caplog.at_level(logging.WARNING):
+        llm = make_llm(llama_dir, attention_backend="triton")
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)]
+    backend = llm.llm_engine.core.runner.backend
+    assert type(backend).__name__ == "TritonAttentionBackend" and backend.failure
+    assert sum("serving with the torch attention backend" in r.message for r in caplog.records) == 1
+    want = make_llm(llama_dir, attention_backend="torch").generate(PROMPTS[:3], GREEDY, use_tqdm=False)
+    assert got == [o.outputs[0].token_ids for o in want]
+
+
+def test_device_and_backend_selection(llama_dir, monkeypatch):
+    cfg = EngineConfig(model=llama_dir)
+    assert (cfg.device, cfg.attention_backend) == ("cpu", "torch")  # this machine has no GPU
+    assert EngineConfig(model=llama_dir, attention_impl="eager").attention_backend == "torch"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert resolve_attention_backend("auto", "cpu") == "torch"
+    assert resolve_attention_backend("triton", "cpu") == "triton"  # asked for: honoured (and may fall back)
+    with pytest.raises(ValueError, match="choose from"):
+        attention_backend_class("flash")
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineConfig(model=llama_dir, attention_backend="flash")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_cuda_asked_for_but_absent(llama_dir):
+    with pytest.raises(ValueError, match="device='cuda' was asked for, but torch sees no CUDA GPU"):
+        EngineConfig(model=llama_dir, device="cuda")
+
+
+def test_worst_case_step_shape():
+    assert worst_case_lengths(2048, 256, 4096) == [8] * 256  # every sequence samples: the most logits rows
+    assert worst_case_lengths(10, 4, 100) == [3, 3, 2, 2]
+    assert worst_case_lengths(100, 1, 40) == [34, 33, 33]  # no prompt longer than max_model_len
+    assert sum(worst_case_lengths(2049, 7, 4096)) == 2049
+
+
+def test_worst_case_step_runs_through_the_runner(llama_dir):
+    """The profiling step is a real step: it runs on a scratch cache and leaves no request state behind."""
+    llm = make_llm(llama_dir)
+    core = llm.llm_engine.core
+    made = []
+
+    def make_runner(num_blocks):
+        from tokenmill.worker.model_runner import ModelRunner
+        r = core.runner
+        made.append(ModelRunner(r.model, r.backend, num_blocks, r.block_size, len(r.kv_caches),
+                                r.kv_cache.shape[-2], r.kv_cache.shape[-1], r.dtype, "cpu"))
+        return made[-1]
+
+    lengths = worst_case_lengths(64, 8, 256)
+    run_worst_case_step(make_runner, lengths, 16)
+    assert made[0].num_blocks == 8 and len(made[0].requests) == 0
+    assert made[0].kv_cache.abs().sum() > 0  # the step wrote its keys
+
+
+def test_gpu_budget_and_the_not_enough_memory_error(llama_dir):
+    from tokenmill.config import ModelConfig
+    from tokenmill.models.loader import load_hf_config
+    from tokenmill.worker.build import num_kv_blocks
+
+    budget = GpuMemoryBudget(total=80 * 2**30, utilization=0.9, used=70 * 2**30, activation_peak=2 * 2**30)
+    assert budget.kv_bytes == 0
+    cfg = EngineConfig(model=llama_dir, max_model_len=256)
+    mc = ModelConfig.from_hf(load_hf_config(llama_dir))
+    cfg.resolve(mc)
+    cfg.device = "cuda"  # as if on a GPU: the budget decides
+    with pytest.raises(ValueError, match=r"not enough GPU memory for one 256-token sequence.*0.00 GiB"):
+        num_kv_blocks(cfg, mc, torch.float32, 2, 2, budget=budget)
+    roomy = GpuMemoryBudget(total=80 * 2**30, utilization=0.9, used=10 * 2**30, activation_peak=2 * 2**30)
+    per_block = 2 * 2 * 16 * 2 * 16 * 4
+    assert num_kv_blocks(cfg, mc, torch.float32, 2, 2, budget=roomy) == roomy.kv_bytes // per_block
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1], sys.argv[2])
