@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.ops import cpu_fused
+from tokenmill.ops import cpu_fused, triton_fused
 
 
 class RMSNorm(nn.Module):
@@ -16,6 +16,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.dim() == 2 and triton_fused.usable(x, self.weight, *(() if residual is None else (residual,))):
+            out = triton_fused.add_rmsnorm(x, residual, self.weight, self.eps)  # residual updated in place
+            return out if residual is None else (out, residual)
         if x.dim() == 2 and cpu_fused.usable(x, self.weight, *(() if residual is None else (residual,))):
             out = cpu_fused.add_rmsnorm(x, residual, self.weight, self.eps)  # residual updated in place
             return out if residual is None else (out, residual)

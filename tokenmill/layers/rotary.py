@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from tokenmill.ops import cpu_fused
+from tokenmill.ops import cpu_fused, triton_fused
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -48,7 +48,10 @@ class RotaryEmbedding(nn.Module):
 def rotate_heads(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                  head_dim: int) -> torch.Tensor:
     """The first `num_heads` heads of each [T, heads * head_dim] row, rotated: [T, num_heads, head_dim].
-    The fused CPU kernel rotates them in place in one call; the twin builds a new tensor."""
+    The fused CPU and GPU kernels rotate them in place in one call; the twin builds a new tensor."""
+    if head_dim % 2 == 0 and triton_fused.usable(qkv, cos, sin):
+        triton_fused.rotary_(qkv, cos, sin, num_heads, head_dim)
+        return qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)
     if head_dim % 32 == 0 and cpu_fused.usable(qkv, cos, sin):
         cpu_fused.rotary_(qkv, cos, sin, num_heads, head_dim)
         return qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)
