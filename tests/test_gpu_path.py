@@ -24,18 +24,35 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 # (16 blocks of 16 tokens cannot hold five sequences growing to ~50 tokens)
 _SHARED = random_prompts([32], seed=5)[0]
 PROMPTS = ([_SHARED + p for p in random_prompts([8, 3, 9], seed=6)] + random_prompts([1, 32, 40, 17], seed=7))
+# padded-graphs: decode steps go through worker/cuda_graphs.py's persistent, padded buffers (run eagerly,
+# as a CPU cannot capture); buckets 1, 2, 4, 5, so 3-row steps carry a padding row with slot -1
 SCENARIOS = {
     "chunked+prefix": dict(max_num_batched_tokens=20, enable_prefix_caching=True),
     "preemption": dict(num_kv_blocks=16, max_model_len=96, max_num_seqs=5),
+    "padded-graphs": dict(max_num_seqs=5, graphs=True),
 }
 
 
-def _generate(model_dir: str, backend: str, **kw) -> dict:
+def _generate(model_dir: str, backend: str, graphs: bool = False, **kw) -> dict:
     llm = make_llm(model_dir, attention_backend=backend, **kw)
+    runner = llm.llm_engine.core.runner
+    if graphs and backend == "triton":
+        from tokenmill.worker.cuda_graphs import DecodeGraphs
+        cfg = llm.llm_engine.config
+        runner.graphs = DecodeGraphs(runner.model, runner.backend, runner.kv_caches, cfg.max_num_seqs,
+                                     cfg.max_model_len, cfg.block_size, "cpu", capture=False)
+        runner.graphs.steps = 0
+        run = runner.graphs.run
+
+        def counted(*a):
+            runner.graphs.steps += 1
+            return run(*a)
+        runner.graphs.run = counted
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     stats = llm.llm_engine.get_stats()
     runner_backend = llm.llm_engine.core.runner.backend
     return dict(tokens=[o.outputs[0].token_ids for o in outs], backend=type(runner_backend).__name__,
+                graph_steps=getattr(runner.graphs, "steps", 0),
                 failure=getattr(runner_backend, "failure", None), preemptions=stats.num_preemptions,
                 prefix_hits=stats.prefix_cache_hits)
 
@@ -67,6 +84,8 @@ def test_triton_engine_matches_torch_backend(interpreted, scenario):
     assert all(len(t) == GREEDY.max_tokens for t in triton_run["tokens"])
     if scenario == "preemption":
         assert triton_run["preemptions"] > 0
+    elif scenario == "padded-graphs":
+        assert triton_run["graph_steps"] >= GREEDY.max_tokens - 1  # the decode steps took the padded path
     else:
         assert triton_run["prefix_hits"] >= 2 * 32  # prompts 1 and 2 reuse prompt 0's two shared blocks
 

@@ -48,6 +48,9 @@ class AttentionBackend:
     Backends are chosen by name through attention/registry.py."""
 
     name = "base"
+    # True when forward reads only device tensors and the batch's max_* ints (no host loops over rows):
+    # then a decode step can be captured in a CUDA graph (worker/cuda_graphs.py)
+    cuda_graph_safe = False
 
     @classmethod
     def supports(cls, device: str) -> bool:

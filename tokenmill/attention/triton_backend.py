@@ -43,6 +43,10 @@ class TritonAttentionBackend(AttentionBackend):
         self.fallback: TorchAttentionBackend | None = None
         self.failure: str | None = None  # why the kernels were given up, for logs and tests
 
+    @property
+    def cuda_graph_safe(self) -> bool:
+        return self.fallback is None  # the torch fallback loops over rows on the host
+
     def build_metadata(self, batch: AttentionBatch) -> TritonAttentionMetadata:
         return TritonAttentionMetadata(batch)
 

@@ -15,6 +15,7 @@ from tokenmill.kv.manager import cdiv
 from tokenmill.models.loader import load_model
 from tokenmill.spec_decode.build import build_proposer, kv_bytes_per_block, load_draft
 from tokenmill.worker.encoder_runner import EncoderRunner
+from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.worker.memory_profile import GIB, GpuMemoryBudget, measure_gpu_budget, worst_case_lengths
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -50,6 +51,10 @@ def build_runner(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, shar
                                     kv_block_bytes(config, mc, dtype, layers, kv_heads, draft[1] if draft else None))
     num_blocks = agree(num_kv_blocks(config, mc, dtype, layers, kv_heads, draft[1] if draft else None, budget))
     runner = make_runner(num_blocks)
+    if (config.device == "cuda" and not config.enforce_eager and runner.backend.cuda_graph_safe and pipeline is None
+            and not mc.is_multimodal):
+        runner.graphs = DecodeGraphs(model, runner.backend, runner.kv_caches, config.max_num_seqs,
+                                     config.max_model_len, config.block_size, config.device)
     if mc.is_multimodal:
         runner.encoder = EncoderRunner(model, config.device, dtype, config.mm_encoder_overlap)
     return runner

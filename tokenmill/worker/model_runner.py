@@ -59,6 +59,7 @@ class ModelRunner:
         self.requests = RequestStates(device)
         self.proposer = proposer  # spec_decode: propose_batch(runner, items) -> drafts, release(ids)
         self.encoder = None  # worker/encoder_runner.py EncoderRunner, for multimodal models
+        self.graphs = None  # worker/cuda_graphs.py DecodeGraphs: decode steps replayed on a GPU
 
     def release_requests(self, request_ids) -> None:
         """Drop finished requests' state (also when a step schedules nothing)."""
@@ -69,8 +70,13 @@ class ModelRunner:
     def prepare(self, seqs: list[ScheduledRequest], backend: AttentionBackend | None = None):
         """Tensors and attention metadata for `seqs`, built for `backend` (default: the target's).
         Returns (input_ids, positions, meta, token_starts): meta is the backend's own step metadata, built
-        from the common AttentionBatch; token_starts[i] .. token_starts[i + 1] are seq i's rows in the flat
-        token batch.
+        from the common AttentionBatch (prepare_batch)."""
+        input_ids, positions, batch, starts = self.prepare_batch(seqs)
+        return input_ids, positions, (backend or self.backend).build_metadata(batch), starts
+
+    def prepare_batch(self, seqs: list[ScheduledRequest]):
+        """Returns (input_ids, positions, AttentionBatch, token_starts): token_starts[i] .. token_starts[i + 1]
+        are seq i's rows in the flat token batch.
 
         Attention rows are not always sequences: a sequence verifying k drafts (which must come first,
         with the decodes) becomes 1 + k decode rows, one per query, each seeing the keys up to its own
@@ -116,8 +122,7 @@ class ModelRunner:
             query_start_loc_host=row_qsl.tolist(),
             seq_lens_host=row_lens.tolist(),
         )
-        meta = (backend or self.backend).build_metadata(batch)
-        return (torch.tensor(input_ids, dtype=torch.int64, device=dev), torch.from_numpy(positions).to(dev), meta,
+        return (torch.tensor(input_ids, dtype=torch.int64, device=dev), torch.from_numpy(positions).to(dev), batch,
                 qsl.tolist())
 
     @torch.inference_mode()
@@ -127,15 +132,19 @@ class ModelRunner:
         self.requests.apply(sched)
         # decodes (and verifications, as decode rows) first: the attention backend batches them as one group
         seqs = sorted(sched.seqs, key=lambda s: s.num_new_tokens != 1 and not s.draft_token_ids)
-        input_ids, positions, meta, qsl = self.prepare(seqs)
+        input_ids, positions, batch, qsl = self.prepare_batch(seqs)
         intermediate = None
         if not self.is_first_stage:
             intermediate = self.pipeline.recv(len(positions), self.hidden_size, self.dtype, self.device)
         if self.encoder is not None:
             embeds = self._multimodal_embeds(sched, seqs, input_ids, qsl)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend, intermediate, embeds)
+            hidden = self.model(input_ids, positions, self.kv_caches, self.backend.build_metadata(batch), self.backend,
+                                intermediate, embeds)
+        elif self.graphs is not None and intermediate is None and self.graphs.can_run(batch, len(input_ids)):
+            hidden = self.graphs.run(input_ids, positions, batch)
         else:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend, intermediate)
+            hidden = self.model(input_ids, positions, self.kv_caches, self.backend.build_metadata(batch), self.backend,
+                                intermediate)
         out = ModelRunnerOutput()
         if not self.is_last_stage:
             self.pipeline.send(*hidden)

@@ -1,0 +1,120 @@
+"""CUDA graphs for decode steps (and speculative verification rows, which are decode rows too).
+
+A decode step's forward is hundreds of small kernel launches; on a GPU the launch overhead alone can
+exceed the math at small batch. So each batch-size bucket's forward is captured once at startup and
+replayed. A step of n rows runs in the smallest bucket >= n:
+
+    buckets   1, 2, 4, 8, 16, 24, 32, ... (steps of 8) up to max_num_seqs
+    buffers   input_ids [B]  positions [B]  slot_mapping [B]  seq_lens [B]  query_start_loc [B+1]
+              block_tables [B, max_blocks]        (B = the largest bucket; bucket b uses rows [:b])
+
+    rows      0 .. n-1: this step's        n .. b-1: padding
+    padding   slot_mapping -1 (writes nothing), seq_len 1, block table row 0, token 0, position 0:
+              they attend to one cached key and their hidden rows are never read
+
+Inputs live in the persistent buffers, so a replay only copies this step's rows into them. The logits
+are computed outside the graph, from the rows that sample. The attention backend's launch plan is fixed
+at capture, so the graph is captured with max_seq_len = the longest a sequence can be (split-KV sized for
+the worst case; the kernel reads the real lengths from seq_lens). Only backends whose `cuda_graph_safe`
+is True (no host loops over the batch: the buffers' host lists are placeholders) are captured; the
+torch backend is not.
+
+`capture=False` runs the same padded buffers eagerly: the CPU tests use it to check the padding rules.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tokenmill.attention.backend import AttentionBackend, AttentionBatch
+from tokenmill.kv.manager import cdiv
+
+logger = logging.getLogger("tokenmill")
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))[1:]
+    if not sizes or sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    def __init__(self, model, backend: AttentionBackend, kv_caches, max_num_seqs: int, max_model_len: int,
+                 block_size: int, device: str, capture: bool = True):
+        self.model, self.backend, self.kv_caches = model, backend, kv_caches
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.max_model_len, self.block_size, self.device = max_model_len, block_size, device
+        self.max_blocks = cdiv(max_model_len, block_size)
+        b = self.sizes[-1]
+        i32 = dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(b, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(b, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((b,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(b, **i32)
+        self.query_start_loc = torch.arange(b + 1, **i32)
+        self.block_tables = torch.zeros(b, self.max_blocks, **i32)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.use_graphs = capture  # False: the padded buffers run eagerly (CPU tests)
+        self.enabled = True  # False once capture has given up: every step then runs the plain path
+        if capture:
+            self._capture_all()
+
+    def _batch(self, size: int) -> AttentionBatch:
+        """The attention batch of bucket `size`, over the persistent buffers (host ints: the worst case)."""
+        return AttentionBatch(self.slot_mapping[:size], self.query_start_loc[:size + 1], self.seq_lens[:size],
+                              self.block_tables[:size], num_decodes=size, max_seq_len=self.max_model_len,
+                              max_query_len=1, query_start_loc_host=list(range(size + 1)), seq_lens_host=[1] * size)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        meta = self.backend.build_metadata(self._batch(size))
+        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta, self.backend)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = None
+        for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
+            self._forward(size)  # warm-up: Triton compiles, lazy buffers allocate, outside the graph
+            torch.cuda.synchronize()
+            if not self.backend.cuda_graph_safe:  # e.g. the Triton kernels failed and it fell back
+                logger.warning("attention backend %s cannot be captured; decode steps run eagerly",
+                               type(self.backend).__name__)
+                self.graphs.clear()
+                self.enabled = False
+                return
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self._forward(size)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        logger.info("CUDA graphs captured for decode batch sizes %s", self.sizes)
+
+    def can_run(self, batch: AttentionBatch, num_tokens: int) -> bool:
+        """Decode rows only (one query each), within the largest bucket and the buffers' table width."""
+        return (self.enabled and batch.num_decodes == batch.num_seqs == num_tokens and num_tokens <= self.sizes[-1]
+                and batch.block_tables.shape[1] <= self.max_blocks)
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """This step's rows into the buffers, padding rows reset, replay; the step's hidden rows [n, H]."""
+        n = input_ids.shape[0]
+        size = next(s for s in self.sizes if s >= n)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(batch.slot_mapping)
+        self.seq_lens[:n].copy_(batch.seq_lens)
+        width = batch.block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(batch.block_tables)
+        if size > n:  # the previous step may have left real rows here
+            self.input_ids[n:size].zero_()
+            self.positions[n:size].zero_()
+            self.slot_mapping[n:size].fill_(-1)
+            self.seq_lens[n:size].fill_(1)
+            self.block_tables[n:size].zero_()
+        if self.use_graphs:
+            self.graphs[size].replay()
+            return self.outputs[size][:n]
+        return self._forward(size)[:n]
