@@ -210,10 +210,17 @@ def engine_greedy() -> dict:
     triton_graphs, i3 = _greedy_tokens(path, prompts, attention_backend="triton", **chunked)
     preempt, i4 = _greedy_tokens(path, prompts, attention_backend="triton", num_kv_blocks=40, max_num_seqs=8)
 
+    # quantized linears: the Triton dequantize-GEMMs against the dequantized torch twins (same int8 codes)
+    os.environ["TOKENMILL_DISABLE_TRITON_QUANT"] = "1"
+    int8_twin, i5 = _greedy_tokens(path, prompts, quantization="int8", attention_backend="triton")
+    del os.environ["TOKENMILL_DISABLE_TRITON_QUANT"]
+    int8_triton, i6 = _greedy_tokens(path, prompts, quantization="int8", attention_backend="triton")
+
     def agree(a, b) -> float:
         return sum(x == y for x, y in zip(a, b)) / len(a)
     return {"triton_vs_torch": agree(triton_eager, torch_eager), "graphs_vs_eager": agree(triton_graphs, triton_eager),
-            "preemption_vs_torch": agree(preempt, torch_eager), "backends": [i1, i2, i3, i4]}
+            "preemption_vs_torch": agree(preempt, torch_eager), "int8_triton_vs_twin": agree(int8_triton, int8_twin),
+            "backends": [i1, i2, i3, i4, i5, i6]}
 
 
 # ------------------------------------------------------------------ timings on the 8B shape

@@ -18,6 +18,7 @@ patterns (triton-lang/triton#11584), so there a bf16 tile product goes in as fp3
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -39,8 +40,9 @@ _MIN_TILES_PER_SPLIT = 4
 
 
 def available() -> bool:
-    """True when triton is importable (on CPU the kernels then still need TRITON_INTERPRET=1)."""
-    return triton is not None
+    """True when triton is importable and TOKENMILL_DISABLE_TRITON_QUANT is unset (on CPU the kernels then
+    still need TRITON_INTERPRET=1). The quantized linear methods take these kernels on CUDA when this holds."""
+    return triton is not None and not os.environ.get("TOKENMILL_DISABLE_TRITON_QUANT")
 
 
 @lru_cache(maxsize=1)

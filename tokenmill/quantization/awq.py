@@ -13,7 +13,7 @@ from tokenmill.layers.linear import LinearMethod, LoadContext, UnquantizedLinear
 from tokenmill.quantization.awq_format import dequantize_w4, unpack_int4
 from tokenmill.quantization.config import QuantizationConfig, awq_settings
 from tokenmill.quantization.int8 import GEMV_MAX_ROWS, Int8LinearMethod
-from tokenmill.ops import cpu_qgemv
+from tokenmill.ops import cpu_qgemv, triton_quant
 
 PACK = 8  # nibbles per int32
 
@@ -45,6 +45,9 @@ class AWQLinearMethod(LinearMethod):
     def process_after_loading(self, layer, ctx: LoadContext):
         layer.int4_packed = layer.panels = layer.dense = None
         layer.bias_f32 = None if layer.bias is None else layer.bias.data.float()
+        layer.triton = ctx.device == "cuda" and triton_quant.available()
+        if layer.triton:  # the GPU kernel reads AutoAWQ's layout as loaded
+            return
         fast = ctx.device == "cpu" and ctx.cpu_kernel != "torch"
         n, k = layer.out_features, layer.in_features
         if fast and cpu_qgemv.available() and cpu_qgemv.supports(n, k, self.group_size):
@@ -62,6 +65,8 @@ class AWQLinearMethod(LinearMethod):
         del layer.qweight, layer.qzeros, layer.scales  # the repacked copy is all the kernels need
 
     def apply(self, layer, x):
+        if layer.triton:
+            return triton_quant.awq_gemm(x, layer.qweight, layer.qzeros, layer.scales, self.group_size, layer.bias)
         if layer.panels is not None:
             if x.shape[0] <= GEMV_MAX_ROWS:
                 return cpu_qgemv.gemv_int4(x, *layer.panels, self.group_size, layer.bias_f32)
@@ -76,6 +81,8 @@ class AWQLinearMethod(LinearMethod):
     def dense_weight(self, layer):
         if layer.dense is not None:
             return layer.dense
+        if layer.triton:
+            return dequantize_w4(layer.qweight.data, layer.qzeros.data, layer.scales.data, self.group_size)
         if layer.panels is not None:
             return cpu_qgemv.dequant_int4(*layer.panels, self.group_size, torch.float32)
         raise RuntimeError("AWQ weights were repacked for torch's int4 kernel; use cpu_linear_kernel='torch' to "

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers.linear import LinearMethod, LoadContext, UnquantizedLinearMethod, add_param, padded_rows
-from tokenmill.ops import cpu_qgemv, native
+from tokenmill.ops import cpu_qgemv, native, triton_quant
 from tokenmill.quantization.awq_format import quantize_w8
 from tokenmill.quantization.config import QuantizationConfig
 
@@ -91,6 +91,7 @@ class Int8LinearMethod(LinearMethod):
             layer.qlinear = torch.ops.onednn.qlinear_prepack(q, [32, k])
             layer.register_buffer("zero_points", torch.zeros(n, dtype=torch.int64), persistent=False)
         layer.use_int_mm = fast and self.activations
+        layer.triton = ctx.device == "cuda" and not self.activations and triton_quant.available()
         layer.act_qmax = activation_qmax()  # the same on every kernel path, so the twin stays exact
 
     def codes(self, layer) -> torch.Tensor:
@@ -101,6 +102,8 @@ class Int8LinearMethod(LinearMethod):
     def apply(self, layer, x):
         if self.activations:
             return self._w8a8(layer, x)
+        if layer.triton:
+            return triton_quant.int8_gemm(x, layer.qweight, layer.wscale, layer.bias)
         if layer.gemv_panels and x.shape[0] <= GEMV_MAX_ROWS:
             return cpu_qgemv.gemv_int8(x, layer.qweight, layer.wscale, layer.bias_f32)
         if layer.gemv_panels:
