@@ -21,19 +21,19 @@ from triton_child import child_main, needs_triton, run_child
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 # chunked prefill (a 20-token budget splits the 40-token prompts), prefix hits (prompts 0-2 share 32
 # tokens, two full blocks), a one-token prompt, a prompt ending on a block boundary (32), and preemption
-# (16 blocks of 16 tokens cannot hold five sequences growing to ~50 tokens)
+# (16 blocks of 16 tokens cannot hold five sequences growing to ~80 tokens)
 _SHARED = random_prompts([32], seed=5)[0]
 PROMPTS = ([_SHARED + p for p in random_prompts([8, 3, 9], seed=6)] + random_prompts([1, 32, 40, 17], seed=7))
 # padded-graphs: decode steps go through worker/cuda_graphs.py's persistent, padded buffers (run eagerly,
 # as a CPU cannot capture); buckets 1, 2, 4, 5, so 3-row steps carry a padding row with slot -1
 SCENARIOS = {
     "chunked+prefix": dict(max_num_batched_tokens=20, enable_prefix_caching=True),
-    "preemption": dict(num_kv_blocks=16, max_model_len=96, max_num_seqs=5),
+    "preemption": dict(num_kv_blocks=16, max_model_len=96, max_num_seqs=5, max_tokens=40),
     "padded-graphs": dict(max_num_seqs=5, graphs=True),
 }
 
 
-def _generate(model_dir: str, backend: str, graphs: bool = False, **kw) -> dict:
+def _generate(model_dir: str, backend: str, graphs: bool = False, max_tokens: int = GREEDY.max_tokens, **kw) -> dict:
     llm = make_llm(model_dir, attention_backend=backend, **kw)
     runner = llm.llm_engine.core.runner
     if graphs and backend == "triton":
@@ -48,7 +48,8 @@ def _generate(model_dir: str, backend: str, graphs: bool = False, **kw) -> dict:
             runner.graphs.steps += 1
             return run(*a)
         runner.graphs.run = counted
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                        use_tqdm=False)
     stats = llm.llm_engine.get_stats()
     runner_backend = llm.llm_engine.core.runner.backend
     return dict(tokens=[o.outputs[0].token_ids for o in outs], backend=type(runner_backend).__name__,
@@ -81,7 +82,7 @@ def test_triton_engine_matches_torch_backend(interpreted, scenario):
         assert "exception" not in r, r.get("exception")
     assert triton_run["backend"] == "TritonAttentionBackend" and triton_run["failure"] is None, triton_run["failure"]
     assert triton_run["tokens"] == torch_run["tokens"]
-    assert all(len(t) == GREEDY.max_tokens for t in triton_run["tokens"])
+    assert all(len(t) == SCENARIOS[scenario].get("max_tokens", GREEDY.max_tokens) for t in triton_run["tokens"])
     if scenario == "preemption":
         assert triton_run["preemptions"] > 0
     elif scenario == "padded-graphs":

@@ -12,19 +12,15 @@ strided view, the inputs) must stay bit-identical.
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import tokenmill
 from tokenmill.layers import activation, norm, rotary
 from tokenmill.ops import triton_fused as tf
-from triton_child import TRITON_TYPES, child_main, compile_for_sm90, needs_triton, run_child, skip_without_nvidia_backend
+from triton_child import TRITON_TYPES, compile_for_sm90, kernel_fixtures, needs_triton, run_jobs, stdout_without_triton
 
 # relative to max |out|; float16 and bfloat16 also absorb the interpreter's fp32 -> fp16/bf16 casts, which
 # truncate (a GPU rounds to nearest): one ulp of the output, 2^-7 in bfloat16
@@ -220,23 +216,13 @@ def _compile_case(op: str, dtype: str, a: int, b) -> dict:
 def _child_main(mode: str) -> None:
     from tokenmill.ops import cpu_fused
     cpu_fused.usable = lambda *a, **k: False  # the twins are the layers' torch code, not the C kernels
-    if mode == "interpret":
-        child_main({case_id: functools.partial(_run_case, c) for case_id, c in CASES.items()})
-    else:
-        child_main({_compile_id(c): functools.partial(_compile_case, *c) for c in COMPILE_CASES})
+    run_jobs(mode, {case_id: functools.partial(_run_case, c) for case_id, c in CASES.items()},
+             {_compile_id(c): functools.partial(_compile_case, *c) for c in COMPILE_CASES})
 
 
 # ------------------------------------------------------------------ the pytest side
 
-@pytest.fixture(scope="module")
-def interpreted() -> dict:
-    return run_child(__file__, "interpret")
-
-
-@pytest.fixture(scope="module")
-def compiled() -> dict:
-    skip_without_nvidia_backend()
-    return run_child(__file__, "compile")
+interpreted, compiled = kernel_fixtures(__file__)
 
 
 @needs_triton
@@ -390,17 +376,14 @@ def test_layers_route_device_tensors_to_triton(monkeypatch):
 
 
 def test_imports_without_triton():
-    code = ("import sys; sys.modules['triton'] = None  # import triton -> ImportError\n"
-            "import torch\n"
+    code = ("import torch\n"
             "from tokenmill.ops import triton_fused as tf\n"
             "from tokenmill.layers.norm import RMSNorm\n"
             "from tokenmill.layers.activation import silu_and_mul\n"
             "assert not tf.available()\n"
             "out, res = RMSNorm(16, 1e-6)(torch.randn(2, 16), torch.randn(2, 16))\n"
             "print(tuple(out.shape), tuple(silu_and_mul(torch.randn(2, 16)).shape))\n")
-    env = dict(os.environ, PYTHONPATH=str(Path(tokenmill.__file__).parents[1]))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == "(2, 16) (2, 8)", proc.stderr[-2000:]
+    assert stdout_without_triton(code) == "(2, 16) (2, 8)"
 
 
 if __name__ == "__main__":

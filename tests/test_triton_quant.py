@@ -11,18 +11,14 @@ those bugs fails; so did kernels with the K tail, the group index or split-K's b
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-import tokenmill
 from tokenmill.ops import triton_quant as tq
 from tokenmill.quantization import awq_format
-from triton_child import TRITON_TYPES, child_main, compile_for_sm90, needs_triton, run_child, skip_without_nvidia_backend
+from triton_child import TRITON_TYPES, compile_for_sm90, kernel_fixtures, needs_triton, run_jobs, stdout_without_triton
 
 # relative to max |y|; bfloat16 also absorbs the interpreter's fp32 -> bf16 casts, which truncate (a GPU
 # rounds to nearest): the weight tile on its way into tl.dot and the output, up to 1e-2 seen here
@@ -134,23 +130,13 @@ def _compile_case(kind: str, dtype: str, m: int) -> dict:
 
 
 def _child_main(mode: str) -> None:
-    if mode == "interpret":
-        child_main({case_id: functools.partial(_run_case, c) for case_id, c in CASES.items()})
-    else:
-        child_main({_compile_id(c): functools.partial(_compile_case, *c) for c in COMPILE_CASES})
+    run_jobs(mode, {case_id: functools.partial(_run_case, c) for case_id, c in CASES.items()},
+             {_compile_id(c): functools.partial(_compile_case, *c) for c in COMPILE_CASES})
 
 
 # ------------------------------------------------------------------ the pytest side
 
-@pytest.fixture(scope="module")
-def interpreted() -> dict:
-    return run_child(__file__, "interpret")
-
-
-@pytest.fixture(scope="module")
-def compiled() -> dict:
-    skip_without_nvidia_backend()
-    return run_child(__file__, "compile")
+interpreted, compiled = kernel_fixtures(__file__)
 
 
 @needs_triton
@@ -221,15 +207,12 @@ def test_twins_follow_awq_format():
 
 
 def test_imports_without_triton():
-    code = ("import sys; sys.modules['triton'] = None  # import triton -> ImportError\n"
-            "import torch\n"
+    code = ("import torch\n"
             "from tokenmill.ops import triton_quant as tq\n"
             "from tokenmill.quantization.awq_format import quantize_w8\n"
             "assert not tq.available()\n"
             "print(tuple(tq.int8_gemm_ref(torch.randn(2, 16), *quantize_w8(torch.randn(8, 16))).shape))\n")
-    env = dict(os.environ, PYTHONPATH=str(Path(tokenmill.__file__).parents[1]))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == "(2, 8)", proc.stderr[-2000:]
+    assert stdout_without_triton(code) == "(2, 8)"
 
 
 if __name__ == "__main__":

@@ -72,3 +72,32 @@ def compile_for_sm90(kernel, signature: dict, constexprs: dict, num_warps: int =
     compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps})
     return len(compiled.asm["cubin"])
+
+
+def kernel_fixtures(test_file: str):
+    """A kernel test file's two module fixtures: `interpreted` (its cases' records under the interpreter) and
+    `compiled` (its sm_90 compiles). Use: `interpreted, compiled = kernel_fixtures(__file__)`."""
+    @pytest.fixture(scope="module")
+    def interpreted() -> dict:
+        return run_child(test_file, "interpret")
+
+    @pytest.fixture(scope="module")
+    def compiled() -> dict:
+        skip_without_nvidia_backend()
+        return run_child(test_file, "compile")
+
+    return interpreted, compiled
+
+
+def run_jobs(mode: str, interpret_jobs: dict, compile_jobs: dict) -> None:
+    """The child's entry point: the interpreter cases or the compile cases, by `mode`."""
+    child_main(interpret_jobs if mode == "interpret" else compile_jobs)
+
+
+def stdout_without_triton(code: str) -> str:
+    """Run `code` where `import triton` fails (as on a CPU install without it); its stdout, asserting exit 0."""
+    env = dict(os.environ, PYTHONPATH=str(Path(tokenmill.__file__).parents[1]))
+    proc = subprocess.run([sys.executable, "-c", "import sys; sys.modules['triton'] = None\n" + code], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.strip()

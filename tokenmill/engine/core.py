@@ -12,7 +12,7 @@ import torch
 from tokenmill import cpu_threads
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.variants import build_attention_backend, build_kv_manager, build_scheduler
+from tokenmill.engine.variants import build_kv_manager, build_scheduler
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.kv.tiers.build import build_tier_chain
 from tokenmill.models.loader import load_hf_config

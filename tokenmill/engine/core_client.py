@@ -80,7 +80,7 @@ class CoreClient:
         try:
             self._input.send(data, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            logger.warning("engine core is not connected; dropped %s", type(msg).__name__)
+            logger.warning("engine core is not connected; dropped a %d-byte message", len(data))
 
     async def recv(self):
         return self._dec.decode(await self._output.recv(copy=False))
