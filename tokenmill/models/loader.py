@@ -54,18 +54,22 @@ def iterate_weights(files: list[str], show_progress: bool = True):
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Small uniform values (vLLM's choice) keep activations finite for any shape; norms stay at 1."""
-    g = torch.Generator().manual_seed(seed)
+    """Small uniform values (vLLM's choice) keep activations finite for any shape; norms stay at 1. Values are
+    drawn on the parameter's device (an 8B model's worth of CPU draws would take minutes)."""
+    gens: dict[torch.device, torch.Generator] = {}
     for name, p in model.named_parameters():
+        g = gens.get(p.device) or gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+        like = dict(dtype=torch.float32, device=p.device)
         if "norm" in name:
             p.data.fill_(1.0)
         elif not p.dtype.is_floating_point:  # quantized codes: any bit pattern is a valid weight
             info = torch.iinfo(p.dtype)
-            p.data.copy_(torch.randint(info.min, info.max, p.shape, dtype=torch.int64, generator=g).to(p.dtype))
+            p.data.copy_(torch.randint(info.min, info.max, p.shape, dtype=torch.int64, generator=g,
+                                       device=p.device).to(p.dtype))
         elif name.endswith(".scales"):  # keep dequantized weights as small as the float ones
-            p.data.copy_(torch.empty(p.shape, dtype=torch.float32).uniform_(1e-5, 1e-4, generator=g))
+            p.data.copy_(torch.empty(p.shape, **like).uniform_(1e-5, 1e-4, generator=g))
         else:
-            p.data.copy_(torch.empty(p.shape, dtype=torch.float32).uniform_(-1e-3, 1e-3, generator=g))
+            p.data.copy_(torch.empty(p.shape, **like).uniform_(-1e-3, 1e-3, generator=g))
 
 
 def load_model(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: str,
