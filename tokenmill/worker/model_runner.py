@@ -136,14 +136,16 @@ class ModelRunner:
         width = max(len(b) for b in blocks)
         lens = [p + 1 for p in pos]
         qsl = list(range(n + 1))
+        # two host-to-device copies: the int64 rows and the int32 rows, cut into views
+        longs = torch.tensor([st.token_ids(p, p + 1)[0] for st, p in zip(states, pos)] + pos
+                             + [b[p // bs] * bs + p % bs for b, p in zip(blocks, pos)], device=dev)
+        ints = torch.tensor(qsl + lens + [i for b in blocks for i in b + [0] * (width - len(b))], dtype=torch.int32,
+                            device=dev)
         batch = AttentionBatch(
-            slot_mapping=torch.tensor([b[p // bs] * bs + p % bs for b, p in zip(blocks, pos)], device=dev),
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor([b + [0] * (width - len(b)) for b in blocks], dtype=torch.int32, device=dev),
-            num_decodes=n, max_seq_len=max(lens), max_query_len=1, query_start_loc_host=qsl, seq_lens_host=lens)
-        input_ids = [st.token_ids(p, p + 1)[0] for st, p in zip(states, pos)]
-        return torch.tensor(input_ids, device=dev), torch.tensor(pos, device=dev), batch, qsl
+            slot_mapping=longs[2 * n:], query_start_loc=ints[:n + 1], seq_lens=ints[n + 1:2 * n + 1],
+            block_tables=ints[2 * n + 1:].view(n, width), num_decodes=n, max_seq_len=max(lens), max_query_len=1,
+            query_start_loc_host=qsl, seq_lens_host=lens)
+        return longs[:n], longs[n:2 * n], batch, qsl
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
