@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from tokenmill.ops import cpu_fused
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 
-pytestmark = pytest.mark.skipif(cpu_fused._library() is None, reason="needs gcc and an AVX512-BF16 CPU")
+pytestmark = pytest.mark.skipif(cpu_fused._library() is None, reason="needs gcc and an x86-64 CPU with AVX2 + FMA")
 DTYPES = [torch.float32, torch.bfloat16]
 
 

@@ -1,15 +1,54 @@
-"""CPU kernels against their pure-torch twins, and the engine through them against the plain path."""
+"""CPU kernels against their pure-torch twins, and the engine through them against the plain path.
+The kernels build wherever gcc does and the CPU is x86-64 with AVX2 + FMA (the portable C path), or has
+AVX512-BF16 (the intrinsics path); TOKENMILL_NATIVE_PORTABLE=1 runs the portable path on AVX-512 CPUs too."""
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tokenmill import SamplingParams
 from tokenmill.attention.torch_backend import decode_attention, gather_kv
-from tokenmill.layers.linear import onednn_linear_available
-from tokenmill.ops import cpu_attention, cpu_gemv
+from tokenmill.layers.linear import Linear, UnquantizedLinearMethod, onednn_linear_available
+from tokenmill.models import loader
+from tokenmill.ops import cpu_attention, cpu_gemv, native
 from conftest import make_llm, random_prompts
 
-needs_gemv = pytest.mark.skipif(not cpu_gemv.available(), reason="needs an AVX512-BF16 CPU and gcc")
+KERNELS_REASON = "needs gcc and an x86-64 CPU with AVX2 + FMA"
+needs_gemv = pytest.mark.skipif(not cpu_gemv.available(), reason=KERNELS_REASON)
+
+
+def test_cache_key_holds_the_cpu_flags(monkeypatch, tmp_path):
+    """-march=native bakes the CPU into the library: a cache shared by two CPUs must hold two builds."""
+    src = Path(native.__file__).with_name("cpu_gemv.c")
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TOKENMILL_NATIVE_PORTABLE", raising=False)
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    avx2 = native.library_path(src)
+    assert native.library_path(src) == avx2  # deterministic
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
+    avx512 = native.library_path(src)
+    assert avx512 != avx2 and avx512.parent == avx2.parent == tmp_path / "ops"
+    monkeypatch.setenv("TOKENMILL_NATIVE_PORTABLE", "1")  # other flags, another build
+    assert native.library_path(src) not in (avx2, avx512)
+
+
+def test_load_requires_avx2_and_fma(monkeypatch):
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx", "sse4_2"}))
+    assert not native.cpu_supported()
+    assert native.load.__wrapped__("cpu_gemv.c", "TOKENMILL_TEST_UNSET_SWITCH") is None
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setenv("TOKENMILL_DISABLE_CPU_GEMV", "1")
+    assert native.load.__wrapped__("cpu_gemv.c", "TOKENMILL_DISABLE_CPU_GEMV") is None
+
+
+def test_kernels_build_on_an_avx2_cpu():
+    """Where the portable path applies, every kernel must be there (no silent fall back to torch)."""
+    if not (native.cpu_supported() and native.shutil.which("gcc")):
+        pytest.skip(KERNELS_REASON)
+    from tokenmill.ops import cpu_fused, cpu_qgemv
+    assert cpu_gemv.available() and cpu_attention.available() and cpu_qgemv.available()
+    assert cpu_fused._library() is not None
 
 
 @needs_gemv
@@ -37,10 +76,12 @@ def test_gemv_refuses_shapes_it_cannot_pack():
     assert cpu_gemv.supports(torch.zeros(16, 7, dtype=torch.float32))  # no k pairs in float32
 
 
-@pytest.mark.parametrize("kernel", ["onednn", "torch"] + (["onednn+gemv"] if cpu_gemv.available() else []))
+@pytest.mark.parametrize("kernel", ["onednn", "torch", "onednn+gemv", "torch+gemv"])
 def test_linear_kernels_give_the_same_greedy_tokens(model_dirs, kernel):
-    if kernel == "onednn" and not onednn_linear_available(torch.bfloat16):
+    if kernel.startswith("onednn") and not onednn_linear_available(torch.bfloat16):
         pytest.skip("oneDNN packs no bfloat16 weights on this CPU (AVX2 only)")
+    if kernel.endswith("gemv") and not cpu_gemv.available():
+        pytest.skip(KERNELS_REASON)
     path, _ = model_dirs["qwen2"]  # q/k/v bias exercises the bias path
     prompts = random_prompts([1, 9, 30], seed=40)
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -69,7 +110,57 @@ def test_float32_gemv_gives_the_same_greedy_tokens(model_dirs):
     assert [o.outputs[0].token_ids for o in out] == [r.outputs[0].token_ids for r in ref]
 
 
-needs_attention_kernel = pytest.mark.skipif(not cpu_attention.available(), reason="needs an AVX512-BF16 CPU and gcc")
+def _gemv_layers(llm):
+    return [m for m in llm.llm_engine.core.runner.model.modules()
+            if isinstance(m, Linear) and isinstance(m.method, UnquantizedLinearMethod)]
+
+
+@needs_gemv
+@pytest.mark.parametrize("onednn", [True, False])
+def test_auto_takes_the_gemv_whatever_onednn_packs(model_dirs, monkeypatch, onednn):
+    """Where oneDNN cannot pack the dtype (bfloat16 on AVX2), auto still takes the GEMV for one row:
+    torch+gemv keeps the plain weight for F.linear and adds the GEMV copy; all of it decodes as the plain path."""
+    if onednn and not onednn_linear_available(torch.float32):
+        pytest.skip("this PyTorch has no oneDNN linear")
+    monkeypatch.setattr(loader, "onednn_linear_available", lambda dtype: onednn)
+    path, _ = model_dirs["qwen2"]
+    prompts = random_prompts([1, 9, 30], seed=43)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = make_llm(path, dtype="float32", cpu_linear_kernel="torch").generate(
+        [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    llm = make_llm(path, dtype="float32", cpu_linear_kernel="auto")
+    layers = _gemv_layers(llm)
+    assert layers and all(m.gemv_packed is not None for m in layers)
+    if onednn:
+        assert all(m.packed is not None and m.weight is None for m in layers)
+    else:
+        assert all(m.packed is None and m.weight is not None for m in layers)
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [r.outputs[0].token_ids for r in ref]
+
+
+def test_auto_resolution(monkeypatch):
+    """The mode auto resolves to, from what oneDNN packs, whether the GEMV kernel is there, and the memory rule."""
+    from types import SimpleNamespace
+    model = torch.nn.Sequential(Linear(64, 32))
+    cfg = SimpleNamespace(cpu_linear_kernel="auto")
+    monkeypatch.setattr(loader, "_available_memory", lambda: 1 << 40)
+    cases = {(True, True): "onednn+gemv", (True, False): "onednn", (False, True): "torch+gemv", (False, False): "torch"}
+    for (onednn, gemv), want in cases.items():
+        monkeypatch.setattr(loader, "onednn_linear_available", lambda dtype, ok=onednn: ok)
+        monkeypatch.setattr(cpu_gemv, "available", lambda ok=gemv: ok)
+        assert loader.cpu_linear_kernel(cfg, "cpu", model, torch.bfloat16) == want
+        assert loader.cpu_linear_kernel(cfg, "cuda", model, torch.bfloat16) == "torch"
+    monkeypatch.setattr(cpu_gemv, "available", lambda: True)
+    assert loader.cpu_linear_kernel(cfg, "cpu", model, torch.float16) == "torch"  # no GEMV for float16
+    monkeypatch.setattr(loader, "_available_memory", lambda: 1000)  # the copy would not fit
+    assert loader.cpu_linear_kernel(cfg, "cpu", model, torch.bfloat16) == "torch"
+    monkeypatch.setattr(cpu_gemv, "available", lambda: False)
+    with pytest.raises(ValueError, match="torch\\+gemv"):
+        loader.cpu_linear_kernel(SimpleNamespace(cpu_linear_kernel="torch+gemv"), "cpu", model, torch.float32)
+
+
+needs_attention_kernel = pytest.mark.skipif(not cpu_attention.available(), reason=KERNELS_REASON)
 
 
 def _torch_paged_decode(q, key_cache, value_cache, tables, lens, scale):

@@ -6,7 +6,7 @@ from tokenmill.ops import cpu_qgemv
 from tokenmill.quantization.awq_format import dequantize_w4, quantize_w4, unpack_int4
 from tokenmill.quantization.int8 import w8a16_linear_ref
 
-pytestmark = pytest.mark.skipif(not cpu_qgemv.available(), reason="needs gcc and an AVX512-BF16 CPU")
+pytestmark = pytest.mark.skipif(not cpu_qgemv.available(), reason="needs gcc and an x86-64 CPU with AVX2 + FMA")
 
 
 @pytest.mark.parametrize("n, k", [(16, 8), (48, 100), (1024, 896)])

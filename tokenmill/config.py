@@ -218,8 +218,10 @@ class EngineConfig:
                                         "of them again when the cores are free (cpu_threads.ThreadGovernor)")
     cpu_linear_kernel: str = option(
         "auto", "CPU GEMMs: onednn packs weights once; onednn+gemv adds a batch-1 GEMV kernel (a second weight "
-        "copy); torch uses F.linear; auto picks onednn+gemv when the copy fits in memory",
-        choices=("auto", "onednn", "onednn+gemv", "torch"))
+        "copy); torch+gemv: F.linear for several rows, the GEMV kernel for one (for dtypes oneDNN cannot pack here, "
+        "e.g. bfloat16 on AVX2); torch uses F.linear; auto picks onednn+gemv, or torch+gemv where oneDNN cannot "
+        "pack the dtype, when the copy fits in memory",
+        choices=("auto", "onednn", "onednn+gemv", "torch+gemv", "torch"))
     # Baseline modes, for the optimization ladder (`tokenmill bench ladder`): each turns one optimization
     # off, so its effect can be measured in the same engine. engine/variants.py maps them to classes.
     batching: str = option("continuous", "baseline mode static: a batch fills, runs to completion, then the "

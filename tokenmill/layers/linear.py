@@ -126,7 +126,8 @@ def add_param(layer: nn.Module, name: str, tensor: torch.Tensor, output_dim: int
 class UnquantizedLinearMethod(LinearMethod):
     """Float weights. On CPU the weight can be repacked once into oneDNN's blocked layout, whose GEMM
     streams weights much faster than `F.linear` for the few-row matrices of decoding, plus a second copy
-    in the batch-1 GEMV kernel's layout (ops/cpu_gemv.py)."""
+    in the batch-1 GEMV kernel's layout (ops/cpu_gemv.py). Where oneDNN cannot pack the dtype (bfloat16 on
+    AVX2-only CPUs), "torch+gemv" keeps the plain weight for F.linear and adds the GEMV copy for one row."""
 
     def create_weights(self, layer, in_features, out_features, dtype):
         add_param(layer, "weight", torch.empty(out_features, in_features, dtype=dtype), output_dim=0, input_dim=1)
@@ -135,8 +136,10 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.packed = layer.gemv_packed = None
         if ctx.cpu_kernel == "torch":
             return
-        if ctx.cpu_kernel == "onednn+gemv" and cpu_gemv.supports(layer.weight):
+        if ctx.cpu_kernel in ("onednn+gemv", "torch+gemv") and cpu_gemv.supports(layer.weight):
             layer.gemv_packed = cpu_gemv.pack(layer.weight)
+        if ctx.cpu_kernel == "torch+gemv":
+            return
         # A weight shared with another module (tied embeddings) stays alive through that module.
         layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 1)
         layer.weight = None

@@ -102,24 +102,28 @@ def load_model(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device:
 
 
 def cpu_linear_kernel(cfg: EngineConfig, device: str, model: torch.nn.Module, dtype: torch.dtype) -> str:
-    """Which CPU GEMM path to prepare. The batch-1 GEMV kernel keeps a second copy of every linear
+    """Which CPU GEMM path to prepare. For one row the GEMV kernel is used whenever it takes the weights:
+    with oneDNN for more rows where oneDNN packs `dtype` ("onednn+gemv"), else with F.linear ("torch+gemv";
+    oneDNN packs no bfloat16 on AVX2-only CPUs). The GEMV kernel keeps a second copy of every linear
     weight, so "auto" takes it only when that copy fits comfortably in free memory."""
     kind = cfg.cpu_linear_kernel
     if device != "cpu":
         return "torch"
-    if kind != "torch" and not onednn_linear_available(dtype):
-        if kind == "auto":
-            return "torch"
+    onednn = onednn_linear_available(dtype)
+    gemv = dtype in cpu_gemv.DTYPES and cpu_gemv.available()
+    if kind in ("onednn", "onednn+gemv") and not onednn:
         raise ValueError(f"cpu_linear_kernel={kind!r} needs a PyTorch build with oneDNN (mkldnn) that packs "
                          f"{dtype} weights on this CPU")
-    if kind == "onednn+gemv" and not (dtype in cpu_gemv.DTYPES and cpu_gemv.available()):
-        raise ValueError("cpu_linear_kernel='onednn+gemv' needs bfloat16 or float32 weights, an AVX512-BF16 CPU "
-                         "and gcc")
+    if kind in ("onednn+gemv", "torch+gemv") and not gemv:
+        raise ValueError(f"cpu_linear_kernel={kind!r} needs bfloat16 or float32 weights, an x86-64 CPU with "
+                         "AVX2 and FMA, and gcc")
     if kind == "auto":
         extra = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
                     if isinstance(m, Linear) and isinstance(m.method, UnquantizedLinearMethod))
-        use_gemv = dtype in cpu_gemv.DTYPES and extra < 0.25 * _available_memory() and cpu_gemv.available()
-        return "onednn+gemv" if use_gemv else "onednn"
+        use_gemv = gemv and extra < 0.25 * _available_memory()
+        if onednn:
+            return "onednn+gemv" if use_gemv else "onednn"
+        return "torch+gemv" if use_gemv else "torch"
     return kind
 
 

@@ -1,4 +1,4 @@
-/* Paged decode attention on AVX-512 CPUs: one query token per sequence, over its cached keys/values.
+/* Paged decode attention on CPUs: one query token per sequence, over its cached keys/values.
  *
  *   q            [B][Hq][D]                 bfloat16 or float32 (the cache's dtype); rows q_stride apart
  *   key/value    [num_blocks][bs][Hkv][D]   the paged cache, read in place through the block table
@@ -16,9 +16,12 @@
  *   tile over token positions t0 .. t0+15 of sequence b, KV head h (bs = 16 shown):
  *     pos -> block tables[b][pos / bs], slot pos % bs -> row ((block * bs + slot) * Hkv + h) * D
  *
+ * The portable path (no AVX-512) keeps the tiles, the online softmax and the exp polynomial, in loops gcc
+ * vectorizes: the tile's keys are transposed once into a buffer (kt[i][t]) so each head's 16 scores are
+ * 16-lane FMAs, and the values are added four keys per pass over the head's accumulator row.
+ *
  * D must be a multiple of 16 and (Hq / Hkv) * D at most MAX_GROUP_FLOATS.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -27,6 +30,17 @@
 
 #define MAX_D 256
 #define MAX_GROUP_FLOATS 4096
+#define TILE 16  /* keys per online-softmax update: one AVX-512 vector of scores */
+
+static const float ZERO_ROW[MAX_D];  /* stands in for the missing keys of a short tile */
+
+/* element offset of token `pos`'s row for KV head h: through the block table, then [bs][Hkv][D] */
+static inline int64_t cache_row(const int32_t *table, int64_t pos, int64_t bs, int64_t Hkv, int64_t h, int64_t D) {
+    return (((int64_t)table[pos / bs] * bs + pos % bs) * Hkv + h) * D;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
 
 static inline void row_to_f32(const void *base, int64_t offset, int bf16, float *dst, int64_t D) {
     if (bf16) {
@@ -59,8 +73,6 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-#define TILE 16  /* keys per online-softmax update: one AVX-512 vector of scores */
-
 /* In place: r[t] holds 16 floats of key t; afterwards r[c] holds element c of keys 0..15, so that a query
  * head's 16 scores come out of 16 FMAs with no horizontal sums. Three rounds of shuffles:
  *   unpack 32-bit pairs, unpack 64-bit pairs -> u[m] lane L = element 4L+m of keys 4q..4q+3 (u index 4q+m),
@@ -87,13 +99,6 @@ static inline void transpose16(__m512 r[16]) {
         r[12 + m] = _mm512_shuffle_f32x4(y, y2, 0xDD);
     }
 }
-
-/* element offset of token `pos`'s row for KV head h: through the block table, then [bs][Hkv][D] */
-static inline int64_t cache_row(const int32_t *table, int64_t pos, int64_t bs, int64_t Hkv, int64_t h, int64_t D) {
-    return (((int64_t)table[pos / bs] * bs + pos % bs) * Hkv + h) * D;
-}
-
-static const float ZERO_ROW[MAX_D];  /* stands in for the missing keys of a short tile */
 
 void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_cache, const void *value_cache,
                                const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
@@ -184,3 +189,145 @@ void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_
         }
     }
 }
+#else
+static inline void row_to_f32(const void *base, int64_t offset, int bf16, float *dst, int64_t D) {
+    if (bf16) {
+        const uint16_t *src = (const uint16_t *)base + offset;
+        #pragma omp simd
+        for (int64_t i = 0; i < D; i++) dst[i] = bf16_to_f32(src[i]);
+    } else {
+        memcpy(dst, (const float *)base + offset, D * sizeof(float));
+    }
+}
+
+/* e^x for -87 <= x <= 0 (the caller clamps), the AVX-512 path's polynomial lane by lane: x = n ln2 + r,
+ * degree-7 Taylor for e^r, times 2^n built in the exponent bits. n is rounded to nearest by adding and
+ * subtracting 1.5 * 2^23. No compares in here: gcc if-converts a float select only where it is stored. */
+static inline float exp_le0(float x) {
+    const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.0f / 5040;
+    p = p * r + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return p * bits_f32((uint32_t)((int32_t)n + 127) << 23);  /* n >= -126: a normal power of two */
+}
+
+/* y += sum_u a[u] x[u] over a whole row (in L1), four keys per pass over y. Not inlined: in the loop over
+ * keys gcc 12 unrolls-and-jams it and reads the rows with gathers. */
+static __attribute__((noinline)) void axpy4(float *restrict y, const float *const x[4], const float a[4], int64_t D) {
+    const float *restrict x0 = x[0], *restrict x1 = x[1], *restrict x2 = x[2], *restrict x3 = x[3];
+    const float a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
+    #pragma omp simd
+    for (int64_t i = 0; i < D; i++) y[i] += (a0 * x0[i] + a1 * x1[i]) + (a2 * x2[i] + a3 * x3[i]);
+}
+
+void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_cache, const void *value_cache,
+                               const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                               void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
+                               float scale, int bf16, int nthreads) {
+    const int64_t g = Hq / Hkv, elem = bf16 ? 2 : 4;
+    #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(nthreads)
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t h = 0; h < Hkv; h++) {
+            float qf[MAX_GROUP_FLOATS], acc[MAX_GROUP_FLOATS], m[MAX_GROUP_FLOATS / 16], l[MAX_GROUP_FLOATS / 16];
+            /* the tile's keys transposed, kt[i][t] = element i of key t, so a head's 16 scores are 16-lane FMAs
+             * (no horizontal sums); written once per tile, read by the group's query heads */
+            float kt[MAX_D * TILE], vbuf[TILE * MAX_D];
+            const float *v[TILE];
+            const int32_t *table = block_tables + b * table_stride;
+            const int64_t L = seq_lens[b];
+            for (int64_t j = 0; j < g; j++) {
+                row_to_f32(q, b * q_stride + (h * g + j) * D, bf16, qf + j * D, D);
+                for (int64_t i = 0; i < D; i++) qf[j * D + i] *= scale;
+                m[j] = -INFINITY;
+                l[j] = 0.0f;
+            }
+            memset(acc, 0, g * D * sizeof(float));
+            for (int64_t t0 = 0; t0 < L; t0 += TILE) {
+                const int n = (int)(L - t0 < TILE ? L - t0 : TILE);
+                for (int t = 0; t < n; t++) {
+                    const int64_t row = cache_row(table, t0 + t, bs, Hkv, h, D);
+                    if (bf16) {
+                        const uint16_t *kr = (const uint16_t *)key_cache + row;
+                        for (int64_t i = 0; i < D; i++) kt[i * TILE + t] = bf16_to_f32(kr[i]);
+                        row_to_f32(value_cache, row, 1, vbuf + t * D, D);
+                        v[t] = vbuf + t * D;
+                    } else {
+                        const float *kr = (const float *)key_cache + row;
+                        for (int64_t i = 0; i < D; i++) kt[i * TILE + t] = kr[i];
+                        v[t] = (const float *)value_cache + row;
+                    }
+                }
+                for (int t = n; t < TILE; t++)  /* a short last tile: defined values in lanes masked below */
+                    for (int64_t i = 0; i < D; i++) kt[i * TILE + t] = 0.0f;
+                /* the next tile's rows are scattered over blocks: ask for them now, while this one computes */
+                for (int64_t pos = t0 + TILE; pos < t0 + 2 * TILE && pos < L; pos++) {
+                    const int64_t row = cache_row(table, pos, bs, Hkv, h, D);
+                    const char *kr = (const char *)key_cache + row * elem, *vr = (const char *)value_cache + row * elem;
+                    for (int64_t off = 0; off < D * elem; off += 64) {
+                        __builtin_prefetch(kr + off, 0, 3);
+                        __builtin_prefetch(vr + off, 0, 3);
+                    }
+                }
+                for (int64_t j = 0; j < g; j++) {
+                    const float *qj = qf + j * D;
+                    float s0[TILE] = {0}, s1[TILE] = {0}, s2[TILE] = {0}, s3[TILE] = {0};  /* 4 chains: D % 16 == 0 */
+                    for (int64_t i = 0; i < D; i += 4) {
+                        const float q0 = qj[i], q1 = qj[i + 1], q2 = qj[i + 2], q3 = qj[i + 3];
+                        const float *k0 = kt + i * TILE;
+                        #pragma omp simd
+                        for (int t = 0; t < TILE; t++) {
+                            s0[t] += q0 * k0[t];
+                            s1[t] += q1 * k0[TILE + t];
+                            s2[t] += q2 * k0[2 * TILE + t];
+                            s3[t] += q3 * k0[3 * TILE + t];
+                        }
+                    }
+                    float smax = m[j];
+                    for (int t = 0; t < n; t++) {
+                        s0[t] = (s0[t] + s1[t]) + (s2[t] + s3[t]);
+                        smax = s0[t] > smax ? s0[t] : smax;  /* not fmaxf: gcc calls libm for it */
+                    }
+                    for (int t = n; t < TILE; t++) s0[t] = -INFINITY;  /* a short tile's missing keys */
+                    const float c = expf(m[j] - smax);  /* rescales what earlier tiles summed; 0 at the start */
+                    float x[TILE], p[TILE], psum = 0.0f;
+                    #pragma omp simd
+                    for (int t = 0; t < TILE; t++) {
+                        const float d = s0[t] - smax;
+                        x[t] = d < -87.0f ? -87.0f : d;  /* ~1e-38 below, as the AVX-512 path */
+                    }
+                    #pragma omp simd
+                    for (int t = 0; t < TILE; t++) p[t] = exp_le0(x[t]);
+                    for (int t = n; t < TILE; t++) p[t] = 0.0f;
+                    #pragma omp simd reduction(+ : psum)
+                    for (int t = 0; t < TILE; t++) psum += p[t];
+                    l[j] = l[j] * c + psum;
+                    m[j] = smax;
+                    float *aj = acc + j * D;
+                    #pragma omp simd
+                    for (int64_t i = 0; i < D; i++) aj[i] *= c;
+                    int t = 0;
+                    for (; t + 4 <= n; t += 4) axpy4(aj, v + t, p + t, D);
+                    for (; t < n; t++) axpy4(aj, (const float *[4]){v[t], ZERO_ROW, ZERO_ROW, ZERO_ROW},
+                                             (const float[4]){p[t], 0.0f, 0.0f, 0.0f}, D);
+                }
+            }
+            for (int64_t j = 0; j < g; j++) {
+                const float inv = 1.0f / l[j];
+                const int64_t o = (b * Hq + h * g + j) * D;
+                for (int64_t i = 0; i < D; i++) {
+                    const float val = acc[j * D + i] * inv;
+                    if (bf16) ((uint16_t *)out)[o + i] = f32_to_bf16(val);
+                    else ((float *)out)[o + i] = val;
+                }
+            }
+        }
+    }
+}
+#endif

@@ -1,17 +1,25 @@
-/* Batch-1 GEMVs on AVX-512 CPUs: y[N] = W[N,K] x[K] (+ bias), for bfloat16 and float32 weights.
+/* Batch-1 GEMVs: y[N] = W[N,K] x[K] (+ bias), for bfloat16 and float32 weights.
  *
  * W is repacked once into "VNNI" pairs so the whole matrix is read as one sequential stream and
  * every 64-byte load feeds one vdpbf16ps (16 rows x 2 k):
  *
  *     P[N/16][K/2][16][2]      P[b][k2][r][j] = W[16 b + r][2 k2 + j]
  *
- * Accumulation is float32; the result is rounded to bfloat16 (nearest even).  */
-#include <immintrin.h>
+ * Accumulation is float32; the result is rounded to bfloat16 (nearest even).
+ *
+ * Each kernel has an AVX-512 path (intrinsics; bf16 needs AVX512-BF16) and a portable one: plain loops
+ * over the 16 rows of a panel that gcc -O3 -march=native vectorizes (two AVX2 FMAs per 16 rows), with
+ * several accumulator panels so consecutive FMAs do not wait on each other. Same layouts either way. */
 #include <stdint.h>
 #include <string.h>
 
 #include "bf16.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 void tm_gemv_bf16_vnni(const uint16_t *P, const uint16_t *x, const uint16_t *bias, uint16_t *y,
                        int64_t N, int64_t K, int nthreads) {
     const int64_t K2 = K / 2;
@@ -40,11 +48,54 @@ void tm_gemv_bf16_vnni(const uint16_t *P, const uint16_t *x, const uint16_t *bia
     }
 }
 
+#else
+/* Each uint32 of a panel holds one row's pair (low half: k = 2 k2, high half: 2 k2 + 1), so widening both
+ * to float32 is a shift and a mask, lane-wise. */
+void tm_gemv_bf16_vnni(const uint16_t *P, const uint16_t *x, const uint16_t *bias, uint16_t *y,
+                       int64_t N, int64_t K, int nthreads) {
+    const int64_t K2 = K / 2;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < N / 16; b++) {
+        const uint32_t *blk = (const uint32_t *)P + b * K2 * 16;
+        float a0[16] = {0}, a1[16] = {0}, a2[16] = {0}, a3[16] = {0};
+        int64_t k2 = 0;
+        for (; k2 + 2 <= K2; k2 += 2) {
+            const float x0 = bf16_to_f32(x[2 * k2]), x1 = bf16_to_f32(x[2 * k2 + 1]);
+            const float x2 = bf16_to_f32(x[2 * k2 + 2]), x3 = bf16_to_f32(x[2 * k2 + 3]);
+            const uint32_t *p0 = blk + k2 * 16, *p1 = p0 + 16;
+            #pragma omp simd
+            for (int r = 0; r < 16; r++) {
+                a0[r] += bits_f32(p0[r] << 16) * x0;
+                a1[r] += bits_f32(p0[r] & 0xFFFF0000u) * x1;
+                a2[r] += bits_f32(p1[r] << 16) * x2;
+                a3[r] += bits_f32(p1[r] & 0xFFFF0000u) * x3;
+            }
+        }
+        for (; k2 < K2; k2++) {
+            const float x0 = bf16_to_f32(x[2 * k2]), x1 = bf16_to_f32(x[2 * k2 + 1]);
+            const uint32_t *p0 = blk + k2 * 16;
+            #pragma omp simd
+            for (int r = 0; r < 16; r++) {
+                a0[r] += bits_f32(p0[r] << 16) * x0;
+                a1[r] += bits_f32(p0[r] & 0xFFFF0000u) * x1;
+            }
+        }
+        #pragma omp simd
+        for (int r = 0; r < 16; r++) {
+            float v = (a0[r] + a1[r]) + (a2[r] + a3[r]);
+            if (bias) v += bf16_to_f32(bias[b * 16 + r]);
+            y[b * 16 + r] = f32_to_bf16(v);
+        }
+    }
+}
+#endif
+
 /* float32: W is repacked into 16-row panels, so each 64-byte load feeds one FMA and the matrix is
  * read as one sequential stream:
  *
  *     P[N/16][K][16]      P[b][k][r] = W[16 b + r][k]
  */
+#if defined(__AVX512F__)
 void tm_gemv_f32(const float *P, const float *x, const float *bias, float *y, int64_t N, int64_t K, int nthreads) {
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < N / 16; b++) {
@@ -65,3 +116,34 @@ void tm_gemv_f32(const float *P, const float *x, const float *bias, float *y, in
         _mm512_storeu_ps(y + b * 16, acc);
     }
 }
+#else
+void tm_gemv_f32(const float *P, const float *x, const float *bias, float *y, int64_t N, int64_t K, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < N / 16; b++) {
+        const float *blk = P + b * K * 16;
+        float a0[16] = {0}, a1[16] = {0}, a2[16] = {0}, a3[16] = {0};
+        int64_t k = 0;
+        for (; k + 4 <= K; k += 4) {
+            const float *p = blk + k * 16;
+            const float x0 = x[k], x1 = x[k + 1], x2 = x[k + 2], x3 = x[k + 3];
+            #pragma omp simd
+            for (int r = 0; r < 16; r++) {
+                a0[r] += p[r] * x0;
+                a1[r] += p[16 + r] * x1;
+                a2[r] += p[32 + r] * x2;
+                a3[r] += p[48 + r] * x3;
+            }
+        }
+        for (; k < K; k++) {
+            const float x0 = x[k];
+            #pragma omp simd
+            for (int r = 0; r < 16; r++) a0[r] += blk[k * 16 + r] * x0;
+        }
+        #pragma omp simd
+        for (int r = 0; r < 16; r++) {
+            const float v = (a0[r] + a1[r]) + (a2[r] + a3[r]);
+            y[b * 16 + r] = bias ? v + bias[b * 16 + r] : v;
+        }
+    }
+}
+#endif

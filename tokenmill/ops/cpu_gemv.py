@@ -1,9 +1,11 @@
-"""GEMV kernels for batch-1 decoding (bfloat16 and float32 weights) on CPUs with AVX512-BF16.
+"""GEMV kernels for batch-1 decoding (bfloat16 and float32 weights).
 
 oneDNN's and `F.linear`'s kernels reach about half of the memory bandwidth for a single row (see
-BENCHMARKS.md); a weight repacked into VNNI pairs and read as one stream gets much closer. The C
-source sits beside this file and is built by `ops/native.py`; without gcc or without AVX512-BF16,
-`available()` is False and the caller keeps its other path.
+BENCHMARKS.md), and on AVX2 torch's M=1 mm reaches a quarter of it on small matrices; a weight repacked
+into 16-row panels (VNNI pairs for bfloat16) and read as one stream gets much closer. The C source sits
+beside this file and is built by `ops/native.py`: AVX512-BF16 intrinsics where the CPU has them, portable
+vectorized C elsewhere (AVX2 + FMA at least); without gcc or such a CPU, `available()` is False and the
+caller keeps its other path. `TOKENMILL_DISABLE_CPU_GEMV=1` turns it off.
 The pure-torch twin (the oracle in tests) is `F.linear`.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-/* Batch-1 GEMVs over quantized weights on AVX-512 CPUs: y[N] = W[N,K] x[K] (+ bias), float32 math.
+/* Batch-1 GEMVs over quantized weights on CPUs: y[N] = W[N,K] x[K] (+ bias), float32 math.
  * Decoding one row is bound by reading the weights, so each layout is read as one sequential stream
  * of 16-row panels and widened to float32 in registers.
  *
@@ -13,24 +13,15 @@
  *     S[N/16][K/G][16] float32     scales, Z the same for zero points
  *     y[n] = sum_g s[g,n] * (sum_{k in g} x[k] q[n,k]  -  z[g,n] * sum_{k in g} x[k])
  *
- * x is float32, or bfloat16 widened once per call into a float32 copy.  */
-#include <immintrin.h>
+ * x is float32, or bfloat16 widened once per call into a float32 copy.
+ *
+ * Two paths, same layouts and functions: AVX-512 intrinsics (the int4 kernels for bfloat16 x use
+ * AVX512-BF16 dot products), and portable C that gcc vectorizes over the 16 rows of a panel (AVX2 here):
+ * int8 / nibbles widened to float32 lane-wise, float32 FMAs, bfloat16 x widened to float32 first.  */
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "bf16.h"
-
-static inline void store_row(__m512 acc, const float *bias, int64_t n0, void *y, int y_bf16) {
-    if (bias)
-        acc = _mm512_add_ps(acc, _mm512_loadu_ps(bias + n0));
-    if (y_bf16) {
-        float tmp[16];
-        _mm512_storeu_ps(tmp, acc);
-        for (int r = 0; r < 16; r++) ((uint16_t *)y)[n0 + r] = f32_to_bf16(tmp[r]);
-    } else {
-        _mm512_storeu_ps((float *)y + n0, acc);
-    }
-}
 
 /* sum(x) per group of G along K for each of M rows of x (bf16 or fp32): one pass, shared by every panel */
 static float *group_sums(const void *x, int64_t M, int64_t K, int64_t G, int x_bf16) {
@@ -46,14 +37,6 @@ static float *group_sums(const void *x, int64_t M, int64_t K, int64_t G, int x_b
     return sums;
 }
 
-/* 16 bytes of two nibbles each -> 16 bf16 pairs (128 + lo, 128 + hi), exact */
-static inline __m512i nibbles_to_bf16_pairs(const __m128i *src) {
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(src));
-    /* lo nibble -> bits 0-3, hi nibble -> bits 16-19, then OR in 128.0's bits */
-    return _mm512_or_si512(_mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x000F000F), 0xA8),
-                           _mm512_set1_epi32(0x43004300));
-}
-
 static const float *widen(const void *x, int64_t K, int x_bf16, float **owned) {
     *owned = NULL;
     if (!x_bf16) return (const float *)x;
@@ -61,6 +44,33 @@ static const float *widen(const void *x, int64_t K, int x_bf16, float **owned) {
     for (int64_t k = 0; k < K; k++) f[k] = bf16_to_f32(((const uint16_t *)x)[k]);
     *owned = f;
     return f;
+}
+
+/* Several rows (M <= 8) at once: each weight line is read and widened once for all rows, so small
+ * decode batches cost little more than one row. x [M, K] and y [M, N] are row-major. */
+#define MAX_ROWS 8
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+static inline void store_row(__m512 acc, const float *bias, int64_t n0, void *y, int y_bf16) {
+    if (bias)
+        acc = _mm512_add_ps(acc, _mm512_loadu_ps(bias + n0));
+    if (y_bf16) {
+        float tmp[16];
+        _mm512_storeu_ps(tmp, acc);
+        for (int r = 0; r < 16; r++) ((uint16_t *)y)[n0 + r] = f32_to_bf16(tmp[r]);
+    } else {
+        _mm512_storeu_ps((float *)y + n0, acc);
+    }
+}
+
+/* 16 bytes of two nibbles each -> 16 bf16 pairs (128 + lo, 128 + hi), exact */
+static inline __m512i nibbles_to_bf16_pairs(const __m128i *src) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(src));
+    /* lo nibble -> bits 0-3, hi nibble -> bits 16-19, then OR in 128.0's bits */
+    return _mm512_or_si512(_mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x000F000F), 0xA8),
+                           _mm512_set1_epi32(0x43004300));
 }
 
 void tm_qgemv_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t N,
@@ -211,10 +221,6 @@ void tm_dequant_u4(const uint8_t *P, const float *S, const float *Z, void *out, 
     }
 }
 
-/* Several rows (M <= 8) at once: each weight line is read and widened once for all rows, so small
- * decode batches cost little more than one row. x [M, K] and y [M, N] are row-major. */
-#define MAX_ROWS 8
-
 void tm_qgemm_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t M,
                  int64_t N, int64_t K, int y_bf16, int nthreads) {
     float *owned;
@@ -271,3 +277,238 @@ void tm_qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, const ui
     }
     free(xsum);
 }
+#else
+/* Portable path. Weights are widened 32 bytes (two panel lines) at a time into small float arrays: a loop
+ * over 32 bytes is one 256-bit load and 256-bit conversions, while over a 16-byte line gcc picks 128-bit
+ * vectors for the whole loop. The arrays stay in registers; the FMAs then run over the 16 rows of a panel. */
+
+/* two int8 lines (32 bytes) -> float32 */
+static inline void widen_s8x32(const int8_t *l, float w[32]) {
+    #pragma omp simd
+    for (int r = 0; r < 32; r++) w[r] = (float)l[r];
+}
+
+/* two int4 lines (32 bytes, k and k + 1 in each byte) -> low nibbles, high nibbles as float32 */
+static inline void widen_u4x32(const uint8_t *l, float lo[32], float hi[32]) {
+    #pragma omp simd
+    for (int r = 0; r < 32; r++) {
+        lo[r] = (float)(l[r] & 0xF);
+        hi[r] = (float)(l[r] >> 4);
+    }
+}
+
+/* 16 outputs (+ bias) to y, rounded to bfloat16 when y_bf16 */
+static inline void store16_row(const float *acc, const float *bias, int64_t n0, void *y, int y_bf16) {
+    float v[16];
+    #pragma omp simd
+    for (int r = 0; r < 16; r++) v[r] = bias ? acc[r] + bias[n0 + r] : acc[r];
+    if (y_bf16) {
+        #pragma omp simd
+        for (int r = 0; r < 16; r++) ((uint16_t *)y)[n0 + r] = f32_to_bf16(v[r]);
+    } else {
+        #pragma omp simd
+        for (int r = 0; r < 16; r++) ((float *)y)[n0 + r] = v[r];
+    }
+}
+
+/* sum_k x[k] q[n,k] over k in [k0, k1) for the 16 rows of an int8 panel */
+static inline void s8_panel_dot(const int8_t *blk, const float *x, int64_t k0, int64_t k1, float dot[16]) {
+    float a0[16] = {0}, a1[16] = {0};
+    int64_t k = k0;
+    for (; k + 4 <= k1; k += 4) {  /* one 64-byte line: four k of 16 rows */
+        float w0[32], w1[32];
+        widen_s8x32(blk + k * 16, w0);
+        widen_s8x32(blk + k * 16 + 32, w1);
+        const float x0 = x[k], x1 = x[k + 1], x2 = x[k + 2], x3 = x[k + 3];
+        #pragma omp simd
+        for (int r = 0; r < 16; r++) {
+            a0[r] += w0[r] * x0 + w1[r] * x2;
+            a1[r] += w0[16 + r] * x1 + w1[16 + r] * x3;
+        }
+    }
+    for (; k < k1; k++) {
+        const float xk = x[k];
+        #pragma omp simd
+        for (int r = 0; r < 16; r++) a0[r] += (float)blk[k * 16 + r] * xk;
+    }
+    #pragma omp simd
+    for (int r = 0; r < 16; r++) dot[r] = a0[r] + a1[r];
+}
+
+/* the same over an int4 panel, k0 and k1 multiples of 4 (G % 16 == 0) */
+static inline void u4_panel_dot(const uint8_t *blk, const float *x, int64_t k0, int64_t k1, float dot[16]) {
+    float a0[16] = {0}, a1[16] = {0};
+    for (int64_t k = k0; k < k1; k += 4) {  /* two lines: bytes k/2 (k, k + 1) and k/2 + 1 (k + 2, k + 3) */
+        float lo[32], hi[32];
+        widen_u4x32(blk + (k / 2) * 16, lo, hi);
+        const float x0 = x[k], x1 = x[k + 1], x2 = x[k + 2], x3 = x[k + 3];
+        #pragma omp simd
+        for (int r = 0; r < 16; r++) {
+            a0[r] += lo[r] * x0 + lo[16 + r] * x2;
+            a1[r] += hi[r] * x1 + hi[16 + r] * x3;
+        }
+    }
+    #pragma omp simd
+    for (int r = 0; r < 16; r++) dot[r] = a0[r] + a1[r];
+}
+
+void tm_qgemv_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t N,
+                 int64_t K, int y_bf16, int nthreads) {
+    float *owned;
+    const float *x = widen(x_in, K, y_bf16, &owned);
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < N / 16; b++) {
+        float acc[16];
+        s8_panel_dot(P + b * K * 16, x, 0, K, acc);
+        #pragma omp simd
+        for (int r = 0; r < 16; r++) acc[r] *= scales[b * 16 + r];
+        store16_row(acc, bias, b * 16, y, y_bf16);
+    }
+    free(owned);
+}
+
+void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const void *x_in, const float *bias, void *y,
+                 int64_t N, int64_t K, int64_t G, int y_bf16, int nthreads) {
+    float *owned;
+    const float *x = widen(x_in, K, y_bf16, &owned);
+    const int64_t ngroups = K / G;
+    float *xsum = group_sums(x, 1, K, G, 0);  /* shared by every row */
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < N / 16; b++) {
+        const uint8_t *blk = P + b * (K / 2) * 16;
+        float acc[16] = {0};
+        for (int64_t g = 0; g < ngroups; g++) {
+            float dot[16];
+            u4_panel_dot(blk, x, g * G, (g + 1) * G, dot);
+            const float *s = S + (b * ngroups + g) * 16, *z = Z + (b * ngroups + g) * 16;
+            const float xs = xsum[g];
+            #pragma omp simd
+            for (int r = 0; r < 16; r++) acc[r] += s[r] * (dot[r] - z[r] * xs);
+        }
+        store16_row(acc, bias, b * 16, y, y_bf16);
+    }
+    free(xsum);
+    free(owned);
+}
+
+/* Dequantize the panels to W^T [K, N] (bfloat16 when out_bf16, else float32), for steps with more rows
+ * than the GEMVs take: the dense GEMM that follows (x @ W^T) amortizes this pass. Each panel row of
+ * 16 outputs is one contiguous 16-value store, so no transpose is needed. */
+static inline void store16(void *out, int64_t idx, const float *v, int out_bf16) {
+    if (out_bf16) {
+        #pragma omp simd
+        for (int r = 0; r < 16; r++) ((uint16_t *)out)[idx + r] = f32_to_bf16(v[r]);
+    } else {
+        #pragma omp simd
+        for (int r = 0; r < 16; r++) ((float *)out)[idx + r] = v[r];
+    }
+}
+
+void tm_dequant_s8(const int8_t *P, const float *scales, void *out, int64_t N, int64_t K, int out_bf16,
+                   int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < N / 16; b++) {
+        const int8_t *blk = P + b * K * 16;
+        const float *s = scales + b * 16;
+        for (int64_t k = 0; k < K; k++) {
+            float w[16];
+            #pragma omp simd
+            for (int r = 0; r < 16; r++) w[r] = (float)blk[k * 16 + r] * s[r];
+            store16(out, k * N + b * 16, w, out_bf16);
+        }
+    }
+}
+
+void tm_dequant_u4(const uint8_t *P, const float *S, const float *Z, void *out, int64_t N, int64_t K, int64_t G,
+                   int out_bf16, int nthreads) {
+    const int64_t ngroups = K / G;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < N / 16; b++) {
+        const uint8_t *blk = P + b * (K / 2) * 16;
+        for (int64_t k2 = 0; k2 < K / 2; k2++) {
+            const int64_t sz = (b * ngroups + (2 * k2) / G) * 16;
+            const float *s = S + sz, *z = Z + sz;
+            const uint8_t *line = blk + k2 * 16;
+            float lo[16], hi[16];
+            #pragma omp simd
+            for (int r = 0; r < 16; r++) {
+                lo[r] = ((float)(line[r] & 0xF) - z[r]) * s[r];
+                hi[r] = ((float)(line[r] >> 4) - z[r]) * s[r];
+            }
+            store16(out, (2 * k2) * N + b * 16, lo, out_bf16);
+            store16(out, (2 * k2 + 1) * N + b * 16, hi, out_bf16);
+        }
+    }
+}
+
+void tm_qgemm_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t M,
+                 int64_t N, int64_t K, int y_bf16, int nthreads) {
+    float *owned;
+    const float *x = widen(x_in, M * K, y_bf16, &owned);
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < N / 16; b++) {
+        const int8_t *blk = P + b * K * 16;
+        float acc[MAX_ROWS][16] = {{0}};
+        int64_t k = 0;
+        for (; k + 2 <= K; k += 2) {  /* each widened pair of lines serves every row */
+            float w[32];
+            widen_s8x32(blk + k * 16, w);
+            for (int64_t m = 0; m < M; m++) {
+                const float x0 = x[m * K + k], x1 = x[m * K + k + 1];
+                #pragma omp simd
+                for (int r = 0; r < 16; r++) acc[m][r] += w[r] * x0 + w[16 + r] * x1;
+            }
+        }
+        for (; k < K; k++)
+            for (int64_t m = 0; m < M; m++) {
+                const float xk = x[m * K + k];
+                #pragma omp simd
+                for (int r = 0; r < 16; r++) acc[m][r] += (float)blk[k * 16 + r] * xk;
+            }
+        const float *s = scales + b * 16;
+        for (int64_t m = 0; m < M; m++) {
+            #pragma omp simd
+            for (int r = 0; r < 16; r++) acc[m][r] *= s[r];
+            store16_row(acc[m], bias, b * 16,
+                        y_bf16 ? (void *)((uint16_t *)y + m * N) : (void *)((float *)y + m * N), y_bf16);
+        }
+    }
+    free(owned);
+}
+
+void tm_qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, const uint16_t *x_in, const float *bias,
+                      void *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
+    const int64_t ngroups = K / G;
+    float *x;
+    widen(x_in, M * K, 1, &x);
+    float *xsum = group_sums(x, M, K, G, 0);
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < N / 16; b++) {
+        const uint8_t *blk = P + b * (K / 2) * 16;
+        float acc[MAX_ROWS][16] = {{0}};
+        for (int64_t g = 0; g < ngroups; g++) {
+            float d[MAX_ROWS][16] = {{0}};
+            for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
+                float lo[32], hi[32];
+                widen_u4x32(blk + (k / 2) * 16, lo, hi);
+                for (int64_t m = 0; m < M; m++) {
+                    const float *xm = x + m * K + k;
+                    const float x0 = xm[0], x1 = xm[1], x2 = xm[2], x3 = xm[3];
+                    #pragma omp simd
+                    for (int r = 0; r < 16; r++)
+                        d[m][r] += (lo[r] * x0 + hi[r] * x1) + (lo[16 + r] * x2 + hi[16 + r] * x3);
+                }
+            }
+            const float *s = S + (b * ngroups + g) * 16, *z = Z + (b * ngroups + g) * 16;
+            for (int64_t m = 0; m < M; m++) {
+                const float xs = xsum[m * ngroups + g];
+                #pragma omp simd
+                for (int r = 0; r < 16; r++) acc[m][r] += s[r] * (d[m][r] - z[r] * xs);
+            }
+        }
+        for (int64_t m = 0; m < M; m++) store16_row(acc[m], bias, b * 16, (uint16_t *)y + m * N, 1);
+    }
+    free(xsum);
+    free(x);
+}
+#endif

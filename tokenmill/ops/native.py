@@ -1,14 +1,25 @@
-"""Builds and loads tokenmill's C kernels (ops/*.c): compiled once with the system's gcc into a cache
-directory keyed by the hash of the source and of the shared headers (ops/*.h), loaded with ctypes.
-Every kernel needs AVX512-BF16 (Zen 4, Sapphire Rapids and later); without it, or without gcc, `load`
-returns None and callers keep their torch path."""
+"""Builds and loads tokenmill's C kernels (ops/*.c): compiled once with the system's gcc for this CPU
+(-march=native) into a cache directory, loaded with ctypes.
+
+Each kernel has two paths in its C source, chosen by the compiler's target macros: AVX-512 intrinsics
+(Zen 4, Sapphire Rapids and later; bfloat16 dot products need AVX512-BF16) and portable C that gcc
+auto-vectorizes for whatever the CPU has. `load` takes any x86-64 CPU with AVX2 and FMA (the portable
+path is measured there; it is the floor where it beats torch's small-matrix ops); without them, or
+without gcc, it returns None and callers keep their torch path.
+
+Because -march=native bakes the CPU's instruction set into the library, the cache key holds the CPU's
+feature flags (and the compiler) besides the source, the shared headers (ops/*.h) and the flags: a cache
+directory shared by machines never hands one CPU's build to another.
+
+TOKENMILL_NATIVE_PORTABLE=1 builds the portable paths even on an AVX-512 CPU (to test them there)."""
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import functools
+import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -16,7 +27,10 @@ from functools import lru_cache
 from pathlib import Path
 
 logger = logging.getLogger("tokenmill")
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
+# no -ffast-math: the kernels round where their torch twins round, and bf16 results must match them
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+PORTABLE_FLAGS = ["-mno-avx512f"]  # turns off every AVX-512 extension, so each file takes its #else path
+REQUIRED_FLAGS = frozenset({"avx2", "fma"})
 
 
 def cpu_has_avx512_bf16() -> bool:
@@ -33,25 +47,49 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
+def cpu_supported() -> bool:
+    """x86-64 with AVX2 and FMA (every AVX-512 CPU has both)."""
+    return platform.machine().lower() in ("x86_64", "amd64") and REQUIRED_FLAGS <= cpu_flags()
+
+
+def compile_flags() -> list[str]:
+    return FLAGS + (PORTABLE_FLAGS if os.environ.get("TOKENMILL_NATIVE_PORTABLE") else [])
+
+
+@functools.cache
+def compiler_version() -> str:
+    try:
+        return subprocess.run(["gcc", "--version"], capture_output=True, text=True, check=True).stdout.split("\n")[0]
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
 def cache_dir() -> Path:
     base = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
     return Path(base) / "ops"
 
 
-def build(src_path: Path) -> Path:
-    """Compile `src_path` against the headers in ops/ (once: the cached library is keyed by the source, those
-    headers and the flags) and return the shared library's path. Raises OSError or CalledProcessError."""
+def library_path(src_path: Path) -> Path:
+    """Where the build of `src_path` for this CPU, compiler and flags is cached."""
     ops_dir = Path(__file__).parent
-    key = hashlib.sha256(src_path.read_bytes() + " ".join(FLAGS).encode())
+    key = hashlib.sha256(src_path.read_bytes())
     for header in sorted(ops_dir.glob("*.h")):
-        key.update(header.read_bytes())
-    out = cache_dir() / f"lib{src_path.stem}_{key.hexdigest()[:16]}.so"
+        key.update(header.name.encode() + b"\0" + header.read_bytes())
+    key.update("\0".join([" ".join(compile_flags()), compiler_version(), platform.machine(),
+                          " ".join(sorted(cpu_flags()))]).encode())
+    return cache_dir() / f"lib{src_path.stem}_{key.hexdigest()[:16]}.so"
+
+
+def build(src_path: Path) -> Path:
+    """Compile `src_path` against the headers in ops/ (once per source, headers, flags, compiler and CPU) and
+    return the shared library's path. Raises OSError or CalledProcessError."""
+    out = library_path(src_path)
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
-            subprocess.run(["gcc", *FLAGS, f"-I{ops_dir}", str(src_path), "-o", str(tmp_out)], check=True,
-                           capture_output=True)
+            subprocess.run(["gcc", *compile_flags(), f"-I{Path(__file__).parent}", str(src_path), "-o", str(tmp_out)],
+                           check=True, capture_output=True)
             os.replace(tmp_out, out)  # atomic: concurrent processes never load a half-written file
     return out
 
@@ -59,11 +97,12 @@ def build(src_path: Path) -> Path:
 @lru_cache(maxsize=None)
 def load(source: str, disable_env: str) -> ctypes.CDLL | None:
     """`source`: a C file beside this module. Set `disable_env` in the environment to skip the kernel."""
-    if os.environ.get(disable_env) or not cpu_has_avx512_bf16() or not shutil.which("gcc"):
+    if os.environ.get(disable_env) or not cpu_supported() or not shutil.which("gcc"):
         return None
     try:
         # torch already loaded libgomp, so all share one OpenMP runtime
         return ctypes.CDLL(str(build(Path(__file__).with_name(source))))
     except (OSError, subprocess.CalledProcessError) as e:
-        logger.warning("CPU kernel %s unavailable (%s); using the torch path", source, e)
+        detail = (e.stderr or b"").decode(errors="replace")[-2000:] if isinstance(e, subprocess.CalledProcessError) else ""
+        logger.warning("CPU kernel %s unavailable (%s); using the torch path\n%s", source, e, detail)
         return None
