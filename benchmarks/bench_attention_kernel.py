@@ -48,7 +48,8 @@ def case(batch: int, max_len: int, dtype: torch.dtype, bs: int = 16, seed: int =
     key_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
     value_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
     q = torch.randn(batch, hq, d, generator=g).to(dtype)
-    meta = SimpleNamespace(block_tables=tables, seq_lens=lens, seq_lens_host=lens.tolist(), decode_mask=None)
+    batch_desc = SimpleNamespace(block_tables=tables, seq_lens=lens, seq_lens_host=lens.tolist())
+    meta = SimpleNamespace(batch=batch_desc, block_tables=tables, seq_lens=lens, decode_mask=None)
     return q, key_cache, value_cache, meta, d ** -0.5
 
 
@@ -73,7 +74,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "attention_kernel.json"))
     args = ap.parse_args()
     if not cpu_attention.available():
-        sys.exit("the C attention kernel does not run here (needs AVX512-BF16 and gcc)")
+        sys.exit("the C attention kernel does not run here (needs x86-64 with AVX2 + FMA, and gcc)")
     torch.set_num_threads(args.threads)
     other = build(args.compare_source) if args.compare_source else None
     bandwidth = read_bandwidth_gbs(args.threads)
