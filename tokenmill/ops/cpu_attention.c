@@ -28,6 +28,19 @@
 
 #include "bf16.h"
 
+/* the g query heads of one KV head: acc / l, stored as float32 or rounded to bfloat16 */
+static inline void write_heads(void *out, const float *acc, const float *l, int64_t o, int64_t g, int64_t D,
+                               int bf16) {
+    for (int64_t j = 0; j < g; j++) {
+        const float inv = 1.0f / l[j];
+        for (int64_t i = 0; i < D; i++) {
+            const float val = acc[j * D + i] * inv;
+            if (bf16) ((uint16_t *)out)[o + j * D + i] = f32_to_bf16(val);
+            else ((float *)out)[o + j * D + i] = val;
+        }
+    }
+}
+
 #define MAX_D 256
 #define MAX_GROUP_FLOATS 4096
 #define TILE 16  /* keys per online-softmax update: one AVX-512 vector of scores */
@@ -177,15 +190,7 @@ void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_
                     }
                 }
             }
-            for (int64_t j = 0; j < g; j++) {
-                const float inv = 1.0f / l[j];
-                const int64_t o = (b * Hq + h * g + j) * D;
-                for (int64_t i = 0; i < D; i++) {
-                    const float val = acc[j * D + i] * inv;
-                    if (bf16) ((uint16_t *)out)[o + i] = f32_to_bf16(val);
-                    else ((float *)out)[o + i] = val;
-                }
-            }
+            write_heads(out, acc, l, (b * Hq + h * g) * D, g, D, bf16);
         }
     }
 }
@@ -318,15 +323,7 @@ void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_
                                              (const float[4]){p[t], 0.0f, 0.0f, 0.0f}, D);
                 }
             }
-            for (int64_t j = 0; j < g; j++) {
-                const float inv = 1.0f / l[j];
-                const int64_t o = (b * Hq + h * g + j) * D;
-                for (int64_t i = 0; i < D; i++) {
-                    const float val = acc[j * D + i] * inv;
-                    if (bf16) ((uint16_t *)out)[o + i] = f32_to_bf16(val);
-                    else ((float *)out)[o + i] = val;
-                }
-            }
+            write_heads(out, acc, l, (b * Hq + h * g) * D, g, D, bf16);
         }
     }
 }
