@@ -186,9 +186,27 @@ def kernels() -> dict:
 
 # ------------------------------------------------------------------ engine correctness
 
+def tiny_checkpoint() -> str:
+    """A tiny random Llama saved as a real float32 checkpoint, with weights large enough (N(0, 0.08), as the
+    tests use) that greedy choices are not near-ties: engines that agree must give the same tokens."""
+    import transformers
+    path = os.path.join(tempfile.gettempdir(), "tokenmill-gpu", "tiny-ckpt")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY), dtype=torch.float32)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" not in name:
+                    p.normal_(0, 0.08)
+        model.save_pretrained(path)
+    return path
+
+
 def _greedy_tokens(path: str, prompts, **kw) -> list[list[int]]:
     from tokenmill import LLM, SamplingParams
-    llm = LLM(path, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=1024, **kw)
+    kw.setdefault("max_model_len", 1024)
+    kw.setdefault("dtype", "float32")
+    llm = LLM(path, skip_tokenizer_init=True, **kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     graphs = llm.llm_engine.core.runner.graphs
@@ -201,14 +219,16 @@ def _greedy_tokens(path: str, prompts, **kw) -> list[list[int]]:
 
 @section("engine_greedy")
 def engine_greedy() -> dict:
-    path = model_dir(TINY, "tiny")
+    path = tiny_checkpoint()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (1, 5, 16, 33, 100, 300, 7, 64)]
     chunked = dict(max_num_batched_tokens=64, enable_prefix_caching=True)
     torch_eager, i1 = _greedy_tokens(path, prompts, attention_backend="torch", enforce_eager=True, **chunked)
     triton_eager, i2 = _greedy_tokens(path, prompts, attention_backend="triton", enforce_eager=True, **chunked)
     triton_graphs, i3 = _greedy_tokens(path, prompts, attention_backend="triton", **chunked)
-    preempt, i4 = _greedy_tokens(path, prompts, attention_backend="triton", num_kv_blocks=40, max_num_seqs=8)
+    # 40 blocks of 16 tokens cannot hold eight sequences of up to 324 tokens: preemption
+    preempt, i4 = _greedy_tokens(path, prompts, attention_backend="triton", num_kv_blocks=40, max_num_seqs=8,
+                                 max_model_len=400)
 
     # quantized linears: the Triton dequantize-GEMMs against the dequantized torch twins (same int8 codes)
     os.environ["TOKENMILL_DISABLE_TRITON_QUANT"] = "1"
