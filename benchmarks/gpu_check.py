@@ -11,7 +11,14 @@ one H200. Writes JSON (and a log) to --out-dir and prints a short table last.
                   tokens and high concurrency (goal >= 15,000 tok/s; TensorRT-LLM FP8 on H200: 27,911), and a
                   short GPU ladder: torch backend eager -> Triton eager -> Triton + CUDA graphs
 
-On the lent machine (the image has torch and triton but not msgspec; carry it as a wheel, .whl/ is ignored):
+On the lent machine the image has torch, triton and transformers but not msgspec. Fetch its wheel here once
+(into .whl/, ignored through .git/info/exclude):
+
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl msgspec
+
+then one device call, with carry=[".whl"]:
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:.;
     PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --out-dir $OUT
