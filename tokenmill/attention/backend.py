@@ -47,7 +47,6 @@ class AttentionBackend:
     """Writes this step's keys/values into the paged cache and attends over cached + new tokens.
     Backends are chosen by name through attention/registry.py."""
 
-    name = "base"
     # True when forward reads only device tensors and the batch's max_* ints (no host loops over rows):
     # then a decode step can be captured in a CUDA graph (worker/cuda_graphs.py)
     cuda_graph_safe = False

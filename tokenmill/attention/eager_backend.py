@@ -10,8 +10,6 @@ from tokenmill.attention.torch_backend import gather_kv, write_kv
 
 
 class EagerAttentionBackend(AttentionBackend):
-    name = "eager"
-
     def forward(self, q, k, v, key_cache, value_cache, meta: AttentionBatch, scale: float):
         write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(q)

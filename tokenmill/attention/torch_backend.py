@@ -66,8 +66,6 @@ class TorchAttentionBackend(AttentionBackend):
     """Decodes go through the C paged-attention kernel where it runs (`use_kernel`), else through the
     gather + matmul path below, which is also the kernel's test oracle."""
 
-    name = "torch"
-
     def __init__(self, use_kernel: bool | None = None):
         self.use_kernel = use_kernel  # None: decided by the first decode (dtype and head shapes never change)
 

@@ -16,6 +16,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionBatch
 from tokenmill.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
+from tokenmill.ops import triton_attention as ta
 
 logger = logging.getLogger(__name__)
 
@@ -26,18 +27,11 @@ class TritonAttentionMetadata:
     fallback: TorchAttentionMetadata | None = None  # built on first use after a fallback
 
 
-def triton_importable() -> bool:
-    from tokenmill.ops import triton_attention
-    return triton_attention.available()
-
-
 class TritonAttentionBackend(AttentionBackend):
-    name = "triton"
-
     @classmethod
     def supports(cls, device: str) -> bool:
         # On CPU the kernels run only under Triton's interpreter (tests); auto never picks them there.
-        return triton_importable() and (device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+        return ta.available() and (device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
     def __init__(self):
         self.fallback: TorchAttentionBackend | None = None
@@ -62,7 +56,6 @@ class TritonAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _triton(q, k, v, key_cache, value_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
-        from tokenmill.ops import triton_attention as ta
         ta.write_kv(k, v, key_cache, value_cache, batch.slot_mapping)
         return ta.paged_attention(q, key_cache, value_cache, batch.query_start_loc, batch.seq_lens,
                                   batch.block_tables, scale, batch.max_query_len, batch.max_seq_len)

@@ -55,6 +55,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(b, **i32)
         self.query_start_loc = torch.arange(b + 1, **i32)
         self.block_tables = torch.zeros(b, self.max_blocks, **i32)
+        self.filled = 0  # rows [0, filled) may hold an earlier step's real rows; the rest are padding
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.use_graphs = capture  # False: the padded buffers run eagerly (CPU tests)
@@ -108,12 +109,14 @@ class DecodeGraphs:
         self.seq_lens[:n].copy_(batch.seq_lens)
         width = batch.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(batch.block_tables)
-        if size > n:  # the previous step may have left real rows here
-            self.input_ids[n:size].zero_()
-            self.positions[n:size].zero_()
-            self.slot_mapping[n:size].fill_(-1)
-            self.seq_lens[n:size].fill_(1)
-            self.block_tables[n:size].zero_()
+        stale = min(size, self.filled)
+        if stale > n:  # an earlier, larger step left real rows in this bucket's padding: reset only those
+            self.input_ids[n:stale].zero_()
+            self.positions[n:stale].zero_()
+            self.slot_mapping[n:stale].fill_(-1)
+            self.seq_lens[n:stale].fill_(1)
+            self.block_tables[n:stale].zero_()
+        self.filled = max(n, self.filled) if self.filled > size else n
         if self.use_graphs:
             self.graphs[size].replay()
             return self.outputs[size][:n]

@@ -6,7 +6,6 @@ largest they get) on a scratch KV cache, and read the activation peak. The KV ca
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +14,6 @@ from tokenmill.kv.manager import cdiv
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
 
-logger = logging.getLogger("tokenmill")
 GIB = 2**30
 
 

@@ -158,15 +158,12 @@ class ModelRunner:
         intermediate = None
         if not self.is_first_stage:
             intermediate = self.pipeline.recv(len(positions), self.hidden_size, self.dtype, self.device)
-        if self.encoder is not None:
-            embeds = self._multimodal_embeds(sched, seqs, input_ids, qsl)
-            hidden = self.model(input_ids, positions, self.kv_caches, self.backend.build_metadata(batch), self.backend,
-                                intermediate, embeds)
-        elif self.graphs is not None and intermediate is None and self.graphs.can_run(batch, len(input_ids)):
-            hidden = self.graphs.run(input_ids, positions, batch)
+        embeds = self._multimodal_embeds(sched, seqs, input_ids, qsl) if self.encoder is not None else None
+        if self.graphs is not None and intermediate is None and self.graphs.can_run(batch, len(input_ids)):
+            hidden = self.graphs.run(input_ids, positions, batch)  # never built for multimodal models
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, self.backend.build_metadata(batch), self.backend,
-                                intermediate)
+                                intermediate, embeds)
         out = ModelRunnerOutput()
         if not self.is_last_stage:
             self.pipeline.send(*hidden)
