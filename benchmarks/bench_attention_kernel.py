@@ -30,7 +30,7 @@ from tokenmill.ops import cpu_attention, native  # noqa: E402
 
 def build(source: str):
     """Another version of cpu_attention.c, built as ops/native.py builds the kernels; same C signature."""
-    fn = ctypes.CDLL(str(native.build(Path(source).resolve()))).tm_paged_decode_attention
+    fn = ctypes.CDLL(str(native.build([Path(source).resolve()]))).tm_paged_decode_attention
     fn.argtypes = cpu_attention._kernel().argtypes
     return fn
 

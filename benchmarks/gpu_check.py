@@ -216,7 +216,7 @@ def _greedy_tokens(path: str, prompts, **kw) -> list[list[int]]:
     llm = LLM(path, skip_tokenizer_init=True, **kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-    graphs = llm.llm_engine.core.runner.graphs
+    graphs = llm.llm_engine.core.runner.decode_step
     backend = llm.llm_engine.core.runner.backend
     info = (type(backend).__name__, getattr(backend, "failure", None), graphs is not None and graphs.enabled)
     del llm

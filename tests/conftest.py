@@ -61,11 +61,12 @@ ARCHS = {
 }
 
 
-def build_model(path: str, arch: str, seed: int = 0):
+def save_random_model(path: str, config, seed: int = 0):
+    """A random float32 model of `config` with this suite's tokenizer, saved to `path`; returns the model."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(ARCHS[arch](), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     # Larger-than-default weights make logits spread out, so greedy choices are not near-ties.
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -74,6 +75,10 @@ def build_model(path: str, arch: str, seed: int = 0):
     model.save_pretrained(path)
     build_tokenizer(path)
     return model
+
+
+def build_model(path: str, arch: str, seed: int = 0):
+    return save_random_model(path, ARCHS[arch](), seed)
 
 
 @pytest.fixture(scope="session")

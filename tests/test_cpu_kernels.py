@@ -24,13 +24,13 @@ def test_cache_key_holds_the_cpu_flags(monkeypatch, tmp_path):
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TOKENMILL_NATIVE_PORTABLE", raising=False)
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    avx2 = native.library_path(src)
-    assert native.library_path(src) == avx2  # deterministic
+    avx2 = native.library_path([src])
+    assert native.library_path([src]) == avx2  # deterministic
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
-    avx512 = native.library_path(src)
+    avx512 = native.library_path([src])
     assert avx512 != avx2 and avx512.parent == avx2.parent == tmp_path / "ops"
     monkeypatch.setenv("TOKENMILL_NATIVE_PORTABLE", "1")  # other flags, another build
-    assert native.library_path(src) not in (avx2, avx512)
+    assert native.library_path([src]) not in (avx2, avx512)
 
 
 def test_load_requires_avx2_and_fma(monkeypatch):
@@ -74,6 +74,24 @@ def test_gemv_refuses_shapes_it_cannot_pack():
     assert not cpu_gemv.supports(torch.zeros(17, 8, dtype=torch.float32))
     assert not cpu_gemv.supports(torch.zeros(16, 8, dtype=torch.float16))
     assert cpu_gemv.supports(torch.zeros(16, 7, dtype=torch.float32))  # no k pairs in float32
+
+
+def test_bf16_rows_without_onednn_multiply_in_float32():
+    """"torch+gemv" (no oneDNN bf16 GEMM): above WIDEN_MIN_ROWS rows a bf16 layer widens its weight and
+    multiplies in float32, one rounding at the end; fewer rows keep torch's bf16 matmul."""
+    from tokenmill.layers.linear import WIDEN_MIN_ROWS, LoadContext
+
+    torch.manual_seed(0)
+    layer = Linear(64, 48, bias=True)
+    layer.weight.data = torch.randn(48, 64).bfloat16()
+    layer.bias.data = torch.randn(48).bfloat16()
+    layer.process_after_loading(LoadContext("cpu", torch.bfloat16, cpu_kernel="torch+gemv"))
+    assert layer.widen_rows
+    many = torch.randn(WIDEN_MIN_ROWS + 3, 64).bfloat16()
+    widened = F.linear(many.float(), layer.weight.float(), layer.bias.float()).bfloat16()
+    assert torch.equal(layer(many), widened)
+    few = many[:WIDEN_MIN_ROWS]
+    assert torch.equal(layer(few), F.linear(few, layer.weight, layer.bias))
 
 
 @pytest.mark.parametrize("kernel", ["onednn", "torch", "onednn+gemv", "torch+gemv"])

@@ -39,21 +39,21 @@ def _generate(model_dir: str, backend: str, graphs: bool = False, max_tokens: in
     if graphs and backend == "triton":
         from tokenmill.worker.cuda_graphs import DecodeGraphs
         cfg = llm.llm_engine.config
-        runner.graphs = DecodeGraphs(runner.model, runner.backend, runner.kv_caches, cfg.max_num_seqs,
+        runner.decode_step = DecodeGraphs(runner.model, runner.backend, runner.kv_caches, cfg.max_num_seqs,
                                      cfg.max_model_len, cfg.block_size, "cpu", capture=False)
-        runner.graphs.steps = 0
-        run = runner.graphs.run
+        runner.decode_step.steps = 0
+        run = runner.decode_step.run
 
         def counted(*a):
-            runner.graphs.steps += 1
+            runner.decode_step.steps += 1
             return run(*a)
-        runner.graphs.run = counted
+        runner.decode_step.run = counted
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
                         use_tqdm=False)
     stats = llm.llm_engine.get_stats()
     runner_backend = llm.llm_engine.core.runner.backend
     return dict(tokens=[o.outputs[0].token_ids for o in outs], backend=type(runner_backend).__name__,
-                graph_steps=getattr(runner.graphs, "steps", 0),
+                graph_steps=getattr(runner.decode_step, "steps", 0),
                 failure=getattr(runner_backend, "failure", None), preemptions=stats.num_preemptions,
                 prefix_hits=stats.prefix_cache_hits)
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
 
-from conftest import CORPUS, build_tokenizer
+from conftest import CORPUS, save_random_model
 from tokenmill.entrypoints import cli
 from tokenmill.quantization import awq_calibrate as ac
 from tokenmill.quantization.awq_format import dequantize_w4, fake_w4, quantize_w4
@@ -39,14 +39,7 @@ def autoawq_dequantize_gemm():
 
 
 def build_tiny(path: Path, config) -> Path:
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.08)
-    model.save_pretrained(path)
-    build_tokenizer(str(path))
+    save_random_model(str(path), config)
     return path
 
 

@@ -209,7 +209,8 @@ class EngineConfig:
     attention_backend: str = option("auto", "paged attention kernels: torch (the CPU path and the oracle), triton "
                                     "(unified paged attention; falls back to torch if it fails to compile); auto: "
                                     "triton on CUDA, torch on CPU", choices=("auto", "torch", "triton"))
-    enforce_eager: bool = option(False, "CUDA: run every step eagerly (no CUDA graphs for decode steps)")
+    enforce_eager: bool = option(False, "run every step op by op: no CUDA graphs for decode steps on a GPU, no "
+                                        "one-call C decode step on a CPU")
     skip_tokenizer_init: bool = option(False, "load no tokenizer (token-id prompts only)")
     revision: str | None = option(None, "accepted for vLLM compatibility; models load from local directories")
     trust_remote_code: bool = option(False, "let transformers run the model directory's own tokenizer code")

@@ -32,6 +32,9 @@ from tokenmill.distributed.comm import SINGLE, TensorParallel
 from tokenmill.ops import cpu_gemv
 
 
+WIDEN_MIN_ROWS = 4  # bfloat16 F.linear is faster below this many rows on AVX2 (BENCHMARKS.md, issue 15)
+
+
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
@@ -84,6 +87,23 @@ class LoadContext:
     cpu_kernel: str = "torch"  # the resolved cpu_linear_kernel for unquantized layers (models/loader.py)
 
 
+@dataclass(frozen=True)
+class OneRowKernel:
+    """The C kernel a Linear's `apply` runs for a single input row on CPU, with its operands, so that the
+    fused decode step (ops/cpu_decode.py) can call the same kernel without Python in between.
+    kind: "f32" / "bf16" (ops/cpu_gemv.c, bias in the weights' dtype), "s8" / "u4" (ops/cpu_qgemv.c, bias
+    float32)."""
+
+    kind: str
+    weight: torch.Tensor
+    out_features: int
+    in_features: int
+    bias: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+    zeros: torch.Tensor | None = None
+    group_size: int = 0
+
+
 class LinearMethod:
     """How one Linear holds and applies its weights. Subclasses create their parameters in
     `create_weights` with `output_dim` / `pack_factor` set; loading merged shards is shared here."""
@@ -111,6 +131,10 @@ class LinearMethod:
         """The float W [N, K] this method computes with (tests and references compare against it)."""
         raise NotImplementedError
 
+    def one_row_kernel(self, layer: "Linear") -> OneRowKernel | None:
+        """What `apply` runs for one row on CPU, when that is one of the C kernels; else None."""
+        return None
+
 
 def add_param(layer: nn.Module, name: str, tensor: torch.Tensor, output_dim: int | None, pack_factor: int = 1,
               loader=None, input_dim: int | None = None, input_pack: int = 1) -> nn.Parameter:
@@ -134,11 +158,15 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def process_after_loading(self, layer, ctx):
         layer.packed = layer.gemv_packed = None
+        layer.widen_rows = False
         if ctx.cpu_kernel == "torch":
             return
         if ctx.cpu_kernel in ("onednn+gemv", "torch+gemv") and cpu_gemv.supports(layer.weight):
             layer.gemv_packed = cpu_gemv.pack(layer.weight)
         if ctx.cpu_kernel == "torch+gemv":
+            # without oneDNN's bf16 GEMM (AVX2 CPUs) torch's bf16 matmul is 5-7x slower than float32 at prefill
+            # sizes: widening the weight per call and multiplying in float32 pays from a few rows up
+            layer.widen_rows = layer.weight.dtype == torch.bfloat16
             return
         # A weight shared with another module (tied embeddings) stays alive through that module.
         layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 1)
@@ -149,7 +177,17 @@ class UnquantizedLinearMethod(LinearMethod):
             return cpu_gemv.gemv(x, layer.gemv_packed, layer.bias)
         if getattr(layer, "packed", None) is not None:
             return onednn_linear(x, layer.packed, layer.bias)
+        if getattr(layer, "widen_rows", False) and x.shape[0] > WIDEN_MIN_ROWS:
+            bias = None if layer.bias is None else layer.bias.float()
+            return F.linear(x.float(), layer.weight.float(), bias).to(x.dtype)
         return F.linear(x, layer.weight, layer.bias)
+
+    def one_row_kernel(self, layer):
+        packed = getattr(layer, "gemv_packed", None)
+        if packed is None:
+            return None
+        kind = "bf16" if packed.dtype == torch.bfloat16 else "f32"
+        return OneRowKernel(kind, packed, layer.out_features, layer.in_features, layer.bias)
 
     def dense_weight(self, layer):
         if layer.weight is None:

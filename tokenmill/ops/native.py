@@ -69,39 +69,42 @@ def cache_dir() -> Path:
     return Path(base) / "ops"
 
 
-def library_path(src_path: Path) -> Path:
-    """Where the build of `src_path` for this CPU, compiler and flags is cached."""
+def library_path(src_paths: list[Path]) -> Path:
+    """Where the build of `src_paths` (linked into one library) for this CPU, compiler and flags is cached."""
     ops_dir = Path(__file__).parent
-    key = hashlib.sha256(src_path.read_bytes())
+    key = hashlib.sha256()
+    for src in src_paths:
+        key.update(src.name.encode() + b"\0" + src.read_bytes())
     for header in sorted(ops_dir.glob("*.h")):
         key.update(header.name.encode() + b"\0" + header.read_bytes())
     key.update("\0".join([" ".join(compile_flags()), compiler_version(), platform.machine(),
                           " ".join(sorted(cpu_flags()))]).encode())
-    return cache_dir() / f"lib{src_path.stem}_{key.hexdigest()[:16]}.so"
+    return cache_dir() / f"lib{src_paths[0].stem}_{key.hexdigest()[:16]}.so"
 
 
-def build(src_path: Path) -> Path:
-    """Compile `src_path` against the headers in ops/ (once per source, headers, flags, compiler and CPU) and
-    return the shared library's path. Raises OSError or CalledProcessError."""
-    out = library_path(src_path)
+def build(src_paths: list[Path]) -> Path:
+    """Compile `src_paths` into one library against the headers in ops/ (once per sources, headers, flags,
+    compiler and CPU) and return its path. Raises OSError or CalledProcessError."""
+    out = library_path(src_paths)
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
-            subprocess.run(["gcc", *compile_flags(), f"-I{Path(__file__).parent}", str(src_path), "-o", str(tmp_out)],
+            subprocess.run(["gcc", *compile_flags(), f"-I{Path(__file__).parent}", *map(str, src_paths), "-o", str(tmp_out)],
                            check=True, capture_output=True)
             os.replace(tmp_out, out)  # atomic: concurrent processes never load a half-written file
     return out
 
 
 @lru_cache(maxsize=None)
-def load(source: str, disable_env: str) -> ctypes.CDLL | None:
-    """`source`: a C file beside this module. Set `disable_env` in the environment to skip the kernel."""
+def load(source: str, disable_env: str, links: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """`source`: a C file beside this module, linked with the files in `links` (whose exported kernels it
+    calls). Set `disable_env` in the environment to skip the kernel."""
     if os.environ.get(disable_env) or not cpu_supported() or not shutil.which("gcc"):
         return None
     try:
         # torch already loaded libgomp, so all share one OpenMP runtime
-        return ctypes.CDLL(str(build(Path(__file__).with_name(source))))
+        return ctypes.CDLL(str(build([Path(__file__).with_name(f) for f in (source, *links)])))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = (e.stderr or b"").decode(errors="replace")[-2000:] if isinstance(e, subprocess.CalledProcessError) else ""
         logger.warning("CPU kernel %s unavailable (%s); using the torch path\n%s", source, e, detail)

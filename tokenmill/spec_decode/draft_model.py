@@ -30,6 +30,7 @@ class DraftModelProposer:
         self.kv_cache = kv_cache  # [draft layers, 2, num_blocks, block_size, draft kv heads, head_dim]
         self.kv_caches = [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
         self.backend = backend
+        self.decode_step = None  # worker/cpu_decode_step.py for the draft's single-token steps (set by the builder)
         self._synced: dict[str, int] = {}  # request -> positions whose draft KV is valid
 
     def release(self, request_ids) -> None:
@@ -63,8 +64,12 @@ class DraftModelProposer:
         each one's last row, in the order given."""
         order = sorted(range(len(seqs)), key=lambda i: seqs[i].num_new_tokens != 1)
         ordered = [seqs[i] for i in order]
-        input_ids, positions, meta, starts = runner.prepare(ordered, self.backend)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        input_ids, positions, batch, starts = runner.prepare_batch(ordered)
+        step = self.decode_step
+        if step is not None and step.can_run(batch, len(input_ids)):
+            hidden = step.run(input_ids, positions, batch)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, self.backend.build_metadata(batch), self.backend)
         last = [starts[j + 1] - 1 for j in range(len(ordered))]
         tokens = self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
         out = [0] * len(seqs)

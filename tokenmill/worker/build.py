@@ -15,6 +15,8 @@ from tokenmill.kv.manager import cdiv
 from tokenmill.models.loader import load_model
 from tokenmill.spec_decode.build import build_proposer, kv_bytes_per_block, load_draft
 from tokenmill.worker.encoder_runner import EncoderRunner
+from tokenmill.spec_decode.draft_model import DraftModelProposer
+from tokenmill.worker.cpu_decode_step import CpuDecodeStep
 from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.worker.memory_profile import GIB, GpuMemoryBudget, measure_gpu_budget, worst_case_lengths
 from tokenmill.worker.model_runner import ModelRunner
@@ -51,13 +53,25 @@ def build_runner(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, shar
                                     kv_block_bytes(config, mc, dtype, layers, kv_heads, draft[1] if draft else None))
     num_blocks = agree(num_kv_blocks(config, mc, dtype, layers, kv_heads, draft[1] if draft else None, budget))
     runner = make_runner(num_blocks)
-    if (config.device == "cuda" and not config.enforce_eager and runner.backend.cuda_graph_safe and pipeline is None
-            and not mc.is_multimodal):
-        runner.graphs = DecodeGraphs(model, runner.backend, runner.kv_caches, config.max_num_seqs,
-                                     config.max_model_len, config.block_size, config.device)
+    if not config.enforce_eager and pipeline is None and not mc.is_multimodal:
+        runner.decode_step = captured_decode_step(config, model, runner.backend, runner.kv_caches)
+        proposer = runner.proposer
+        if isinstance(proposer, DraftModelProposer) and config.device == "cpu":  # the draft's own steps too
+            proposer.decode_step = CpuDecodeStep.build(proposer.model, proposer.backend, proposer.kv_caches,
+                                                       config.block_size)
     if mc.is_multimodal:
         runner.encoder = EncoderRunner(model, config.device, dtype, config.mm_encoder_overlap)
     return runner
+
+
+def captured_decode_step(config: EngineConfig, model, backend, kv_caches):
+    """CUDA graphs on a GPU, the one-call C decode step on a CPU (None where neither applies)."""
+    if config.device == "cuda":
+        if not backend.cuda_graph_safe:
+            return None
+        return DecodeGraphs(model, backend, kv_caches, config.max_num_seqs, config.max_model_len, config.block_size,
+                            config.device)
+    return CpuDecodeStep.build(model, backend, kv_caches, config.block_size)
 
 
 def kv_block_bytes(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype, layers: int, kv_heads: int,

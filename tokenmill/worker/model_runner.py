@@ -59,20 +59,15 @@ class ModelRunner:
         self.requests = RequestStates(device)
         self.proposer = proposer  # spec_decode: propose_batch(runner, items) -> drafts, release(ids)
         self.encoder = None  # worker/encoder_runner.py EncoderRunner, for multimodal models
-        self.graphs = None  # worker/cuda_graphs.py DecodeGraphs: decode steps replayed on a GPU
+        # a captured decode step: DecodeGraphs (worker/cuda_graphs.py) on a GPU, CpuDecodeStep
+        # (worker/cpu_decode_step.py) on a CPU; None runs every step through the model's per-op path
+        self.decode_step = None
 
     def release_requests(self, request_ids) -> None:
         """Drop finished requests' state (also when a step schedules nothing)."""
         self.requests.release(request_ids)
         if self.proposer is not None:
             self.proposer.release(request_ids)
-
-    def prepare(self, seqs: list[ScheduledRequest], backend: AttentionBackend | None = None):
-        """Tensors and attention metadata for `seqs`, built for `backend` (default: the target's).
-        Returns (input_ids, positions, meta, token_starts): meta is the backend's own step metadata, built
-        from the common AttentionBatch (prepare_batch)."""
-        input_ids, positions, batch, starts = self.prepare_batch(seqs)
-        return input_ids, positions, (backend or self.backend).build_metadata(batch), starts
 
     def prepare_batch(self, seqs: list[ScheduledRequest]):
         """Returns (input_ids, positions, AttentionBatch, token_starts): token_starts[i] .. token_starts[i + 1]
@@ -159,8 +154,9 @@ class ModelRunner:
         if not self.is_first_stage:
             intermediate = self.pipeline.recv(len(positions), self.hidden_size, self.dtype, self.device)
         embeds = self._multimodal_embeds(sched, seqs, input_ids, qsl) if self.encoder is not None else None
-        if self.graphs is not None and intermediate is None and self.graphs.can_run(batch, len(input_ids)):
-            hidden = self.graphs.run(input_ids, positions, batch)  # never built for multimodal models
+        step = self.decode_step
+        if step is not None and intermediate is None and step.can_run(batch, len(input_ids)):
+            hidden = step.run(input_ids, positions, batch)  # never built for multimodal models
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, self.backend.build_metadata(batch), self.backend,
                                 intermediate, embeds)

@@ -1,0 +1,107 @@
+"""The one-call C decode step (worker/cpu_decode_step.py, ops/cpu_decode.c) against the per-op path it
+replaces: the same kernels in the same order, so greedy tokens and logprobs must be bit-identical, for
+float32, bfloat16, int8 and AWQ weights, with a QKV bias, and for a draft model's own steps."""
+from __future__ import annotations
+
+import pytest
+
+from awq_oracle import autoawq_linear_class, write_autoawq_checkpoint
+from conftest import _llama, _qwen2, make_llm, random_prompts, save_random_model
+from tokenmill import SamplingParams
+from tokenmill.ops import cpu_decode
+
+pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="needs gcc and an x86-64 CPU with AVX2 + FMA")
+
+# head_dim 32: the fused rotary kernel (and so the decode step) needs a multiple of 32
+SHAPE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+
+def _save(path: str, config, seed: int) -> str:
+    save_random_model(path, config, seed)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("decode-step")
+    return {"llama": _save(str(root / "llama"), _llama(**SHAPE), 0),
+            "qwen2": _save(str(root / "qwen2"), _qwen2(**SHAPE), 1)}  # Qwen2: QKV bias
+
+
+def _run(path: str, prompts, params=GREEDY, **kw):
+    llm = make_llm(path, **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    runner = llm.llm_engine.core.runner
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], runner
+
+
+def _assert_same(fast, eager):
+    for (tok_f, lp_f), (tok_e, lp_e) in zip(fast, eager):
+        assert tok_f == tok_e
+        assert [{t: p.logprob for t, p in row.items()} for row in lp_f] == \
+            [{t: p.logprob for t, p in row.items()} for row in lp_e]  # exact: same kernels, same order
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("llama", "bfloat16"), ("qwen2", "float32"),
+                                        ("qwen2", "bfloat16")])
+def test_bit_identical_to_the_per_op_path(dirs, arch, dtype):
+    prompts = random_prompts([7, 1, 19])
+    fast, runner = _run(dirs[arch], prompts, dtype=dtype, max_num_seqs=1)  # batch 1: every decode takes it
+    # each request's decodes, and the one-token prompt's prefill (a one-token step too)
+    assert runner.decode_step is not None and runner.decode_step.steps == 3 * (GREEDY.max_tokens - 1) + 1
+    eager, eager_runner = _run(dirs[arch], prompts, dtype=dtype, max_num_seqs=1, enforce_eager=True)
+    assert eager_runner.decode_step is None
+    _assert_same(fast, eager)
+
+
+def test_int8_weights(dirs):
+    prompts = random_prompts([9, 4])
+    fast, runner = _run(dirs["llama"], prompts, quantization="int8", max_num_seqs=1)
+    assert runner.decode_step is not None and runner.decode_step.steps > 0
+    _assert_same(fast, _run(dirs["llama"], prompts, quantization="int8", max_num_seqs=1, enforce_eager=True)[0])
+
+
+@pytest.mark.skipif(autoawq_linear_class() is None, reason="autoawq is a test dependency")
+def test_awq_int4_weights(dirs, tmp_path):
+    awq = str(tmp_path / "awq")
+    write_autoawq_checkpoint(dirs["llama"], awq, 32)
+    prompts = random_prompts([9, 4])
+    fast, runner = _run(awq, prompts, max_num_seqs=1)
+    assert runner.decode_step is not None and runner.decode_step.steps > 0
+    _assert_same(fast, _run(awq, prompts, max_num_seqs=1, enforce_eager=True)[0])
+
+
+def test_batches_and_mixed_steps_keep_the_per_op_path(dirs):
+    """Several sequences (and prefill steps) go op by op; a sequence decoding alone takes the C step; the
+    tokens do not depend on which ran."""
+    prompts = random_prompts([5, 30, 11, 3])
+    fast, runner = _run(dirs["llama"], prompts, max_num_seqs=4)
+    assert runner.decode_step.steps < 4 * (GREEDY.max_tokens - 1)
+    eager, _ = _run(dirs["llama"], prompts, max_num_seqs=4, enforce_eager=True)
+    assert [t for t, _ in fast] == [t for t, _ in eager]
+
+
+def test_draft_model_steps_take_it_and_speculation_stays_lossless(dirs, tmp_path):
+    draft = _save(str(tmp_path / "draft"), _llama(**{**SHAPE, "num_hidden_layers": 1}), 2)
+    prompts = random_prompts([6, 13])
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "adaptive": False}
+    fast, runner = _run(dirs["llama"], prompts, params=SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                        speculative_config=spec, max_num_seqs=1)
+    assert runner.proposer.decode_step is not None and runner.proposer.decode_step.steps > 0
+    plain, _ = _run(dirs["llama"], prompts, params=SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                    max_num_seqs=1, enforce_eager=True)
+    assert [t for t, _ in fast] == [t for t, _ in plain]
+
+
+@pytest.mark.parametrize("kw", [dict(enforce_eager=True), dict(cpu_linear_kernel="torch"),
+                                dict(attention_impl="eager")])
+def test_off_where_the_per_op_path_would_differ(dirs, kw):
+    llm = make_llm(dirs["llama"], **kw)
+    assert llm.llm_engine.core.runner.decode_step is None
+
+
+def test_off_for_heads_the_rotary_kernel_does_not_take(llama_dir):
+    """conftest's models have head_dim 16: the per-op path rotates them in torch, so no C step."""
+    assert make_llm(llama_dir).llm_engine.core.runner.decode_step is None

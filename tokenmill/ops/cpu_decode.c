@@ -1,0 +1,108 @@
+/* One decode token through the whole Llama decoder in one call (CPU, batch 1).
+ *
+ * A batch-1 step of a small model is ~30 kernel calls per layer from Python, and the Python, ctypes and
+ * torch dispatch between them costs more than their math; the OpenMP workers also fall asleep in the gaps
+ * and must be woken for each call. This driver makes the same calls, in the same order, on the same
+ * kernels (linked from cpu_gemv.c, cpu_qgemv.c, cpu_fused.c and cpu_attention.c into this library), so
+ * its hidden state is bit-identical to the per-op path's (models/llama.py), which stays its twin:
+ *
+ *   x = embed[token]
+ *   per layer:  h = norm(x [+ residual])  qkv = h Wqkv  rotary(q, k)  cache[slot] = k, v
+ *               a = attention(q, cache[table, :seq_len])  x = a Wo  h = norm(x + residual)
+ *               x = silu(h Wgate) * (h Wup) Wdown
+ *   out = norm(x + residual)                                 (the LM head stays outside, as in the graphs)
+ *
+ * KV caches are [num_blocks][block_size][Hkv][D]; token `pos` of the sequence sits in block table[pos / bs],
+ * slot pos % bs, and `slot` = table[pos / bs] * bs + pos % bs is the new token's row.
+ *
+ * Scratch (dtype elements, carved from one buffer):
+ *   residual [D] | x [D] | h [D] | qkv [(Hq + 2 Hkv) hd] | attn [Hq hd] | gate_up [2 I] | act [I]
+ */
+#include <stdint.h>
+#include <string.h>
+
+void tm_gemv_f32(const float *P, const float *x, const float *bias, float *y, int64_t N, int64_t K, int nthreads);
+void tm_gemv_bf16_vnni(const uint16_t *P, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t N, int64_t K,
+                       int nthreads);
+void tm_qgemv_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t N,
+                 int64_t K, int y_bf16, int nthreads);
+void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const void *x_in, const float *bias, void *y,
+                 int64_t N, int64_t K, int64_t G, int y_bf16, int nthreads);
+void tm_add_rmsnorm(const void *x, void *residual, const void *w, void *out, int64_t T, int64_t D, float eps,
+                    int bf16, int nthreads);
+void tm_silu_mul(const void *gu, void *out, int64_t T, int64_t I, int bf16, int nthreads);
+void tm_rotary(void *qkv, const void *cos, const void *sin, int64_t T, int64_t H, int64_t hd, int64_t row_stride,
+               int bf16, int nthreads);
+void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_cache, const void *value_cache,
+                               const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                               void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
+                               float scale, int bf16, int nthreads);
+
+enum { LIN_F32 = 0, LIN_BF16 = 1, LIN_S8 = 2, LIN_U4 = 3 };
+
+typedef struct {
+    int64_t kind, n, k, group;
+    const void *w, *scales, *zeros, *bias;  /* bias: the weights' dtype for LIN_F32/BF16, float32 otherwise */
+} tm_linear;
+
+typedef struct {
+    const void *input_norm, *post_norm;
+    tm_linear qkv, o, gate_up, down;
+    void *key_cache, *value_cache;
+} tm_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, bf16;
+    float eps, scale;
+    const void *embed, *final_norm, *cos, *sin;  /* cos/sin [max_positions][head_dim] */
+    const tm_layer *layers;
+    void *scratch;
+} tm_decoder;
+
+static void linear(const tm_linear *l, const void *x, void *y, int bf16, int nt) {
+    switch (l->kind) {
+    case LIN_F32: tm_gemv_f32(l->w, x, l->bias, y, l->n, l->k, nt); break;
+    case LIN_BF16: tm_gemv_bf16_vnni(l->w, x, l->bias, y, l->n, l->k, nt); break;
+    case LIN_S8: tm_qgemv_s8(l->w, l->scales, x, l->bias, y, l->n, l->k, bf16, nt); break;
+    default: tm_qgemv_u4(l->w, l->scales, l->zeros, x, l->bias, y, l->n, l->k, l->group, bf16, nt); break;
+    }
+}
+
+int64_t tm_decode_scratch_elems(const tm_decoder *m) {
+    return 3 * m->hidden + (2 * m->num_heads + 2 * m->num_kv_heads) * m->head_dim + 3 * m->intermediate;
+}
+
+/* token, pos, slot: int64 scalars; table: int32 block ids; seq_len = pos + 1. out [hidden]. */
+void tm_decode_one(const tm_decoder *m, const int64_t *token, const int64_t *pos, const int64_t *slot,
+                   const int32_t *table, const int32_t *seq_len, void *out, int nt) {
+    const int bf16 = (int)m->bf16;
+    const int64_t e = bf16 ? 2 : 4, D = m->hidden, hd = m->head_dim, I = m->intermediate;
+    const int64_t nh = m->num_heads, nkv = m->num_kv_heads, row = (nh + 2 * nkv) * hd, kv_row = nkv * hd;
+    char *s = m->scratch;
+    char *residual = s, *x = residual + D * e, *h = x + D * e, *qkv = h + D * e, *attn = qkv + row * e;
+    char *gu = attn + nh * hd * e, *act = gu + 2 * I * e;
+    const char *cos = (const char *)m->cos + *pos * hd * e, *sin = (const char *)m->sin + *pos * hd * e;
+
+    memcpy(x, (const char *)m->embed + *token * D * e, D * e);
+    for (int64_t i = 0; i < m->num_layers; i++) {
+        const tm_layer *L = &m->layers[i];
+        if (i == 0) {  /* the embedding is the first residual */
+            memcpy(residual, x, D * e);
+            tm_add_rmsnorm(x, NULL, L->input_norm, h, 1, D, m->eps, bf16, nt);
+        } else {
+            tm_add_rmsnorm(x, residual, L->input_norm, h, 1, D, m->eps, bf16, nt);
+        }
+        linear(&L->qkv, h, qkv, bf16, nt);
+        tm_rotary(qkv, cos, sin, 1, nh + nkv, hd, row, bf16, nt);
+        memcpy((char *)L->key_cache + *slot * kv_row * e, qkv + nh * hd * e, kv_row * e);
+        memcpy((char *)L->value_cache + *slot * kv_row * e, qkv + (nh + nkv) * hd * e, kv_row * e);
+        tm_paged_decode_attention(qkv, row, L->key_cache, L->value_cache, table, 0, seq_len, attn, 1, nh, nkv, hd,
+                                  m->block_size, m->scale, bf16, nt);
+        linear(&L->o, attn, x, bf16, nt);
+        tm_add_rmsnorm(x, residual, L->post_norm, h, 1, D, m->eps, bf16, nt);
+        linear(&L->gate_up, h, gu, bf16, nt);
+        tm_silu_mul(gu, act, 1, I, bf16, nt);
+        linear(&L->down, act, x, bf16, nt);
+    }
+    tm_add_rmsnorm(x, residual, m->final_norm, out, 1, D, m->eps, bf16, nt);
+}

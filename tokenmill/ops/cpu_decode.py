@@ -1,0 +1,121 @@
+"""ctypes binding of ops/cpu_decode.c: one decode token through the whole decoder in one C call.
+
+`DecoderKernel` is built once from plain operands (weights, norms, caches, shapes) and then run per token
+with pointers to that step's input tensors. The C driver calls the same kernels, in the same order, as
+the per-op path of models/llama.py, which is its twin (their hidden states are bit-identical).
+`TOKENMILL_DISABLE_CPU_DECODE=1` turns it off.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from tokenmill.layers.linear import OneRowKernel
+from tokenmill.ops import native
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+LINEAR_KINDS = {"f32": 0, "bf16": 1, "s8": 2, "u4": 3}  # as the enum in cpu_decode.c
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("group", _I),
+                ("w", _P), ("scales", _P), ("zeros", _P), ("bias", _P)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
+                ("down", _Linear), ("key_cache", _P), ("value_cache", _P)]
+
+
+class _Decoder(ctypes.Structure):
+    _fields_ = [("num_layers", _I), ("hidden", _I), ("num_heads", _I), ("num_kv_heads", _I), ("head_dim", _I),
+                ("intermediate", _I), ("block_size", _I), ("bf16", _I), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("embed", _P), ("final_norm", _P), ("cos", _P), ("sin", _P),
+                ("layers", ctypes.POINTER(_Layer)), ("scratch", _P)]
+
+
+@lru_cache(maxsize=1)
+def _library():
+    lib = native.load("cpu_decode.c", "TOKENMILL_DISABLE_CPU_DECODE",
+                      links=("cpu_gemv.c", "cpu_qgemv.c", "cpu_fused.c", "cpu_attention.c"))
+    if lib is None:
+        return None
+    lib.tm_decode_scratch_elems.argtypes = [ctypes.POINTER(_Decoder)]
+    lib.tm_decode_scratch_elems.restype = _I
+    lib.tm_decode_one.argtypes = [ctypes.POINTER(_Decoder)] + [_P] * 6 + [ctypes.c_int]
+    lib.tm_decode_one.restype = None
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+@dataclass
+class DecoderLayerOperands:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: OneRowKernel
+    o: OneRowKernel
+    gate_up: OneRowKernel
+    down: OneRowKernel
+    key_cache: torch.Tensor    # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor
+
+
+@dataclass
+class DecoderOperands:
+    embed: torch.Tensor        # [vocab, hidden]
+    final_norm: torch.Tensor
+    cos: torch.Tensor          # [max_positions, head_dim]
+    sin: torch.Tensor
+    layers: list[DecoderLayerOperands]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    block_size: int
+    eps: float
+    scale: float
+
+
+def _linear(k: OneRowKernel) -> _Linear:
+    return _Linear(LINEAR_KINDS[k.kind], k.out_features, k.in_features, k.group_size, _ptr(k.weight),
+                   _ptr(k.scales), _ptr(k.zeros), _ptr(k.bias))
+
+
+class DecoderKernel:
+    """Holds the operands (so their memory outlives every call) and the C structs pointing at them."""
+
+    def __init__(self, ops: DecoderOperands):
+        self.ops = ops
+        dtype = ops.embed.dtype
+        self.hidden = ops.embed.shape[1]
+        layers = (_Layer * len(ops.layers))(*[
+            _Layer(_ptr(lo.input_norm), _ptr(lo.post_norm), _linear(lo.qkv), _linear(lo.o), _linear(lo.gate_up),
+                   _linear(lo.down), _ptr(lo.key_cache), _ptr(lo.value_cache)) for lo in ops.layers])
+        self._layers = layers
+        self.decoder = _Decoder(len(ops.layers), self.hidden, ops.num_heads, ops.num_kv_heads, ops.head_dim,
+                                ops.intermediate, ops.block_size, int(dtype == torch.bfloat16), ops.eps, ops.scale,
+                                _ptr(ops.embed), _ptr(ops.final_norm), _ptr(ops.cos), _ptr(ops.sin), layers, None)
+        lib = _library()
+        self.scratch = torch.empty(lib.tm_decode_scratch_elems(ctypes.byref(self.decoder)), dtype=dtype)
+        self.decoder.scratch = self.scratch.data_ptr()
+        self.out = torch.empty(1, self.hidden, dtype=dtype)
+        self._ref = ctypes.byref(self.decoder)
+        self._fn = lib.tm_decode_one
+
+    def run(self, token: torch.Tensor, position: torch.Tensor, slot: torch.Tensor, block_table: torch.Tensor,
+            seq_len: torch.Tensor) -> torch.Tensor:
+        """int64 token / position / slot, int32 block table row and seq_len -> the final hidden state [1, hidden],
+        a buffer overwritten by the next call."""
+        self._fn(self._ref, token.data_ptr(), position.data_ptr(), slot.data_ptr(), block_table.data_ptr(),
+                 seq_len.data_ptr(), self.out.data_ptr(), torch.get_num_threads())
+        return self.out
