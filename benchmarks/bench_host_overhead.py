@@ -1,7 +1,8 @@
 """Host time per engine step (issue 15): everything a step does besides the model's math, at batch 1 and 64.
 
-Each decode step of `LLMEngine.step` is timed whole, and inside it the model forward and the logits
-(`model.forward`, `model.compute_logits`) are timed too; host time = step - those. That is the scheduler,
+Each decode step of `LLMEngine.step` is timed whole, and inside it the model forward (`model.forward`, or
+the runner's captured decode step) and the logits (`model.compute_logits`) are timed too; host time =
+step - those. That is the scheduler,
 the KV manager, input preparation, the sampler, request updates and output processing (detokenizing
 included). On a GPU the device work would overlap part of it; on a CPU it adds up. A model this small
 (the shipped 5.5M one by default) makes the host's share plain.
@@ -25,9 +26,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def measure(llm, batch: int, new_tokens: int) -> dict:
     from tokenmill import SamplingParams
 
-    model = llm.llm_engine.core.runner.model
+    runner = llm.llm_engine.core.runner
+    model, step = runner.model, runner.decode_step
     spent = [0.0]
     forward, logits = model.forward, model.compute_logits
+    step_run = step.run if step is not None else None
 
     def timed(fn):
         def run(*a, **kw):
@@ -39,6 +42,8 @@ def measure(llm, batch: int, new_tokens: int) -> dict:
         return run
 
     model.forward, model.compute_logits = timed(forward), timed(logits)
+    if step is not None:  # the captured decode step (one C call on CPU) is model time too
+        step.run = timed(step_run)
     engine = llm.llm_engine
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for i in range(batch):
@@ -53,6 +58,8 @@ def measure(llm, batch: int, new_tokens: int) -> dict:
             model_s.append(spent[0])
     finally:
         model.forward, model.compute_logits = forward, logits
+        if step is not None:
+            step.run = step_run
     # decode steps only: skip the first (the prefill) and the last few (requests finishing)
     pairs = list(zip(steps, model_s))[2:-2]
     step_ms = statistics.median(s for s, _ in pairs) * 1e3
