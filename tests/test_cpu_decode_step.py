@@ -73,14 +73,34 @@ def test_awq_int4_weights(dirs, tmp_path):
     _assert_same(fast, _run(awq, prompts, max_num_seqs=1, enforce_eager=True)[0])
 
 
-def test_batches_and_mixed_steps_keep_the_per_op_path(dirs):
-    """Several sequences (and prefill steps) go op by op; a sequence decoding alone takes the C step; the
-    tokens do not depend on which ran."""
-    prompts = random_prompts([5, 30, 11, 3])
-    fast, runner = _run(dirs["llama"], prompts, max_num_seqs=4)
-    assert runner.decode_step.steps < 4 * (GREEDY.max_tokens - 1)
-    eager, _ = _run(dirs["llama"], prompts, max_num_seqs=4, enforce_eager=True)
-    assert [t for t, _ in fast] == [t for t, _ in eager]
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_batches_up_to_eight_rows_are_bit_identical(dirs, dtype):
+    """Steps of 2-8 decode rows take it (few-row kernels); steps with a prefill chunk go op by op."""
+    prompts = random_prompts([5, 30, 11, 3, 8, 2])
+    fast, runner = _run(dirs["qwen2"], prompts, dtype=dtype, max_num_seqs=6)
+    assert runner.decode_step.steps >= GREEDY.max_tokens - 2
+    _assert_same(fast, _run(dirs["qwen2"], prompts, dtype=dtype, max_num_seqs=6, enforce_eager=True)[0])
+
+
+def test_more_rows_than_it_takes_go_op_by_op(dirs):
+    prompts = random_prompts([4] * 10)
+    fast, runner = _run(dirs["llama"], prompts, max_num_seqs=10)
+    assert runner.decode_step.steps == 0  # every decode step has 10 rows
+    assert [t for t, _ in fast] == [t for t, _ in _run(dirs["llama"], prompts, max_num_seqs=10,
+                                                       enforce_eager=True)[0]]
+
+
+def test_verification_rows_take_it_and_speculation_stays_lossless(dirs):
+    """n-gram drafts on a repetitive prompt: each verifying step is 1 + k decode rows of one sequence."""
+    prompts = [[7, 8, 9, 10] * 6, [11, 12, 13] * 5]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3,
+            "adaptive": False}
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    fast, runner = _run(dirs["llama"], prompts, params=params, speculative_config=spec, max_num_seqs=1)
+    step = runner.decode_step
+    assert step.steps > 0 and step.rows > step.steps  # one sequence at a time: several rows = a verification
+    plain, _ = _run(dirs["llama"], prompts, params=params, max_num_seqs=1, enforce_eager=True)
+    assert [t for t, _ in fast] == [t for t, _ in plain]
 
 
 def test_draft_model_steps_take_it_and_speculation_stays_lossless(dirs, tmp_path):

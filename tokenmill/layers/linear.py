@@ -88,11 +88,11 @@ class LoadContext:
 
 
 @dataclass(frozen=True)
-class OneRowKernel:
-    """The C kernel a Linear's `apply` runs for a single input row on CPU, with its operands, so that the
-    fused decode step (ops/cpu_decode.py) can call the same kernel without Python in between.
-    kind: "f32" / "bf16" (ops/cpu_gemv.c, bias in the weights' dtype), "s8" / "u4" (ops/cpu_qgemv.c, bias
-    float32)."""
+class DecodeRowsKernel:
+    """The C kernels a Linear's `apply` runs on CPU for one row and for a few (up to 8) rows, with their
+    operands, so that the fused decode step (ops/cpu_decode.py) can call the same kernels without Python
+    in between. kind: "f32" / "bf16" (ops/cpu_gemv.c: GEMV, gemm_rows; bias in the weights' dtype), "s8" /
+    "u4" (ops/cpu_qgemv.c; bias float32)."""
 
     kind: str
     weight: torch.Tensor
@@ -131,8 +131,8 @@ class LinearMethod:
         """The float W [N, K] this method computes with (tests and references compare against it)."""
         raise NotImplementedError
 
-    def one_row_kernel(self, layer: "Linear") -> OneRowKernel | None:
-        """What `apply` runs for one row on CPU, when that is one of the C kernels; else None."""
+    def decode_rows_kernel(self, layer: "Linear") -> DecodeRowsKernel | None:
+        """What `apply` runs for one to eight rows on CPU, when those are the C kernels; else None."""
         return None
 
 
@@ -150,8 +150,9 @@ def add_param(layer: nn.Module, name: str, tensor: torch.Tensor, output_dim: int
 class UnquantizedLinearMethod(LinearMethod):
     """Float weights. On CPU the weight can be repacked once into oneDNN's blocked layout, whose GEMM
     streams weights much faster than `F.linear` for the few-row matrices of decoding, plus a second copy
-    in the batch-1 GEMV kernel's layout (ops/cpu_gemv.py). Where oneDNN cannot pack the dtype (bfloat16 on
-    AVX2-only CPUs), "torch+gemv" keeps the plain weight for F.linear and adds the GEMV copy for one row."""
+    in the GEMV kernels' layout (ops/cpu_gemv.py), which serve one to eight rows (decode batches). Where oneDNN
+    cannot pack the dtype (bfloat16 on AVX2-only CPUs), "torch+gemv" keeps the plain weight for F.linear and
+    adds the GEMV copy."""
 
     def create_weights(self, layer, in_features, out_features, dtype):
         add_param(layer, "weight", torch.empty(out_features, in_features, dtype=dtype), output_dim=0, input_dim=1)
@@ -173,8 +174,9 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.weight = None
 
     def apply(self, layer, x):
-        if getattr(layer, "gemv_packed", None) is not None and x.shape[0] == 1:
-            return cpu_gemv.gemv(x, layer.gemv_packed, layer.bias)
+        packed = getattr(layer, "gemv_packed", None)
+        if packed is not None and x.shape[0] <= cpu_gemv.MAX_ROWS:  # a decode batch: each panel read once
+            return (cpu_gemv.gemv if x.shape[0] == 1 else cpu_gemv.gemm_rows)(x, packed, layer.bias)
         if getattr(layer, "packed", None) is not None:
             return onednn_linear(x, layer.packed, layer.bias)
         if getattr(layer, "widen_rows", False) and x.shape[0] > WIDEN_MIN_ROWS:
@@ -182,12 +184,12 @@ class UnquantizedLinearMethod(LinearMethod):
             return F.linear(x.float(), layer.weight.float(), bias).to(x.dtype)
         return F.linear(x, layer.weight, layer.bias)
 
-    def one_row_kernel(self, layer):
+    def decode_rows_kernel(self, layer):
         packed = getattr(layer, "gemv_packed", None)
         if packed is None:
             return None
         kind = "bf16" if packed.dtype == torch.bfloat16 else "f32"
-        return OneRowKernel(kind, packed, layer.out_features, layer.in_features, layer.bias)
+        return DecodeRowsKernel(kind, packed, layer.out_features, layer.in_features, layer.bias)
 
     def dense_weight(self, layer):
         if layer.weight is None:

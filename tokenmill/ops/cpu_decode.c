@@ -1,22 +1,23 @@
-/* One decode token through the whole Llama decoder in one call (CPU, batch 1).
+/* A decode step of up to 8 rows (one token each) through the whole Llama decoder in one call (CPU).
  *
- * A batch-1 step of a small model is ~30 kernel calls per layer from Python, and the Python, ctypes and
+ * A decode step of a small model is ~10 kernel calls per layer from Python, and the Python, ctypes and
  * torch dispatch between them costs more than their math; the OpenMP workers also fall asleep in the gaps
  * and must be woken for each call. This driver makes the same calls, in the same order, on the same
  * kernels (linked from cpu_gemv.c, cpu_qgemv.c, cpu_fused.c and cpu_attention.c into this library), so
  * its hidden state is bit-identical to the per-op path's (models/llama.py), which stays its twin:
  *
- *   x = embed[token]
+ *   x = embed[tokens]                                        (B rows: decodes, or verification rows)
  *   per layer:  h = norm(x [+ residual])  qkv = h Wqkv  rotary(q, k)  cache[slot] = k, v
  *               a = attention(q, cache[table, :seq_len])  x = a Wo  h = norm(x + residual)
  *               x = silu(h Wgate) * (h Wup) Wdown
  *   out = norm(x + residual)                                 (the LM head stays outside, as in the graphs)
  *
- * KV caches are [num_blocks][block_size][Hkv][D]; token `pos` of the sequence sits in block table[pos / bs],
- * slot pos % bs, and `slot` = table[pos / bs] * bs + pos % bs is the new token's row.
+ * KV caches are [num_blocks][block_size][Hkv][D]; row b's token at position pos[b] sits in block
+ * tables[b][pos / bs], slot pos % bs, and slot[b] = that block * bs + pos % bs is where its K/V go.
+ * A linear layer takes its one-row kernel for one row and its few-row kernel for more, as `apply` does.
  *
- * Scratch (dtype elements, carved from one buffer):
- *   residual [D] | x [D] | h [D] | qkv [(Hq + 2 Hkv) hd] | attn [Hq hd] | gate_up [2 I] | act [I]
+ * Scratch (dtype elements, carved from one buffer, MAX_ROWS rows each):
+ *   residual [D] | x [D] | h [D] | qkv [(Hq + 2 Hkv) hd] | attn [Hq hd] | gate_up [2 I] | act [I] | cos, sin [hd]
  */
 #include <stdint.h>
 #include <string.h>
@@ -28,6 +29,14 @@ void tm_qgemv_s8(const int8_t *P, const float *scales, const void *x_in, const f
                  int64_t K, int y_bf16, int nthreads);
 void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const void *x_in, const float *bias, void *y,
                  int64_t N, int64_t K, int64_t G, int y_bf16, int nthreads);
+void tm_gemm_rows_f32(const float *P, const float *x, const float *bias, float *y, int64_t M, int64_t N, int64_t K,
+                      int nthreads);
+void tm_gemm_rows_bf16(const uint16_t *P, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
+                       int64_t K, int nthreads);
+void tm_qgemm_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t M,
+                 int64_t N, int64_t K, int y_bf16, int nthreads);
+void tm_qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, const uint16_t *x, const float *bias,
+                      uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads);
 void tm_add_rmsnorm(const void *x, void *residual, const void *w, void *out, int64_t T, int64_t D, float eps,
                     int bf16, int nthreads);
 void tm_silu_mul(const void *gu, void *out, int64_t T, int64_t I, int bf16, int nthreads);
@@ -59,50 +68,83 @@ typedef struct {
     void *scratch;
 } tm_decoder;
 
-static void linear(const tm_linear *l, const void *x, void *y, int bf16, int nt) {
+#define MAX_ROWS 8
+
+/* M rows: the kernel the layer's `apply` takes for M rows (layers/linear.py, quantization/) */
+static void linear(const tm_linear *l, const char *x, char *y, int64_t M, int bf16, int nt) {
+    const int64_t e = bf16 ? 2 : 4;
     switch (l->kind) {
-    case LIN_F32: tm_gemv_f32(l->w, x, l->bias, y, l->n, l->k, nt); break;
-    case LIN_BF16: tm_gemv_bf16_vnni(l->w, x, l->bias, y, l->n, l->k, nt); break;
-    case LIN_S8: tm_qgemv_s8(l->w, l->scales, x, l->bias, y, l->n, l->k, bf16, nt); break;
-    default: tm_qgemv_u4(l->w, l->scales, l->zeros, x, l->bias, y, l->n, l->k, l->group, bf16, nt); break;
+    case LIN_F32:
+        if (M == 1) tm_gemv_f32(l->w, (const float *)x, l->bias, (float *)y, l->n, l->k, nt);
+        else tm_gemm_rows_f32(l->w, (const float *)x, l->bias, (float *)y, M, l->n, l->k, nt);
+        break;
+    case LIN_BF16:
+        if (M == 1) tm_gemv_bf16_vnni(l->w, (const uint16_t *)x, l->bias, (uint16_t *)y, l->n, l->k, nt);
+        else tm_gemm_rows_bf16(l->w, (const uint16_t *)x, l->bias, (uint16_t *)y, M, l->n, l->k, nt);
+        break;
+    case LIN_S8:
+        if (M == 1) tm_qgemv_s8(l->w, l->scales, x, l->bias, y, l->n, l->k, bf16, nt);
+        else tm_qgemm_s8(l->w, l->scales, x, l->bias, y, M, l->n, l->k, bf16, nt);
+        break;
+    default:
+        if (M > 1 && bf16) {
+            tm_qgemm_u4_bf16(l->w, l->scales, l->zeros, (const uint16_t *)x, l->bias, (uint16_t *)y, M, l->n, l->k,
+                             l->group, nt);
+        } else {  /* float32 rows go one at a time, as in ops/cpu_qgemv.py */
+            for (int64_t m = 0; m < M; m++)
+                tm_qgemv_u4(l->w, l->scales, l->zeros, x + m * l->k * e, l->bias, y + m * l->n * e, l->n, l->k,
+                            l->group, bf16, nt);
+        }
+        break;
     }
 }
 
+int64_t tm_decode_max_rows(void) { return MAX_ROWS; }
+
 int64_t tm_decode_scratch_elems(const tm_decoder *m) {
-    return 3 * m->hidden + (2 * m->num_heads + 2 * m->num_kv_heads) * m->head_dim + 3 * m->intermediate;
+    return MAX_ROWS * (3 * m->hidden + (2 * m->num_heads + 2 * m->num_kv_heads) * m->head_dim + 3 * m->intermediate
+                       + 2 * m->head_dim);
 }
 
-/* token, pos, slot: int64 scalars; table: int32 block ids; seq_len = pos + 1. out [hidden]. */
-void tm_decode_one(const tm_decoder *m, const int64_t *token, const int64_t *pos, const int64_t *slot,
-                   const int32_t *table, const int32_t *seq_len, void *out, int nt) {
+/* B <= MAX_ROWS rows. tokens, pos, slot: int64 [B]; tables: int32 [B][table_stride]; seq_lens: int32 [B]
+ * (pos + 1 for a decode; a verification row's own length). out [B][hidden]. */
+void tm_decode_rows(const tm_decoder *m, int64_t B, const int64_t *tokens, const int64_t *pos, const int64_t *slot,
+                    const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, void *out, int nt) {
     const int bf16 = (int)m->bf16;
     const int64_t e = bf16 ? 2 : 4, D = m->hidden, hd = m->head_dim, I = m->intermediate;
     const int64_t nh = m->num_heads, nkv = m->num_kv_heads, row = (nh + 2 * nkv) * hd, kv_row = nkv * hd;
     char *s = m->scratch;
-    char *residual = s, *x = residual + D * e, *h = x + D * e, *qkv = h + D * e, *attn = qkv + row * e;
-    char *gu = attn + nh * hd * e, *act = gu + 2 * I * e;
-    const char *cos = (const char *)m->cos + *pos * hd * e, *sin = (const char *)m->sin + *pos * hd * e;
+    char *residual = s, *x = residual + MAX_ROWS * D * e, *h = x + MAX_ROWS * D * e, *qkv = h + MAX_ROWS * D * e;
+    char *attn = qkv + MAX_ROWS * row * e, *gu = attn + MAX_ROWS * nh * hd * e, *act = gu + MAX_ROWS * 2 * I * e;
+    char *cos = act + MAX_ROWS * I * e, *sin = cos + MAX_ROWS * hd * e;
 
-    memcpy(x, (const char *)m->embed + *token * D * e, D * e);
+    for (int64_t b = 0; b < B; b++) {  /* the embedding rows, and each row's cos / sin (gathered once) */
+        memcpy(x + b * D * e, (const char *)m->embed + tokens[b] * D * e, D * e);
+        memcpy(cos + b * hd * e, (const char *)m->cos + pos[b] * hd * e, hd * e);
+        memcpy(sin + b * hd * e, (const char *)m->sin + pos[b] * hd * e, hd * e);
+    }
     for (int64_t i = 0; i < m->num_layers; i++) {
         const tm_layer *L = &m->layers[i];
         if (i == 0) {  /* the embedding is the first residual */
-            memcpy(residual, x, D * e);
-            tm_add_rmsnorm(x, NULL, L->input_norm, h, 1, D, m->eps, bf16, nt);
+            memcpy(residual, x, B * D * e);
+            tm_add_rmsnorm(x, NULL, L->input_norm, h, B, D, m->eps, bf16, nt);
         } else {
-            tm_add_rmsnorm(x, residual, L->input_norm, h, 1, D, m->eps, bf16, nt);
+            tm_add_rmsnorm(x, residual, L->input_norm, h, B, D, m->eps, bf16, nt);
         }
-        linear(&L->qkv, h, qkv, bf16, nt);
-        tm_rotary(qkv, cos, sin, 1, nh + nkv, hd, row, bf16, nt);
-        memcpy((char *)L->key_cache + *slot * kv_row * e, qkv + nh * hd * e, kv_row * e);
-        memcpy((char *)L->value_cache + *slot * kv_row * e, qkv + (nh + nkv) * hd * e, kv_row * e);
-        tm_paged_decode_attention(qkv, row, L->key_cache, L->value_cache, table, 0, seq_len, attn, 1, nh, nkv, hd,
-                                  m->block_size, m->scale, bf16, nt);
-        linear(&L->o, attn, x, bf16, nt);
-        tm_add_rmsnorm(x, residual, L->post_norm, h, 1, D, m->eps, bf16, nt);
-        linear(&L->gate_up, h, gu, bf16, nt);
-        tm_silu_mul(gu, act, 1, I, bf16, nt);
-        linear(&L->down, act, x, bf16, nt);
+        linear(&L->qkv, h, qkv, B, bf16, nt);
+        tm_rotary(qkv, cos, sin, B, nh + nkv, hd, row, bf16, nt);
+        for (int64_t b = 0; b < B; b++) {
+            const char *r = qkv + b * row * e;
+            memcpy((char *)L->key_cache + slot[b] * kv_row * e, r + nh * hd * e, kv_row * e);
+            memcpy((char *)L->value_cache + slot[b] * kv_row * e, r + (nh + nkv) * hd * e, kv_row * e);
+        }
+        tm_paged_decode_attention(qkv, row, L->key_cache, L->value_cache, tables, table_stride, seq_lens, attn, B, nh,
+                                  nkv, hd, m->block_size, m->scale, bf16, nt);
+        linear(&L->o, attn, x, B, bf16, nt);
+        tm_add_rmsnorm(x, residual, L->post_norm, h, B, D, m->eps, bf16, nt);
+        linear(&L->gate_up, h, gu, B, bf16, nt);
+        tm_silu_mul(gu, act, B, I, bf16, nt);
+        linear(&L->down, act, x, B, bf16, nt);
     }
-    tm_add_rmsnorm(x, residual, m->final_norm, out, 1, D, m->eps, bf16, nt);
+    tm_add_rmsnorm(x, residual, m->final_norm, out, B, D, m->eps, bf16, nt);
 }

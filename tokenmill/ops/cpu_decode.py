@@ -1,6 +1,7 @@
-"""ctypes binding of ops/cpu_decode.c: one decode token through the whole decoder in one C call.
+"""ctypes binding of ops/cpu_decode.c: a decode step of up to `max_rows()` rows (one token each) through
+the whole decoder in one C call.
 
-`DecoderKernel` is built once from plain operands (weights, norms, caches, shapes) and then run per token
+`DecoderKernel` is built once from plain operands (weights, norms, caches, shapes) and then run per step
 with pointers to that step's input tensors. The C driver calls the same kernels, in the same order, as
 the per-op path of models/llama.py, which is its twin (their hidden states are bit-identical).
 `TOKENMILL_DISABLE_CPU_DECODE=1` turns it off.
@@ -13,7 +14,7 @@ from functools import lru_cache
 
 import torch
 
-from tokenmill.layers.linear import OneRowKernel
+from tokenmill.layers.linear import DecodeRowsKernel
 from tokenmill.ops import native
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -45,13 +46,18 @@ def _library():
         return None
     lib.tm_decode_scratch_elems.argtypes = [ctypes.POINTER(_Decoder)]
     lib.tm_decode_scratch_elems.restype = _I
-    lib.tm_decode_one.argtypes = [ctypes.POINTER(_Decoder)] + [_P] * 6 + [ctypes.c_int]
-    lib.tm_decode_one.restype = None
+    lib.tm_decode_rows.argtypes = [ctypes.POINTER(_Decoder), _I, _P, _P, _P, _P, _I, _P, _P, ctypes.c_int]
+    lib.tm_decode_rows.restype = None
+    lib.tm_decode_max_rows.restype = _I
     return lib
 
 
 def available() -> bool:
     return _library() is not None
+
+
+def max_rows() -> int:
+    return _library().tm_decode_max_rows()
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -62,10 +68,10 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class DecoderLayerOperands:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: OneRowKernel
-    o: OneRowKernel
-    gate_up: OneRowKernel
-    down: OneRowKernel
+    qkv: DecodeRowsKernel
+    o: DecodeRowsKernel
+    gate_up: DecodeRowsKernel
+    down: DecodeRowsKernel
     key_cache: torch.Tensor    # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor
 
@@ -86,7 +92,7 @@ class DecoderOperands:
     scale: float
 
 
-def _linear(k: OneRowKernel) -> _Linear:
+def _linear(k: DecodeRowsKernel) -> _Linear:
     return _Linear(LINEAR_KINDS[k.kind], k.out_features, k.in_features, k.group_size, _ptr(k.weight),
                    _ptr(k.scales), _ptr(k.zeros), _ptr(k.bias))
 
@@ -108,14 +114,15 @@ class DecoderKernel:
         lib = _library()
         self.scratch = torch.empty(lib.tm_decode_scratch_elems(ctypes.byref(self.decoder)), dtype=dtype)
         self.decoder.scratch = self.scratch.data_ptr()
-        self.out = torch.empty(1, self.hidden, dtype=dtype)
+        self.out = torch.empty(max_rows(), self.hidden, dtype=dtype)
         self._ref = ctypes.byref(self.decoder)
-        self._fn = lib.tm_decode_one
+        self._fn = lib.tm_decode_rows
 
-    def run(self, token: torch.Tensor, position: torch.Tensor, slot: torch.Tensor, block_table: torch.Tensor,
-            seq_len: torch.Tensor) -> torch.Tensor:
-        """int64 token / position / slot, int32 block table row and seq_len -> the final hidden state [1, hidden],
-        a buffer overwritten by the next call."""
-        self._fn(self._ref, token.data_ptr(), position.data_ptr(), slot.data_ptr(), block_table.data_ptr(),
-                 seq_len.data_ptr(), self.out.data_ptr(), torch.get_num_threads())
-        return self.out
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+            seq_lens: torch.Tensor) -> torch.Tensor:
+        """B rows: int64 tokens / positions / slots [B], int32 block tables [B, width] (rows contiguous) and
+        seq_lens [B] -> the final hidden states [B, hidden], a view of a buffer the next call overwrites."""
+        b = tokens.shape[0]
+        self._fn(self._ref, b, tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
+                 block_tables.stride(0), seq_lens.data_ptr(), self.out.data_ptr(), torch.get_num_threads())
+        return self.out[:b]

@@ -11,6 +11,7 @@
  * over the 16 rows of a panel that gcc -O3 -march=native vectorizes (two AVX2 FMAs per 16 rows), with
  * several accumulator panels so consecutive FMAs do not wait on each other. Same layouts either way. */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -147,3 +148,69 @@ void tm_gemv_f32(const float *P, const float *x, const float *bias, float *y, in
     }
 }
 #endif
+
+/* A few rows (decode batches, speculative verification): y[M][N] = x[M][K] W^T (+ bias), 2 <= M <= 8, over
+ * the same packed panels, each panel read once for all M rows. Portable C on every CPU (gcc vectorizes the
+ * 16 lanes of a panel for the CPU at hand); the row count is a compile-time constant in each instance, so
+ * the M x 16 accumulators stay in registers. Float32 accumulation, one rounding at the end (bf16). */
+#define GEMM_MAX_ROWS 8
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE void rows_panel_f32(const float *blk, const float *x, int64_t K, const int M, float acc[][16]) {
+    for (int64_t k = 0; k < K; k++) {
+        const float *p = blk + k * 16;
+        for (int m = 0; m < M; m++) {
+            const float xv = x[m * K + k];
+            #pragma omp simd
+            for (int r = 0; r < 16; r++) acc[m][r] += p[r] * xv;
+        }
+    }
+}
+
+/* x widened to float32 [M][K]; each uint32 of a panel holds one row's pair (k = 2 k2, 2 k2 + 1) */
+ALWAYS_INLINE void rows_panel_bf16(const uint32_t *blk, const float *x, int64_t K, const int M, float acc[][16]) {
+    for (int64_t k2 = 0; k2 < K / 2; k2++) {
+        const uint32_t *p = blk + k2 * 16;
+        for (int m = 0; m < M; m++) {
+            const float x0 = x[m * K + 2 * k2], x1 = x[m * K + 2 * k2 + 1];
+            #pragma omp simd
+            for (int r = 0; r < 16; r++) acc[m][r] += bits_f32(p[r] << 16) * x0 + bits_f32(p[r] & 0xFFFF0000u) * x1;
+        }
+    }
+}
+
+#define ROWS_CASES(CALL) \
+    switch (M) { case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; case 5: CALL(5); break; \
+                 case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); break; }
+
+void tm_gemm_rows_f32(const float *P, const float *x, const float *bias, float *y, int64_t M, int64_t N, int64_t K,
+                      int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < N / 16; b++) {
+        float acc[GEMM_MAX_ROWS][16] = {{0}};
+#define F32_ROWS(m) rows_panel_f32(P + b * K * 16, x, K, m, acc)
+        ROWS_CASES(F32_ROWS)
+        for (int64_t m = 0; m < M; m++) {
+            #pragma omp simd
+            for (int r = 0; r < 16; r++) y[m * N + b * 16 + r] = bias ? acc[m][r] + bias[b * 16 + r] : acc[m][r];
+        }
+    }
+}
+
+void tm_gemm_rows_bf16(const uint16_t *P, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
+                       int64_t K, int nthreads) {
+    float xf[GEMM_MAX_ROWS * 4096], *xw = K <= 4096 ? xf : malloc(M * K * sizeof(float));
+    for (int64_t i = 0; i < M * K; i++) xw[i] = bf16_to_f32(x[i]);
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < N / 16; b++) {
+        float acc[GEMM_MAX_ROWS][16] = {{0}};
+#define BF16_ROWS(m) rows_panel_bf16((const uint32_t *)P + b * (K / 2) * 16, xw, K, m, acc)
+        ROWS_CASES(BF16_ROWS)
+        for (int64_t m = 0; m < M; m++) {
+            #pragma omp simd
+            for (int r = 0; r < 16; r++)
+                y[m * N + b * 16 + r] = f32_to_bf16(acc[m][r] + (bias ? bf16_to_f32(bias[b * 16 + r]) : 0.0f));
+        }
+    }
+    if (xw != xf) free(xw);
+}

@@ -1,4 +1,4 @@
-"""GEMV kernels for batch-1 decoding (bfloat16 and float32 weights).
+"""GEMV kernels for batch-1 decoding, and the same for a few rows (bfloat16 and float32 weights).
 
 oneDNN's and `F.linear`'s kernels reach about half of the memory bandwidth for a single row (see
 BENCHMARKS.md), and on AVX2 torch's M=1 mm reaches a quarter of it on small matrices; a weight repacked
@@ -28,7 +28,11 @@ def _library():
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                        ctypes.c_int64, ctypes.c_int]
         fn.restype = None
-    return fns
+    rows = {torch.bfloat16: lib.tm_gemm_rows_bf16, torch.float32: lib.tm_gemm_rows_f32}
+    for fn in rows.values():
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        fn.restype = None
+    return fns, rows
 
 
 def available() -> bool:
@@ -59,6 +63,20 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> to
     k = packed.shape[1] * (2 if packed.dtype == torch.bfloat16 else 1)
     x = x.contiguous()
     y = torch.empty(1, n, dtype=packed.dtype)
-    _library()[packed.dtype](packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
-                             y.data_ptr(), n, k, torch.get_num_threads())
+    _library()[0][packed.dtype](packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                                y.data_ptr(), n, k, torch.get_num_threads())
+    return y
+
+
+MAX_ROWS = 8  # gemm_rows takes 2 .. MAX_ROWS rows
+
+
+def gemm_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K], 2 <= M <= MAX_ROWS -> [M, N]: each weight panel read once for all rows (decode batches)."""
+    n = packed.shape[0] * 16
+    k = packed.shape[1] * (2 if packed.dtype == torch.bfloat16 else 1)
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], n, dtype=packed.dtype)
+    _library()[1][packed.dtype](packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                                y.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
     return y

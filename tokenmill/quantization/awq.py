@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.linear import LinearMethod, LoadContext, OneRowKernel, UnquantizedLinearMethod, add_param
+from tokenmill.layers.linear import LinearMethod, LoadContext, DecodeRowsKernel, UnquantizedLinearMethod, add_param
 from tokenmill.quantization.awq_format import dequantize_w4, unpack_int4
 from tokenmill.quantization.config import QuantizationConfig, awq_settings
 from tokenmill.quantization.int8 import GEMV_MAX_ROWS, Int8LinearMethod
@@ -64,11 +64,11 @@ class AWQLinearMethod(LinearMethod):
             return
         del layer.qweight, layer.qzeros, layer.scales  # the repacked copy is all the kernels need
 
-    def one_row_kernel(self, layer):
+    def decode_rows_kernel(self, layer):
         if layer.triton or layer.panels is None:
             return None
         packed, s, z = layer.panels
-        return OneRowKernel("u4", packed, layer.out_features, layer.in_features, layer.bias_f32, scales=s, zeros=z,
+        return DecodeRowsKernel("u4", packed, layer.out_features, layer.in_features, layer.bias_f32, scales=s, zeros=z,
                             group_size=self.group_size)
 
     def apply(self, layer, x):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.linear import (LinearMethod, LoadContext, OneRowKernel, UnquantizedLinearMethod, add_param,
+from tokenmill.layers.linear import (LinearMethod, LoadContext, DecodeRowsKernel, UnquantizedLinearMethod, add_param,
                                      padded_rows)
 from tokenmill.ops import cpu_qgemv, native, triton_quant
 from tokenmill.quantization.awq_format import quantize_w8
@@ -112,10 +112,10 @@ class Int8LinearMethod(LinearMethod):
             return F.linear(x, w.to(x.dtype), layer.bias)
         return w8a16_linear_ref(x, self.codes(layer), layer.wscale, layer.bias)
 
-    def one_row_kernel(self, layer):
+    def decode_rows_kernel(self, layer):
         if self.activations or layer.triton or not layer.gemv_panels:
             return None
-        return OneRowKernel("s8", layer.qweight, layer.out_features, layer.in_features, layer.bias_f32,
+        return DecodeRowsKernel("s8", layer.qweight, layer.out_features, layer.in_features, layer.bias_f32,
                             scales=layer.wscale)
 
     def _w8a8(self, layer, x):

@@ -1,12 +1,14 @@
-"""The CPU's captured decode step: a batch-1 decode token through the whole model in one C call
-(ops/cpu_decode.c), where the per-op path makes ~65 Python-level kernel calls. It plays the part CUDA
+"""The CPU's captured decode step: a step of up to 8 decode rows (one token each: decodes, speculative
+verification rows, a draft model's steps) through the whole model in one C call (ops/cpu_decode.c),
+where the per-op path makes ~65 Python-level kernel calls. It plays the part CUDA
 graphs play on a GPU (worker/cuda_graphs.py), with the same runner interface (`can_run`, `run`), and
 like them it is off with `enforce_eager`.
 
 It is built only where the per-op path would run exactly the kernels the driver calls, so that its
 output is bit-identical to that path's: a whole Llama-family model (no tensor or pipeline split) in
 float32 or bfloat16, the torch attention backend with its C decode kernel, the fused C norm / rotary /
-SiLU kernels, and a one-row C kernel behind every linear layer (float GEMV, int8 or AWQ int4). `build`
+SiLU kernels, and C kernels for one to eight rows behind every linear layer (float GEMVs, int8 or AWQ
+int4). `build`
 returns None, and says why in the debug log, everywhere else; those models keep the per-op path.
 """
 from __future__ import annotations
@@ -56,9 +58,9 @@ def _operands(model, backend: AttentionBackend, kv_caches, block_size: int) -> c
     ops = []
     for layer, (k_cache, v_cache) in zip(layers, kv_caches):
         a, mlp = layer.self_attn, layer.mlp
-        kernels = [lin.method.one_row_kernel(lin) for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        kernels = [lin.method.decode_rows_kernel(lin) for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if any(k is None for k in kernels):
-            return "a linear layer has no one-row C kernel (cpu_linear_kernel 'torch', or its quantization)"
+            return "a linear layer has no C kernels for decode rows (cpu_linear_kernel 'torch', or its quantization)"
         ops.append(cpu_decode.DecoderLayerOperands(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                                                    *kernels, k_cache, v_cache))
     eps = {n.eps for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)} | {inner.norm.eps}
@@ -71,7 +73,8 @@ def _operands(model, backend: AttentionBackend, kv_caches, block_size: int) -> c
 class CpuDecodeStep:
     def __init__(self, kernel: cpu_decode.DecoderKernel):
         self.kernel = kernel
-        self.steps = 0  # decode steps it ran (tests and benchmarks read it)
+        self.max_rows = cpu_decode.max_rows()
+        self.steps = self.rows = 0  # decode steps it ran, and their rows (tests and benchmarks read them)
 
     @classmethod
     def build(cls, model, backend: AttentionBackend, kv_caches, block_size: int) -> "CpuDecodeStep | None":
@@ -85,10 +88,11 @@ class CpuDecodeStep:
         return cls(cpu_decode.DecoderKernel(ops))
 
     def can_run(self, batch: AttentionBatch, num_tokens: int) -> bool:
-        """One sequence decoding one token (also a draft model's single-token step)."""
-        return num_tokens == 1 and batch.num_seqs == 1 and batch.num_decodes == 1
+        """Decode rows only (decodes, verification rows, a draft model's steps), at most max_rows of them."""
+        return num_tokens <= self.max_rows and batch.num_decodes == batch.num_seqs == num_tokens
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         self.steps += 1
+        self.rows += input_ids.shape[0]
         return self.kernel.run(input_ids, positions, batch.slot_mapping, batch.block_tables, batch.seq_lens)
