@@ -3,7 +3,8 @@ goal: >= 1.2x llama.cpp at batch 1, where per-step host overhead dominates a 5.5
 
 B sequences x (128 prompt + 128 new tokens), greedy, 2 threads, output tokens/s end to end (prefill
 included), as llama-batched-bench's e2e figure. tokenmill runs each configuration in its own process,
-`--rounds` times alternating; then llama.cpp (bf16, q8_0) through ../shared/anchors/llamacpp.py. A
+`--rounds` times alternating, and llama.cpp (bf16, q8_0, through ../shared/anchors/llamacpp.py) in the same
+rounds; best and median of the rounds, and both as ratios against llama.cpp bf16. A
 configuration is a dtype, with ":eager" for enforce_eager (no one-call C decode step: the per-op path).
 
     python benchmarks/bench_cpu_vs_llamacpp.py --out benchmarks/results/cpu_vs_llamacpp.json
@@ -13,12 +14,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 ANCHOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "anchors", "llamacpp.py")
+
+
+LLAMACPP_TYPES = ("bf16", "q8_0")
+
+
+def llamacpp(kind: str, batches: str, npp: int, ntg: int) -> dict:
+    """e2e output tok/s per batch size from one llama-batched-bench run (retried: it now and then returns no
+    rows)."""
+    from tokenmill.config import DEFAULT_MODEL
+
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, ANCHOR, "bench", DEFAULT_MODEL, "--types", kind, "--batches", batches,
+                               "--npp", str(npp), "--ntg", str(ntg)], capture_output=True, text=True)
+        got = json.loads(proc.stdout.strip().splitlines()[-1]).get(kind)
+        if got:
+            return {b: row["e2e_out_tok_s"] for b, row in got.items()}
+    return {}
 
 
 def worker(conf: str, batches: list[int], npp: int, ntg: int) -> dict:
@@ -58,38 +77,37 @@ def main() -> None:
         print("RESULT " + json.dumps(worker(args.worker, batches, args.npp, args.ntg)))
         return
     from common import machine
-    from tokenmill.config import DEFAULT_MODEL
 
     runs: dict[str, list[dict]] = {d: [] for d in args.configs.split(",")}
-    for _ in range(args.rounds):
-        for dtype in runs:
-            proc = subprocess.run([sys.executable, __file__, "--worker", dtype, "--batches", args.batches,
+    if not args.no_llamacpp:
+        runs.update({f"llama.cpp {kind}": [] for kind in LLAMACPP_TYPES})
+    for _ in range(args.rounds):  # every configuration once per round, llama.cpp's too: drift hits all alike
+        for conf in runs:
+            if conf.startswith("llama.cpp"):
+                runs[conf].append(llamacpp(conf.split()[1], args.batches, args.npp, args.ntg))
+                continue
+            proc = subprocess.run([sys.executable, __file__, "--worker", conf, "--batches", args.batches,
                                    "--npp", str(args.npp), "--ntg", str(args.ntg)], capture_output=True, text=True)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
-                sys.exit(f"worker {dtype} failed:\n{proc.stderr[-3000:]}")
-            runs[dtype].append(json.loads(line.removeprefix("RESULT ")))
+                sys.exit(f"worker {conf} failed:\n{proc.stderr[-3000:]}")
+            runs[conf].append(json.loads(line.removeprefix("RESULT ")))
+
+    def summary(pick) -> dict:
+        return {c: {b: pick([r[str(b)] for r in rs if str(b) in r]) for b in batches} for c, rs in runs.items()}
+
     res = {"machine": machine(), "workload": f"B x ({args.npp} + {args.ntg}) tokens, greedy, 2 threads",
-           "tokenmill_runs": runs,
-           "tokenmill_best": {d: {b: max(r[str(b)] for r in rs) for b in batches} for d, rs in runs.items()}}
+           "runs": runs, "best": summary(max), "median": summary(statistics.median)}
     if not args.no_llamacpp:
-        lc = {}
-        for kind in ("bf16", "q8_0"):
-            for _ in range(3):  # llama-batched-bench now and then returns no rows; run it again
-                proc = subprocess.run([sys.executable, ANCHOR, "bench", DEFAULT_MODEL, "--types", kind, "--batches",
-                                       args.batches, "--npp", str(args.npp), "--ntg", str(args.ntg)],
-                                      capture_output=True, text=True)
-                got = json.loads(proc.stdout.strip().splitlines()[-1])
-                lc.update(got)
-                if got.get(kind):
-                    break
-        res["llamacpp"] = lc
-        res["ratios_vs_llamacpp_bf16"] = {d: {b: round(v / lc["bf16"][str(b)]["e2e_out_tok_s"], 2)
-                                              for b, v in best.items()} for d, best in res["tokenmill_best"].items()}
+        for pick in ("best", "median"):
+            base = res[pick]["llama.cpp bf16"]
+            res[f"{pick}_vs_llamacpp_bf16"] = {c: {b: round(v / base[b], 2) for b, v in by.items()}
+                                               for c, by in res[pick].items()}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
-    print(json.dumps({k: res[k] for k in ("tokenmill_best", "ratios_vs_llamacpp_bf16") if k in res}, indent=1))
+    print(json.dumps({k: res[k] for k in ("best_vs_llamacpp_bf16", "median_vs_llamacpp_bf16") if k in res},
+                     indent=1))
 
 
 if __name__ == "__main__":
