@@ -9,7 +9,7 @@ Each request remembers how far its draft KV is valid (`synced`); a proposal firs
 the verified tokens since then, ending with t, the token the target just added at position P, and
 takes its first draft from that chunk's last row. The other k - 1 drafts are single-token steps:
 
-    draft runs tokens[synced .. P] (one chunk, t last)  -> d1
+    draft runs tokens[synced .. P] (t last; decode rows when short)  -> d1
                d1 at P+1 -> d2, ..., d_{k-1} at P+k-1 -> d_k            synced = P + 1
 
 The scheduler reserves slots up to P+k-1 (lookahead, never hashed), so these writes stay inside the
@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 
 from tokenmill.sched.output import ScheduledRequest
+
+CATCH_UP_DECODE_ROWS = 8  # the most rows a catch-up runs as decode rows (the CPU decode step's limit)
 
 
 class DraftModelProposer:
@@ -45,8 +47,7 @@ class DraftModelProposer:
         if not active:
             return {}
         pos = {rid: len(st.prompt_token_ids) + len(st.output_token_ids) - 1 for rid, st, _ in active}
-        catch_up = [ScheduledRequest(rid, self._synced.get(rid, 0), pos[rid] + 1 - self._synced.get(rid, 0), [], 1)
-                    for rid, _, _ in active]
+        catch_up = [self._catch_up(rid, st, self._synced.get(rid, 0), pos[rid]) for rid, st, _ in active]
         first = self._run(runner, catch_up)
         drafts = {rid: [t] for (rid, _, _), t in zip(active, first)}
         for rid, _, _ in active:
@@ -59,10 +60,20 @@ class DraftModelProposer:
                 drafts[rid].append(t)
         return drafts
 
+    @staticmethod
+    def _catch_up(rid: str, state, synced: int, pos: int) -> ScheduledRequest:
+        """The draft's run over tokens synced .. pos. A short one (the usual: the accepted drafts and the
+        target's token) is laid out as decode rows, like a verification (ModelRunner.prepare_batch): exact
+        causal attention, and a shape the captured decode steps take; a long one (the prompt) as a chunk."""
+        n = pos + 1 - synced
+        if 1 < n <= CATCH_UP_DECODE_ROWS:
+            return ScheduledRequest(rid, synced, n, [], 1, draft_token_ids=state.token_ids(synced + 1, pos + 1))
+        return ScheduledRequest(rid, synced, n, [], 1)
+
     def _run(self, runner, seqs: list[ScheduledRequest]) -> list[int]:
-        """One draft forward over `seqs` (decodes first, as the attention backend wants); the argmax at
+        """One draft forward over `seqs` (decode rows first, as the attention backend wants); the argmax at
         each one's last row, in the order given."""
-        order = sorted(range(len(seqs)), key=lambda i: seqs[i].num_new_tokens != 1)
+        order = sorted(range(len(seqs)), key=lambda i: seqs[i].num_new_tokens != 1 and not seqs[i].draft_token_ids)
         ordered = [seqs[i] for i in order]
         input_ids, positions, batch, starts = runner.prepare_batch(ordered)
         step = self.decode_step
