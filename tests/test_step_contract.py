@@ -206,3 +206,35 @@ def test_a_short_prompt_passes_a_long_one_that_waits_for_room():
         if "c" in ids:
             break
     assert "c" in ids and sched.num_preemptions == 0
+
+
+def test_decode_rows_fast_path_builds_what_the_general_path_builds(llama_dir):
+    """Steps of decode rows only (plain decodes, n-gram verifications) are prepared from plain lists
+    (`_prepare_decodes`); on every such step the numpy path (`_prepare_mixed`) must build the same inputs."""
+    import torch
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3,
+            "adaptive": False}
+    llm = make_llm(llama_dir, speculative_config=spec, max_num_seqs=3)
+    runner = llm.llm_engine.core.runner
+    fast_path, checked = runner._prepare_decodes, []
+
+    def both(seqs, states):
+        fast = fast_path(seqs, states)
+        slow = runner._prepare_mixed(seqs, states)
+        for a, b in zip(fast[:2], slow[:2]):
+            assert torch.equal(a, b)
+        fb, sb = fast[2], slow[2]
+        for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+            assert torch.equal(getattr(fb, name), getattr(sb, name)), name
+        assert (fb.num_decodes, fb.max_seq_len, fb.max_query_len, fb.query_start_loc_host, fb.seq_lens_host) == \
+            (sb.num_decodes, sb.max_seq_len, sb.max_query_len, sb.query_start_loc_host, sb.seq_lens_host)
+        assert fast[3] == slow[3]
+        checked.append(fb.num_decodes > len(seqs))  # True where a sequence verified drafts
+        return fast
+
+    runner._prepare_decodes = both
+    prompts = [[7, 8, 9, 10] * 6, [11, 12, 13] * 5, random_prompts([9])[0]]
+    llm.generate([{"prompt_token_ids": p} for p in prompts],
+                 SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert checked and any(checked) and not all(checked)

@@ -82,10 +82,14 @@ class ModelRunner:
             seq B: verify at 4, 2 drafts -> rows B0, B1, B2   seq_lens 5, 6, 7   (B's block table each)
             seq C: prefill chunk         -> row C     seq_len start + n
         """
-        bs = self.block_size
         states = [self.requests[s.request_id] for s in seqs]
-        if all(s.num_new_tokens == 1 and not s.draft_token_ids for s in seqs):
+        if all(s.num_new_tokens == 1 or s.draft_token_ids for s in seqs):
             return self._prepare_decodes(seqs, states)
+        return self._prepare_mixed(seqs, states)
+
+    def _prepare_mixed(self, seqs: list[ScheduledRequest], states: list[RequestState]):
+        """prepare_batch for any step (prefill chunks among the rows), with numpy."""
+        bs = self.block_size
         n_tok = np.fromiter((s.num_new_tokens for s in seqs), dtype=np.int64, count=len(seqs))
         starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=len(seqs))
         qsl = np.zeros(len(seqs) + 1, dtype=np.int64)
@@ -123,24 +127,31 @@ class ModelRunner:
                 qsl.tolist())
 
     def _prepare_decodes(self, seqs: list[ScheduledRequest], states: list[RequestState]):
-        """prepare_batch for a step of plain decodes (the common step), in plain lists: at batch 1 the general
-        path's dozen numpy calls cost several times this."""
-        bs, dev, n = self.block_size, self.device, len(seqs)
-        pos = [s.start_pos for s in seqs]
-        blocks = [st.block_ids for st in states]
-        width = max(len(b) for b in blocks)
-        lens = [p + 1 for p in pos]
-        qsl = list(range(n + 1))
+        """prepare_batch for a step of decode rows only (plain decodes, verifications, a draft model's steps: the
+        common steps), in plain lists: at batch 1 the general path's dozen numpy calls cost several times this.
+        Sequence i's n_i tokens are rows at positions start_i .. start_i + n_i - 1, each with its own length."""
+        bs, dev = self.block_size, self.device
+        toks, pos, slots, lens, tables, qsl = [], [], [], [], [], [0]
+        width = max(len(st.block_ids) for st in states)
+        for s, st in zip(seqs, states):
+            n, start, blocks = s.num_new_tokens, s.start_pos, st.block_ids
+            toks += st.token_ids(start, start + n - len(s.draft_token_ids)) + s.draft_token_ids
+            row = blocks + [0] * (width - len(blocks))
+            for p in range(start, start + n):
+                pos.append(p)
+                slots.append(blocks[p // bs] * bs + p % bs)
+                lens.append(p + 1)
+                tables += row
+            qsl.append(qsl[-1] + n)
+        rows = len(pos)
         # two host-to-device copies: the int64 rows and the int32 rows, cut into views
-        longs = torch.tensor([st.token_ids(p, p + 1)[0] for st, p in zip(states, pos)] + pos
-                             + [b[p // bs] * bs + p % bs for b, p in zip(blocks, pos)], device=dev)
-        ints = torch.tensor(qsl + lens + [i for b in blocks for i in b + [0] * (width - len(b))], dtype=torch.int32,
-                            device=dev)
+        longs = torch.tensor(toks + pos + slots, device=dev)
+        ints = torch.tensor(list(range(rows + 1)) + lens + tables, dtype=torch.int32, device=dev)
         batch = AttentionBatch(
-            slot_mapping=longs[2 * n:], query_start_loc=ints[:n + 1], seq_lens=ints[n + 1:2 * n + 1],
-            block_tables=ints[2 * n + 1:].view(n, width), num_decodes=n, max_seq_len=max(lens), max_query_len=1,
-            query_start_loc_host=qsl, seq_lens_host=lens)
-        return longs[:n], longs[n:2 * n], batch, qsl
+            slot_mapping=longs[2 * rows:], query_start_loc=ints[:rows + 1], seq_lens=ints[rows + 1:2 * rows + 1],
+            block_tables=ints[2 * rows + 1:].view(rows, width), num_decodes=rows, max_seq_len=max(lens),
+            max_query_len=1, query_start_loc_host=list(range(rows + 1)), seq_lens_host=lens)
+        return longs[:rows], longs[rows:2 * rows], batch, qsl
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
