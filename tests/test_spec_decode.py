@@ -27,6 +27,28 @@ def test_ngram_takes_the_longest_suffix_match_and_its_latest_occurrence():
     assert ngram_propose(np.array([8] * 9), 3, 2, 2) == [8, 8, 8]  # not the latest match: one token follows it
 
 
+def _ngram_brute_force(t: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The rule, spelled out: the longest n whose suffix occurs earlier (followed by a token); its latest
+    occurrence that k tokens follow, else its earliest."""
+    L = len(t)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        hits = [s for s in range(L - n) if t[s:s + n] == t[L - n:]]
+        if hits:
+            whole = [s for s in hits if s + n + k <= L]
+            start = (whole[-1] if whole else hits[0]) + n
+            return t[start:start + k]
+    return []
+
+
+def test_ngram_matches_the_rule_on_random_sequences():
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        t = rng.integers(0, int(rng.integers(1, 6)), int(rng.integers(1, 40))).tolist()
+        k, min_n = int(rng.integers(1, 6)), int(rng.integers(1, 4))
+        max_n = int(rng.integers(min_n, 7))
+        assert ngram_propose(np.array(t, dtype=np.int64), k, min_n, max_n) == _ngram_brute_force(t, k, min_n, max_n)
+
+
 def test_ngram_proposer_follows_growing_sequences():
     p = NgramProposer(1, 3)
     assert p.propose("a", [1, 2, 3, 1], [2], 2) == [3, 1]
@@ -258,6 +280,10 @@ def test_draft_policy_learns_when_drafts_pay():
         policy.record("bad", 4, 0)
     assert policy._useful_depth("bad", 4) == 0  # a^1 below min_gain: no drafts, whatever the depth
     assert sum(hopeless[late]) <= len(hopeless[late]) // 4  # only probes and exploration
+    # one draft does not pay for a verification's fixed cost (1.6 tokens for 1.67x the time), four do (2.3
+    # tokens for 1.73x): the policy must find the deep optimum past the shallow loss (a climb from 0 stopped)
+    fixed_cost = _simulate(lambda k: 0.010 * (1 + 0.65 * (k > 0) + 0.02 * k), accept=0.6)
+    assert np.mean(fixed_cost[late]) > 3.0
 
 
 # -- configuration ------------------------------------------------------------------------------------------------

@@ -8,17 +8,30 @@ tokens long, that occurred earlier, and propose the tokens that followed its lat
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def ngram_propose(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
-    """`tokens` int64 [L] (prompt + output). Up to k draft tokens; [] when no suffix repeats."""
+    """`tokens` int64 [L] (prompt + output). Up to k draft tokens; [] when no suffix repeats.
+
+    One pass over the sequence finds where the last token occurred earlier (each such place followed by
+    at least one token); only those candidates are extended backwards, one token at a time up to max_n, so
+    a step costs one comparison over L plus a few over the candidates, not one window scan per n."""
     L = len(tokens)
-    for n in range(min(max_n, L - 1), min_n - 1, -1):
-        suffix = tokens[L - n:]
-        # windows starting at 0 .. L-n-1: each is followed by at least one token
-        windows = sliding_window_view(tokens[:L - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
+    max_n = min(max_n, L - 1)
+    if max_n < min_n:
+        return []
+    ends = np.flatnonzero(tokens[:L - 1] == tokens[L - 1])  # where a matching window would end
+    if not len(ends):
+        return []
+    match = np.ones(len(ends), dtype=np.int64)  # how many tokens of the suffix match, backwards from each end
+    alive = np.ones(len(ends), dtype=bool)
+    for i in range(1, max_n):
+        back = ends - i
+        alive &= back >= 0
+        alive[alive] = tokens[back[alive]] == tokens[L - 1 - i]
+        match += alive
+    for n in range(max_n, min_n - 1, -1):
+        hits = ends[match >= n] - (n - 1)  # window starts, ascending
         if len(hits):
             # the latest occurrence that k whole tokens follow (a repeated token's latest match is
             # followed by one token only), else the earliest, which the most tokens follow
