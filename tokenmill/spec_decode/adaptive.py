@@ -12,8 +12,9 @@ step is measured, not modelled:
         rate[bucket][K] = decayed mean of tokens emitted / seconds, over decode-only steps at depth K
                           (seconds = the verifying step + the proposer's time for its drafts)
 
-Each step takes the K with the best rate for its bucket (a bandit that first tries every K, then plays the
-best with an occasional neighbour to track drift), and each request drafts min(K, its useful depth).
+Each step takes the K with the best rate for its bucket (a bandit that first tries K = 0, 1 and k_max, and
+the depths between where drafts pay, then plays the best with an occasional neighbour to track drift), and
+each request drafts min(K, its useful depth).
 When the batch is compute-bound, or drafts keep failing, the best K is 0 and speculation stops; a
 request at depth 0 probes with one draft every `probe_every` steps, so its estimate can recover.
 """
@@ -46,11 +47,11 @@ def bucket_of(batch: int) -> int:
 
 
 class DepthBandit:
-    """Decayed tokens-per-second of each depth, per batch-size bucket: every depth is tried `min_trials`
-    times first (a sweep of (k_max + 1) x min_trials steps per bucket), then the best is played, with a
-    neighbour now and then to track drift. The sweep is not a climb from 0 on purpose: where one draft
-    barely pays for a verification's fixed cost but four pay well (n-gram drafts on a small model), a
-    climb stopped at the first depth that did not beat its predecessor."""
+    """Decayed tokens-per-second of each depth, per batch-size bucket. Depths 0, 1 and k_max are tried
+    `min_trials` times first; only if 1 or k_max beats 0 are the depths between tried too. Then the best is
+    played, with a neighbour now and then to track drift. Where speculation does not pay, that costs a few
+    steps at two depths per bucket; where one draft does not pay for a verification's fixed cost but
+    k_max drafts do (n-gram drafts on a small model), k_max is still found, where a climb from 0 stopped."""
 
     def __init__(self, k_max: int, min_trials: int = 3, explore_every: int = 32, decay: float = 0.9,
                  margin: float = 1.05, seed: int = 0):
@@ -67,12 +68,22 @@ class DepthBandit:
 
     def choose(self, bucket: int) -> int:
         self._choices += 1
-        for k in range(self.k_max + 1):
+        ends = sorted({0, min(1, self.k_max), self.k_max})
+        for k in ends:
             if not self._tried(bucket, k):
                 return k
+
+        def rate(k: int) -> float:
+            return self._rate[(bucket, k)]
+
+        if max(rate(k) for k in ends) > self.margin * rate(0):  # drafts pay somewhere: look between too
+            for k in range(self.k_max + 1):
+                if not self._tried(bucket, k):
+                    return k
+        tried = [k for k in range(self.k_max + 1) if self._tried(bucket, k)]
         best = self._best.get(bucket, 0)
-        challenger = max(range(self.k_max + 1), key=lambda k: self._rate[(bucket, k)])
-        if self._rate[(bucket, challenger)] > self.margin * self._rate[(bucket, best)]:
+        challenger = max(tried, key=rate)
+        if rate(challenger) > self.margin * rate(best):
             best = self._best[bucket] = challenger
         if self._choices % self.explore_every == 0:  # track drift: look at a neighbour now and then
             return max(0, min(self.k_max, best + self._rng.choice((-1, 1))))
