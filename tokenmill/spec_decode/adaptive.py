@@ -85,7 +85,9 @@ class DepthBandit:
         challenger = max(tried, key=rate)
         if rate(challenger) > self.margin * rate(best):
             best = self._best[bucket] = challenger
-        if self._choices % self.explore_every == 0:  # track drift: look at a neighbour now and then
+        # track drift: look at a neighbour now and then; from depth 0 less often, since leaving it costs a
+        # draft model the catch-up over every token since it last ran
+        if self._choices % (self.explore_every * (4 if best == 0 else 1)) == 0:
             return max(0, min(self.k_max, best + self._rng.choice((-1, 1))))
         return best
 
