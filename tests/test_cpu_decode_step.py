@@ -125,3 +125,22 @@ def test_off_where_the_per_op_path_would_differ(dirs, kw):
 def test_off_for_heads_the_rotary_kernel_does_not_take(llama_dir):
     """conftest's models have head_dim 16: the per-op path rotates them in torch, so no C step."""
     assert make_llm(llama_dir).llm_engine.core.runner.decode_step is None
+
+
+def test_preemption_prefix_hits_and_chunked_prefill_stay_bit_identical(dirs):
+    """A tight KV pool (preemptions), shared prefixes (cache hits) and a small token budget (chunked prefill):
+    the C step only ever sees decode rows, so the tokens and logprobs match the per-op path exactly."""
+    prompts = random_prompts([40, 40, 23, 61, 9], seed=3)
+    prompts[1][:32] = prompts[0][:32]
+    kw = dict(max_model_len=128, num_kv_blocks=12, max_num_batched_tokens=24, max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
+    runs = []
+    for eager in (False, True):
+        llm = make_llm(dirs["llama"], enforce_eager=eager, **kw)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        core = llm.llm_engine.core
+        assert core.stats().num_preemptions > 0 and core.stats().prefix_cache_hits > 0
+        assert eager or core.runner.decode_step.steps > 0
+        llm.llm_engine.check_invariants()
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+    _assert_same(*runs)
