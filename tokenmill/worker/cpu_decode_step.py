@@ -1,14 +1,13 @@
 """The CPU's captured decode step: a step of up to 8 decode rows (one token each: decodes, speculative
-verification rows, a draft model's steps) through the whole model in one C call (ops/cpu_decode.c),
-where the per-op path makes ~65 Python-level kernel calls. It plays the part CUDA
-graphs play on a GPU (worker/cuda_graphs.py), with the same runner interface (`can_run`, `run`), and
-like them it is off with `enforce_eager`.
+verification rows, a draft model's steps) through the whole model in one C call (ops/cpu_decode.c), where
+the per-op path makes ~65 Python-level kernel calls. It plays the part CUDA graphs play on a GPU
+(worker/cuda_graphs.py), with the same runner interface (`can_run`, `run`), and like them it is off with
+`enforce_eager`.
 
-It is built only where the per-op path would run exactly the kernels the driver calls, so that its
-output is bit-identical to that path's: a whole Llama-family model (no tensor or pipeline split) in
-float32 or bfloat16, the torch attention backend with its C decode kernel, the fused C norm / rotary /
-SiLU kernels, and C kernels for one to eight rows behind every linear layer (float GEMVs, int8 or AWQ
-int4). `build`
+It is built only where the per-op path would run exactly the kernels the driver calls, so that its output
+is bit-identical to that path's: a whole Llama-family model (no tensor or pipeline split) in float32 or
+bfloat16, the torch attention backend with its C decode kernel, the fused C norm / rotary / SiLU kernels,
+and C kernels for one to eight rows behind every linear layer (float GEMVs, int8 or AWQ int4). `build`
 returns None, and says why in the debug log, everywhere else; those models keep the per-op path.
 """
 from __future__ import annotations
