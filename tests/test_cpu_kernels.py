@@ -123,13 +123,16 @@ def test_linear_kernels_give_the_same_greedy_tokens(model_dirs, kernel):
 def test_float32_gemv_gives_the_same_greedy_tokens(model_dirs):
     path, _ = model_dirs["qwen2"]
     prompts = random_prompts([1, 9, 30], seed=41)
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    ref = make_llm(path, dtype="float32", cpu_linear_kernel="torch").generate(
-        [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    ref = _greedy_ids(make_llm(path, dtype="float32", cpu_linear_kernel="torch"), prompts)
     llm = make_llm(path, dtype="float32", cpu_linear_kernel="onednn+gemv")
     assert any(m.gemv_packed is not None for m in llm.llm_engine.core.runner.model.modules() if hasattr(m, "gemv_packed"))
-    out = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in out] == [r.outputs[0].token_ids for r in ref]
+    assert _greedy_ids(llm, prompts) == ref
+
+
+def _greedy_ids(llm, prompts) -> list[list[int]]:
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                                           use_tqdm=False)]
 
 
 def _gemv_layers(llm):
@@ -147,9 +150,7 @@ def test_auto_takes_the_gemv_whatever_onednn_packs(model_dirs, monkeypatch, oned
     monkeypatch.setattr(loader, "onednn_linear_available", lambda dtype: onednn)
     path, _ = model_dirs["qwen2"]
     prompts = random_prompts([1, 9, 30], seed=43)
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    ref = make_llm(path, dtype="float32", cpu_linear_kernel="torch").generate(
-        [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    ref = _greedy_ids(make_llm(path, dtype="float32", cpu_linear_kernel="torch"), prompts)
     llm = make_llm(path, dtype="float32", cpu_linear_kernel="auto")
     layers = _gemv_layers(llm)
     assert layers and all(m.gemv_packed is not None for m in layers)
@@ -157,8 +158,7 @@ def test_auto_takes_the_gemv_whatever_onednn_packs(model_dirs, monkeypatch, oned
         assert all(m.packed is not None and m.weight is None for m in layers)
     else:
         assert all(m.packed is None and m.weight is not None for m in layers)
-    out = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in out] == [r.outputs[0].token_ids for r in ref]
+    assert _greedy_ids(llm, prompts) == ref
 
 
 def test_auto_resolution(monkeypatch):

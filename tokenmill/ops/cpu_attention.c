@@ -20,6 +20,8 @@
  * vectorizes: the tile's keys are transposed once into a buffer (kt[i][t]) so each head's 16 scores are
  * 16-lane FMAs, and the values are added four keys per pass over the head's accumulator row.
  *
+ * The task loop, the queries and the prefetch are shared; each path supplies `attend`, one task's tiles.
+ *
  * D must be a multiple of 16 and (Hq / Hkv) * D at most MAX_GROUP_FLOATS.
  */
 #include <math.h>
@@ -50,6 +52,19 @@ static const float ZERO_ROW[MAX_D];  /* stands in for the missing keys of a shor
 /* element offset of token `pos`'s row for KV head h: through the block table, then [bs][Hkv][D] */
 static inline int64_t cache_row(const int32_t *table, int64_t pos, int64_t bs, int64_t Hkv, int64_t h, int64_t D) {
     return (((int64_t)table[pos / bs] * bs + pos % bs) * Hkv + h) * D;
+}
+
+/* the next tile's rows are scattered over blocks: ask for them while this one computes (prefetcht0) */
+static inline void prefetch_tile(const void *key_cache, const void *value_cache, const int32_t *table, int64_t t0,
+                                 int64_t L, int64_t bs, int64_t Hkv, int64_t h, int64_t D, int64_t elem) {
+    for (int64_t pos = t0; pos < t0 + TILE && pos < L; pos++) {
+        const int64_t row = cache_row(table, pos, bs, Hkv, h, D);
+        const char *kr = (const char *)key_cache + row * elem, *vr = (const char *)value_cache + row * elem;
+        for (int64_t off = 0; off < D * elem; off += 64) {
+            __builtin_prefetch(kr + off, 0, 3);
+            __builtin_prefetch(vr + off, 0, 3);
+        }
+    }
 }
 
 #if defined(__AVX512F__)
@@ -113,84 +128,61 @@ static inline void transpose16(__m512 r[16]) {
     }
 }
 
-void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_cache, const void *value_cache,
-                               const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
-                               void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
-                               float scale, int bf16, int nthreads) {
-    const int64_t g = Hq / Hkv, elem = bf16 ? 2 : 4;
-    #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(nthreads)
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t h = 0; h < Hkv; h++) {
-            float qf[MAX_GROUP_FLOATS], acc[MAX_GROUP_FLOATS], m[MAX_GROUP_FLOATS / 16], l[MAX_GROUP_FLOATS / 16];
-            float kbuf[TILE * MAX_D], vbuf[TILE * MAX_D], s[TILE];
-            const float *k[TILE], *v[TILE];
-            __m512 sacc[MAX_GROUP_FLOATS / 16];
-            const int32_t *table = block_tables + b * table_stride;
-            const int64_t L = seq_lens[b];
+/* one task: the g query heads of KV head h over a sequence's L cached tokens, online softmax state in
+ * (m, l, acc), queries qf already scaled */
+static void attend(const float *qf, float *acc, float *m, float *l, const void *key_cache, const void *value_cache,
+                   const int32_t *table, int64_t L, int64_t g, int64_t Hkv, int64_t h, int64_t D, int64_t bs,
+                   int bf16) {
+    const int64_t elem = bf16 ? 2 : 4;
+    float kbuf[TILE * MAX_D], vbuf[TILE * MAX_D], s[TILE];
+    const float *k[TILE], *v[TILE];
+    __m512 sacc[MAX_GROUP_FLOATS / 16];
+    for (int64_t t0 = 0; t0 < L; t0 += TILE) {
+        const int n = (int)(L - t0 < TILE ? L - t0 : TILE);
+        const __mmask16 valid = (__mmask16)((1u << n) - 1);
+        /* the tile's key and value rows, as float32, shared by the group's query heads */
+        for (int t = 0; t < n; t++) {
+            const int64_t row = cache_row(table, t0 + t, bs, Hkv, h, D);
+            if (bf16) {
+                row_to_f32(key_cache, row, 1, kbuf + t * D, D);
+                row_to_f32(value_cache, row, 1, vbuf + t * D, D);
+                k[t] = kbuf + t * D;
+                v[t] = vbuf + t * D;
+            } else {
+                k[t] = (const float *)key_cache + row;
+                v[t] = (const float *)value_cache + row;
+            }
+        }
+        for (int t = n; t < TILE; t++) k[t] = ZERO_ROW;
+        prefetch_tile(key_cache, value_cache, table, t0 + TILE, L, bs, Hkv, h, D, elem);
+        /* scores: every head's 16 at once, from the tile transposed 16 elements at a time */
+        for (int64_t j = 0; j < g; j++) sacc[j] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < D; i += 16) {
+            __m512 col[16];
+            for (int t = 0; t < TILE; t++) col[t] = _mm512_loadu_ps(k[t] + i);
+            transpose16(col);
             for (int64_t j = 0; j < g; j++) {
-                row_to_f32(q, b * q_stride + (h * g + j) * D, bf16, qf + j * D, D);
-                for (int64_t i = 0; i < D; i++) qf[j * D + i] *= scale;
-                m[j] = -INFINITY;
-                l[j] = 0.0f;
+                const float *qj = qf + j * D + i;
+                __m512 a = sacc[j];
+                for (int c = 0; c < 16; c++) a = _mm512_fmadd_ps(_mm512_set1_ps(qj[c]), col[c], a);
+                sacc[j] = a;
             }
-            memset(acc, 0, g * D * sizeof(float));
-            for (int64_t t0 = 0; t0 < L; t0 += TILE) {
-                const int n = (int)(L - t0 < TILE ? L - t0 : TILE);
-                const __mmask16 valid = (__mmask16)((1u << n) - 1);
-                /* the tile's key and value rows, as float32, shared by the group's query heads */
-                for (int t = 0; t < n; t++) {
-                    const int64_t row = cache_row(table, t0 + t, bs, Hkv, h, D);
-                    if (bf16) {
-                        row_to_f32(key_cache, row, 1, kbuf + t * D, D);
-                        row_to_f32(value_cache, row, 1, vbuf + t * D, D);
-                        k[t] = kbuf + t * D;
-                        v[t] = vbuf + t * D;
-                    } else {
-                        k[t] = (const float *)key_cache + row;
-                        v[t] = (const float *)value_cache + row;
-                    }
-                }
-                for (int t = n; t < TILE; t++) k[t] = ZERO_ROW;
-                /* the next tile's rows are scattered over blocks: ask for them now, while this one computes */
-                for (int64_t pos = t0 + TILE; pos < t0 + 2 * TILE && pos < L; pos++) {
-                    const int64_t row = cache_row(table, pos, bs, Hkv, h, D);
-                    const char *kr = (const char *)key_cache + row * elem, *vr = (const char *)value_cache + row * elem;
-                    for (int64_t off = 0; off < D * elem; off += 64) {
-                        _mm_prefetch(kr + off, _MM_HINT_T0);
-                        _mm_prefetch(vr + off, _MM_HINT_T0);
-                    }
-                }
-                /* scores: every head's 16 at once, from the tile transposed 16 elements at a time */
-                for (int64_t j = 0; j < g; j++) sacc[j] = _mm512_setzero_ps();
-                for (int64_t i = 0; i < D; i += 16) {
-                    __m512 col[16];
-                    for (int t = 0; t < TILE; t++) col[t] = _mm512_loadu_ps(k[t] + i);
-                    transpose16(col);
-                    for (int64_t j = 0; j < g; j++) {
-                        const float *qj = qf + j * D + i;
-                        __m512 a = sacc[j];
-                        for (int c = 0; c < 16; c++) a = _mm512_fmadd_ps(_mm512_set1_ps(qj[c]), col[c], a);
-                        sacc[j] = a;
-                    }
-                }
-                for (int64_t j = 0; j < g; j++) {
-                    const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sacc[j]);
-                    const float m_new = fmaxf(m[j], _mm512_reduce_max_ps(sv));
-                    const float c = expf(m[j] - m_new);  /* rescales what earlier tiles summed; 0 at the start */
-                    const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
-                    l[j] = l[j] * c + _mm512_reduce_add_ps(p);
-                    m[j] = m_new;
-                    _mm512_storeu_ps(s, p);
-                    float *aj = acc + j * D;
-                    for (int64_t i = 0; i < D; i += 16) {
-                        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(aj + i), _mm512_set1_ps(c));
-                        for (int t = 0; t < n; t++)
-                            a = _mm512_fmadd_ps(_mm512_set1_ps(s[t]), _mm512_loadu_ps(v[t] + i), a);
-                        _mm512_storeu_ps(aj + i, a);
-                    }
-                }
+        }
+        for (int64_t j = 0; j < g; j++) {
+            const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sacc[j]);
+            const float m_new = fmaxf(m[j], _mm512_reduce_max_ps(sv));
+            const float c = expf(m[j] - m_new);  /* rescales what earlier tiles summed; 0 at the start */
+            const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
+            l[j] = l[j] * c + _mm512_reduce_add_ps(p);
+            m[j] = m_new;
+            _mm512_storeu_ps(s, p);
+            float *aj = acc + j * D;
+            for (int64_t i = 0; i < D; i += 16) {
+                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(aj + i), _mm512_set1_ps(c));
+                for (int t = 0; t < n; t++)
+                    a = _mm512_fmadd_ps(_mm512_set1_ps(s[t]), _mm512_loadu_ps(v[t] + i), a);
+                _mm512_storeu_ps(aj + i, a);
             }
-            write_heads(out, acc, l, (b * Hq + h * g) * D, g, D, bf16);
         }
     }
 }
@@ -232,21 +224,89 @@ static __attribute__((noinline)) void axpy4(float *restrict y, const float *cons
     for (int64_t i = 0; i < D; i++) y[i] += (a0 * x0[i] + a1 * x1[i]) + (a2 * x2[i] + a3 * x3[i]);
 }
 
+/* one task: the g query heads of KV head h over a sequence's L cached tokens, online softmax state in
+ * (m, l, acc), queries qf already scaled */
+static void attend(const float *qf, float *acc, float *m, float *l, const void *key_cache, const void *value_cache,
+                   const int32_t *table, int64_t L, int64_t g, int64_t Hkv, int64_t h, int64_t D, int64_t bs,
+                   int bf16) {
+    const int64_t elem = bf16 ? 2 : 4;
+    /* the tile's keys transposed, kt[i][t] = element i of key t, so a head's 16 scores are 16-lane FMAs
+     * (no horizontal sums); written once per tile, read by the group's query heads */
+    float kt[MAX_D * TILE], vbuf[TILE * MAX_D];
+    const float *v[TILE];
+    for (int64_t t0 = 0; t0 < L; t0 += TILE) {
+        const int n = (int)(L - t0 < TILE ? L - t0 : TILE);
+        for (int t = 0; t < n; t++) {
+            const int64_t row = cache_row(table, t0 + t, bs, Hkv, h, D);
+            if (bf16) {
+                const uint16_t *kr = (const uint16_t *)key_cache + row;
+                for (int64_t i = 0; i < D; i++) kt[i * TILE + t] = bf16_to_f32(kr[i]);
+                row_to_f32(value_cache, row, 1, vbuf + t * D, D);
+                v[t] = vbuf + t * D;
+            } else {
+                const float *kr = (const float *)key_cache + row;
+                for (int64_t i = 0; i < D; i++) kt[i * TILE + t] = kr[i];
+                v[t] = (const float *)value_cache + row;
+            }
+        }
+        for (int t = n; t < TILE; t++)  /* a short last tile: defined values in lanes masked below */
+            for (int64_t i = 0; i < D; i++) kt[i * TILE + t] = 0.0f;
+        prefetch_tile(key_cache, value_cache, table, t0 + TILE, L, bs, Hkv, h, D, elem);
+        for (int64_t j = 0; j < g; j++) {
+            const float *qj = qf + j * D;
+            float s0[TILE] = {0}, s1[TILE] = {0}, s2[TILE] = {0}, s3[TILE] = {0};  /* 4 chains: D % 16 == 0 */
+            for (int64_t i = 0; i < D; i += 4) {
+                const float q0 = qj[i], q1 = qj[i + 1], q2 = qj[i + 2], q3 = qj[i + 3];
+                const float *k0 = kt + i * TILE;
+                #pragma omp simd
+                for (int t = 0; t < TILE; t++) {
+                    s0[t] += q0 * k0[t];
+                    s1[t] += q1 * k0[TILE + t];
+                    s2[t] += q2 * k0[2 * TILE + t];
+                    s3[t] += q3 * k0[3 * TILE + t];
+                }
+            }
+            float smax = m[j];
+            for (int t = 0; t < n; t++) {
+                s0[t] = (s0[t] + s1[t]) + (s2[t] + s3[t]);
+                smax = s0[t] > smax ? s0[t] : smax;  /* not fmaxf: gcc calls libm for it */
+            }
+            for (int t = n; t < TILE; t++) s0[t] = -INFINITY;  /* a short tile's missing keys */
+            const float c = expf(m[j] - smax);  /* rescales what earlier tiles summed; 0 at the start */
+            float x[TILE], p[TILE], psum = 0.0f;
+            #pragma omp simd
+            for (int t = 0; t < TILE; t++) {
+                const float d = s0[t] - smax;
+                x[t] = d < -87.0f ? -87.0f : d;  /* ~1e-38 below, as the AVX-512 path */
+            }
+            #pragma omp simd
+            for (int t = 0; t < TILE; t++) p[t] = exp_le0(x[t]);
+            for (int t = n; t < TILE; t++) p[t] = 0.0f;
+            #pragma omp simd reduction(+ : psum)
+            for (int t = 0; t < TILE; t++) psum += p[t];
+            l[j] = l[j] * c + psum;
+            m[j] = smax;
+            float *aj = acc + j * D;
+            #pragma omp simd
+            for (int64_t i = 0; i < D; i++) aj[i] *= c;
+            int t = 0;
+            for (; t + 4 <= n; t += 4) axpy4(aj, v + t, p + t, D);
+            for (; t < n; t++) axpy4(aj, (const float *[4]){v[t], ZERO_ROW, ZERO_ROW, ZERO_ROW},
+                                     (const float[4]){p[t], 0.0f, 0.0f, 0.0f}, D);
+        }
+    }
+}
+#endif
+
 void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_cache, const void *value_cache,
                                const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                                void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
                                float scale, int bf16, int nthreads) {
-    const int64_t g = Hq / Hkv, elem = bf16 ? 2 : 4;
+    const int64_t g = Hq / Hkv;
     #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(nthreads)
     for (int64_t b = 0; b < B; b++) {
         for (int64_t h = 0; h < Hkv; h++) {
             float qf[MAX_GROUP_FLOATS], acc[MAX_GROUP_FLOATS], m[MAX_GROUP_FLOATS / 16], l[MAX_GROUP_FLOATS / 16];
-            /* the tile's keys transposed, kt[i][t] = element i of key t, so a head's 16 scores are 16-lane FMAs
-             * (no horizontal sums); written once per tile, read by the group's query heads */
-            float kt[MAX_D * TILE], vbuf[TILE * MAX_D];
-            const float *v[TILE];
-            const int32_t *table = block_tables + b * table_stride;
-            const int64_t L = seq_lens[b];
             for (int64_t j = 0; j < g; j++) {
                 row_to_f32(q, b * q_stride + (h * g + j) * D, bf16, qf + j * D, D);
                 for (int64_t i = 0; i < D; i++) qf[j * D + i] *= scale;
@@ -254,77 +314,9 @@ void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_
                 l[j] = 0.0f;
             }
             memset(acc, 0, g * D * sizeof(float));
-            for (int64_t t0 = 0; t0 < L; t0 += TILE) {
-                const int n = (int)(L - t0 < TILE ? L - t0 : TILE);
-                for (int t = 0; t < n; t++) {
-                    const int64_t row = cache_row(table, t0 + t, bs, Hkv, h, D);
-                    if (bf16) {
-                        const uint16_t *kr = (const uint16_t *)key_cache + row;
-                        for (int64_t i = 0; i < D; i++) kt[i * TILE + t] = bf16_to_f32(kr[i]);
-                        row_to_f32(value_cache, row, 1, vbuf + t * D, D);
-                        v[t] = vbuf + t * D;
-                    } else {
-                        const float *kr = (const float *)key_cache + row;
-                        for (int64_t i = 0; i < D; i++) kt[i * TILE + t] = kr[i];
-                        v[t] = (const float *)value_cache + row;
-                    }
-                }
-                for (int t = n; t < TILE; t++)  /* a short last tile: defined values in lanes masked below */
-                    for (int64_t i = 0; i < D; i++) kt[i * TILE + t] = 0.0f;
-                /* the next tile's rows are scattered over blocks: ask for them now, while this one computes */
-                for (int64_t pos = t0 + TILE; pos < t0 + 2 * TILE && pos < L; pos++) {
-                    const int64_t row = cache_row(table, pos, bs, Hkv, h, D);
-                    const char *kr = (const char *)key_cache + row * elem, *vr = (const char *)value_cache + row * elem;
-                    for (int64_t off = 0; off < D * elem; off += 64) {
-                        __builtin_prefetch(kr + off, 0, 3);
-                        __builtin_prefetch(vr + off, 0, 3);
-                    }
-                }
-                for (int64_t j = 0; j < g; j++) {
-                    const float *qj = qf + j * D;
-                    float s0[TILE] = {0}, s1[TILE] = {0}, s2[TILE] = {0}, s3[TILE] = {0};  /* 4 chains: D % 16 == 0 */
-                    for (int64_t i = 0; i < D; i += 4) {
-                        const float q0 = qj[i], q1 = qj[i + 1], q2 = qj[i + 2], q3 = qj[i + 3];
-                        const float *k0 = kt + i * TILE;
-                        #pragma omp simd
-                        for (int t = 0; t < TILE; t++) {
-                            s0[t] += q0 * k0[t];
-                            s1[t] += q1 * k0[TILE + t];
-                            s2[t] += q2 * k0[2 * TILE + t];
-                            s3[t] += q3 * k0[3 * TILE + t];
-                        }
-                    }
-                    float smax = m[j];
-                    for (int t = 0; t < n; t++) {
-                        s0[t] = (s0[t] + s1[t]) + (s2[t] + s3[t]);
-                        smax = s0[t] > smax ? s0[t] : smax;  /* not fmaxf: gcc calls libm for it */
-                    }
-                    for (int t = n; t < TILE; t++) s0[t] = -INFINITY;  /* a short tile's missing keys */
-                    const float c = expf(m[j] - smax);  /* rescales what earlier tiles summed; 0 at the start */
-                    float x[TILE], p[TILE], psum = 0.0f;
-                    #pragma omp simd
-                    for (int t = 0; t < TILE; t++) {
-                        const float d = s0[t] - smax;
-                        x[t] = d < -87.0f ? -87.0f : d;  /* ~1e-38 below, as the AVX-512 path */
-                    }
-                    #pragma omp simd
-                    for (int t = 0; t < TILE; t++) p[t] = exp_le0(x[t]);
-                    for (int t = n; t < TILE; t++) p[t] = 0.0f;
-                    #pragma omp simd reduction(+ : psum)
-                    for (int t = 0; t < TILE; t++) psum += p[t];
-                    l[j] = l[j] * c + psum;
-                    m[j] = smax;
-                    float *aj = acc + j * D;
-                    #pragma omp simd
-                    for (int64_t i = 0; i < D; i++) aj[i] *= c;
-                    int t = 0;
-                    for (; t + 4 <= n; t += 4) axpy4(aj, v + t, p + t, D);
-                    for (; t < n; t++) axpy4(aj, (const float *[4]){v[t], ZERO_ROW, ZERO_ROW, ZERO_ROW},
-                                             (const float[4]){p[t], 0.0f, 0.0f, 0.0f}, D);
-                }
-            }
+            attend(qf, acc, m, l, key_cache, value_cache, block_tables + b * table_stride, seq_lens[b], g, Hkv, h, D,
+                   bs, bf16);
             write_heads(out, acc, l, (b * Hq + h * g) * D, g, D, bf16);
         }
     }
 }
-#endif

@@ -17,7 +17,8 @@
  *
  * Two paths, same layouts and functions: AVX-512 intrinsics (the int4 kernels for bfloat16 x use
  * AVX512-BF16 dot products), and portable C that gcc vectorizes over the 16 rows of a panel (AVX2 here):
- * int8 / nibbles widened to float32 lane-wise, float32 FMAs, bfloat16 x widened to float32 first.  */
+ * int8 / nibbles widened to float32 lane-wise, float32 FMAs, bfloat16 x widened to float32 first. The
+ * dequantizing passes (more rows than the GEMVs take) are one portable implementation for both.  */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -178,47 +179,6 @@ void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const void *x
     }
     free(xsum);
     free(owned);
-}
-
-/* Dequantize the panels to W^T [K, N] (bfloat16 when out_bf16, else float32), for steps with more rows
- * than the GEMVs take: the dense GEMM that follows (x @ W^T) amortizes this pass. Each panel row of
- * 16 outputs is one contiguous 16-value store, so no transpose is needed. */
-static inline void store16(void *out, int64_t idx, __m512 v, int out_bf16) {
-    if (out_bf16)
-        _mm256_storeu_si256((__m256i *)((uint16_t *)out + idx), (__m256i)_mm512_cvtneps_pbh(v));
-    else
-        _mm512_storeu_ps((float *)out + idx, v);
-}
-
-void tm_dequant_s8(const int8_t *P, const float *scales, void *out, int64_t N, int64_t K, int out_bf16,
-                   int nthreads) {
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t b = 0; b < N / 16; b++) {
-        const int8_t *blk = P + b * K * 16;
-        const __m512 s = _mm512_loadu_ps(scales + b * 16);
-        for (int64_t k = 0; k < K; k++) {
-            __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + k * 16))));
-            store16(out, k * N + b * 16, _mm512_mul_ps(w, s), out_bf16);
-        }
-    }
-}
-
-void tm_dequant_u4(const uint8_t *P, const float *S, const float *Z, void *out, int64_t N, int64_t K, int64_t G,
-                   int out_bf16, int nthreads) {
-    const int64_t ngroups = K / G;
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t b = 0; b < N / 16; b++) {
-        const uint8_t *blk = P + b * (K / 2) * 16;
-        for (int64_t k2 = 0; k2 < K / 2; k2++) {
-            const int64_t sz = (b * ngroups + (2 * k2) / G) * 16;
-            const __m512 s = _mm512_loadu_ps(S + sz), z = _mm512_loadu_ps(Z + sz);
-            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + k2 * 16)));
-            __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
-            __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-            store16(out, (2 * k2) * N + b * 16, _mm512_mul_ps(_mm512_sub_ps(lo, z), s), out_bf16);
-            store16(out, (2 * k2 + 1) * N + b * 16, _mm512_mul_ps(_mm512_sub_ps(hi, z), s), out_bf16);
-        }
-    }
 }
 
 void tm_qgemm_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t M,
@@ -391,56 +351,6 @@ void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const void *x
     free(owned);
 }
 
-/* Dequantize the panels to W^T [K, N] (bfloat16 when out_bf16, else float32), for steps with more rows
- * than the GEMVs take: the dense GEMM that follows (x @ W^T) amortizes this pass. Each panel row of
- * 16 outputs is one contiguous 16-value store, so no transpose is needed. */
-static inline void store16(void *out, int64_t idx, const float *v, int out_bf16) {
-    if (out_bf16) {
-        #pragma omp simd
-        for (int r = 0; r < 16; r++) ((uint16_t *)out)[idx + r] = f32_to_bf16(v[r]);
-    } else {
-        #pragma omp simd
-        for (int r = 0; r < 16; r++) ((float *)out)[idx + r] = v[r];
-    }
-}
-
-void tm_dequant_s8(const int8_t *P, const float *scales, void *out, int64_t N, int64_t K, int out_bf16,
-                   int nthreads) {
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t b = 0; b < N / 16; b++) {
-        const int8_t *blk = P + b * K * 16;
-        const float *s = scales + b * 16;
-        for (int64_t k = 0; k < K; k++) {
-            float w[16];
-            #pragma omp simd
-            for (int r = 0; r < 16; r++) w[r] = (float)blk[k * 16 + r] * s[r];
-            store16(out, k * N + b * 16, w, out_bf16);
-        }
-    }
-}
-
-void tm_dequant_u4(const uint8_t *P, const float *S, const float *Z, void *out, int64_t N, int64_t K, int64_t G,
-                   int out_bf16, int nthreads) {
-    const int64_t ngroups = K / G;
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t b = 0; b < N / 16; b++) {
-        const uint8_t *blk = P + b * (K / 2) * 16;
-        for (int64_t k2 = 0; k2 < K / 2; k2++) {
-            const int64_t sz = (b * ngroups + (2 * k2) / G) * 16;
-            const float *s = S + sz, *z = Z + sz;
-            const uint8_t *line = blk + k2 * 16;
-            float lo[16], hi[16];
-            #pragma omp simd
-            for (int r = 0; r < 16; r++) {
-                lo[r] = ((float)(line[r] & 0xF) - z[r]) * s[r];
-                hi[r] = ((float)(line[r] >> 4) - z[r]) * s[r];
-            }
-            store16(out, (2 * k2) * N + b * 16, lo, out_bf16);
-            store16(out, (2 * k2 + 1) * N + b * 16, hi, out_bf16);
-        }
-    }
-}
-
 void tm_qgemm_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t M,
                  int64_t N, int64_t K, int y_bf16, int nthreads) {
     float *owned;
@@ -512,3 +422,54 @@ void tm_qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, const ui
     free(x);
 }
 #endif
+
+/* Dequantize the panels to W^T [K, N] (bfloat16 when out_bf16, else float32), for steps with more rows
+ * than the GEMVs take: the dense GEMM that follows (x @ W^T) amortizes this pass. Each panel row of
+ * 16 outputs is one contiguous 16-value store, so no transpose is needed. One memory-bound pass per call,
+ * so one portable implementation serves every CPU (gcc vectorizes it for the CPU at hand). */
+static inline void store16(void *out, int64_t idx, const float *v, int out_bf16) {
+    if (out_bf16) {
+        #pragma omp simd
+        for (int r = 0; r < 16; r++) ((uint16_t *)out)[idx + r] = f32_to_bf16(v[r]);
+    } else {
+        #pragma omp simd
+        for (int r = 0; r < 16; r++) ((float *)out)[idx + r] = v[r];
+    }
+}
+
+void tm_dequant_s8(const int8_t *P, const float *scales, void *out, int64_t N, int64_t K, int out_bf16,
+                   int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < N / 16; b++) {
+        const int8_t *blk = P + b * K * 16;
+        const float *s = scales + b * 16;
+        for (int64_t k = 0; k < K; k++) {
+            float w[16];
+            #pragma omp simd
+            for (int r = 0; r < 16; r++) w[r] = (float)blk[k * 16 + r] * s[r];
+            store16(out, k * N + b * 16, w, out_bf16);
+        }
+    }
+}
+
+void tm_dequant_u4(const uint8_t *P, const float *S, const float *Z, void *out, int64_t N, int64_t K, int64_t G,
+                   int out_bf16, int nthreads) {
+    const int64_t ngroups = K / G;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < N / 16; b++) {
+        const uint8_t *blk = P + b * (K / 2) * 16;
+        for (int64_t k2 = 0; k2 < K / 2; k2++) {
+            const int64_t sz = (b * ngroups + (2 * k2) / G) * 16;
+            const float *s = S + sz, *z = Z + sz;
+            const uint8_t *line = blk + k2 * 16;
+            float lo[16], hi[16];
+            #pragma omp simd
+            for (int r = 0; r < 16; r++) {
+                lo[r] = ((float)(line[r] & 0xF) - z[r]) * s[r];
+                hi[r] = ((float)(line[r] >> 4) - z[r]) * s[r];
+            }
+            store16(out, (2 * k2) * N + b * 16, lo, out_bf16);
+            store16(out, (2 * k2 + 1) * N + b * 16, hi, out_bf16);
+        }
+    }
+}

@@ -57,6 +57,7 @@ class DepthBandit:
                  margin: float = 1.05, seed: int = 0):
         self.k_max, self.min_trials, self.explore_every, self.decay = k_max, min_trials, explore_every, decay
         self.margin = margin  # a challenger must beat the incumbent depth by this factor: single steps are noisy
+        self._first = sorted({0, min(1, k_max), k_max})  # the depths every bucket tries first
         self._rate: dict[tuple[int, int], float] = {}
         self._trials: dict[tuple[int, int], int] = {}
         self._best: dict[int, int] = {}
@@ -68,15 +69,14 @@ class DepthBandit:
 
     def choose(self, bucket: int) -> int:
         self._choices += 1
-        ends = sorted({0, min(1, self.k_max), self.k_max})
-        for k in ends:
+        for k in self._first:
             if not self._tried(bucket, k):
                 return k
 
         def rate(k: int) -> float:
             return self._rate[(bucket, k)]
 
-        if max(rate(k) for k in ends) > self.margin * rate(0):  # drafts pay somewhere: look between too
+        if max(rate(k) for k in self._first) > self.margin * rate(0):  # drafts pay somewhere: look between too
             for k in range(self.k_max + 1):
                 if not self._tried(bucket, k):
                     return k
