@@ -12,16 +12,18 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import machine, read_bandwidth_gbs, write_json  # noqa: E402
 
 import tokenmill  # noqa: F401,E402
-from tokenmill.layers.linear import onednn_linear  # noqa: E402
+from tokenmill.layers.linear import linear_in, matmul_dtype, onednn_linear, onednn_linear_available  # noqa: E402
 from tokenmill.ops import cpu_gemv, cpu_qgemv  # noqa: E402
 from tokenmill.quantization.awq_format import quantize_w4, quantize_w8, unpack_int4  # noqa: E402
 from tokenmill.quantization.int8 import quantize_rows  # noqa: E402
+
+
+nan = float("nan")
 
 
 def timed(fn, layers: int, reps: int = 5) -> float:
@@ -46,7 +48,8 @@ def main():
     torch.set_num_threads(a.threads)
     n, k, L, g = a.n, a.k, a.layers, 128
     w = [torch.randn(n, k) * 0.02 for _ in range(L)]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(x.bfloat16(), 1) for x in w]
+    onednn_bf16 = onednn_linear_available(torch.bfloat16)  # AVX-512 or AVX-NE-CONVERT
+    packed = [torch.ops.mkldnn._reorder_linear_weight(x.bfloat16(), 1) for x in w] if onednn_bf16 else []
     gemv = [cpu_gemv.pack(x.bfloat16()) for x in w]
     q8 = [quantize_w8(x) for x in w]
     s8 = [(cpu_qgemv.pack_int8(q), s.float()) for q, s in q8]
@@ -68,16 +71,18 @@ def main():
     for m in [int(r) for r in a.rows.split(",")]:
         x = torch.randn(m, k).bfloat16()
         r = {
-            "bf16 oneDNN": timed(lambda: [onednn_linear(x, p, None) for p in packed], L),
+            "bf16 oneDNN": timed(lambda: [onednn_linear(x, p, None) for p in packed], L) if onednn_bf16 else nan,
             "int8 GEMV per row": timed(lambda: [per_row(lambda v: cpu_qgemv.gemv_int8(v, p, s), x) for p, s in s8], L),
             "int8 multi-row kernel": timed(lambda: [cpu_qgemv.gemv_int8(x, p, s) for p, s in s8], L)
-            if m <= cpu_qgemv.MAX_ROWS else float("nan"),
-            "int8 dequant + GEMM": timed(lambda: [F.linear(x, cpu_qgemv.dequant_int8(p, s, x.dtype)) for p, s in s8], L),
+            if m <= cpu_qgemv.MAX_ROWS else nan,
+            "int8 dequant + GEMM": timed(lambda: [linear_in(x, cpu_qgemv.dequant_int8(p, s, matmul_dtype(x)), None)
+                                                  for p, s in s8], L),
             "int8 torch int8pack": timed(lambda: [torch._weight_int8pack_mm(x, q, s) for q, s in t8], L),
             "int4 GEMV per row": timed(lambda: [per_row(lambda v: cpu_qgemv.gemv_int4(v, *p, g), x) for p in u4], L),
             "int4 multi-row kernel": timed(lambda: [cpu_qgemv.gemv_int4(x, *p, g) for p in u4], L)
-            if m <= cpu_qgemv.MAX_ROWS else float("nan"),
-            "int4 dequant + GEMM": timed(lambda: [F.linear(x, cpu_qgemv.dequant_int4(*p, g, x.dtype)) for p in u4], L),
+            if m <= cpu_qgemv.MAX_ROWS else nan,
+            "int4 dequant + GEMM": timed(lambda: [linear_in(x, cpu_qgemv.dequant_int4(*p, g, matmul_dtype(x)), None)
+                                                  for p in u4], L),
             "int4 torch int4pack": timed(lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(x, p, g, sz) for p in t4], L),
             "w8a8 oneDNN qlinear": timed(lambda: [torch.ops.onednn.qlinear_pointwise(
                 quantize_rows(x)[0].view(torch.uint8).bitwise_xor_(128), 1.0, 128, p, s.float(), zp, None, 1.0, 0,
@@ -86,6 +91,8 @@ def main():
         }
         if m == 1:
             r["bf16 GEMV"] = timed(lambda: [cpu_gemv.gemv(x, p, None) for p in gemv], L)
+        elif m <= cpu_gemv.MAX_ROWS:
+            r["bf16 multi-row kernel"] = timed(lambda: [cpu_gemv.gemm_rows(x, p, None) for p in gemv], L)
         res["rows"][m] = r
         print(m, {key: round(v) for key, v in r.items() if v == v}, flush=True)
     write_json(res, a.out)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from conftest import SHAPE, VOCAB, build_tokenizer
+from conftest import SHAPE, build_tokenizer
 
 IMAGE_TOKEN = 3  # "<image>", a special token of the tokenizer, inside the text vocabulary as in llava-hf
 IMAGE_SIZE, PATCH = 16, 4  # 16 patches per image ("default" drops CLS)

@@ -40,6 +40,31 @@ def test_int4_gemv_matches_awq_twin(n, k, group, dtype):
     torch.testing.assert_close(y.float(), ref, atol=tol * ref.abs().max().item(), rtol=0)
 
 
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_int4_gemv_of_bfloat16_rows_matches_its_integer_twin(rows):
+    """bfloat16 rows may take integer dot products (AVX2), each group of x scaled to 15 bits (`int16_twin`):
+    the result is that product rounded once to bfloat16, also where it cancels, for groups spanning
+    2^-20 .. 2^4; its error against the float product is within 2^-14 of (each group's largest |x|) . |W|.
+    A row holding a NaN still comes out NaN, and the others are unaffected."""
+    n, k, group = 64, 256, 64
+    g = torch.Generator().manual_seed(7)
+    qweight, qzeros, scales = quantize_w4(torch.randn(n, k, generator=g), group)
+    w = dequantize_w4(qweight, qzeros, scales, group).double()
+    panels = cpu_qgemv.pack_int4(unpack_int4(qweight).t(), scales, unpack_int4(qzeros), group)
+    x = (torch.randn(rows, k, generator=g) * torch.exp2(torch.randint(-20, 4, (rows, k), generator=g).float()))
+    x = x.bfloat16()
+    y = cpu_qgemv.gemv_int4(x, *panels, group).double()
+    twin = (cpu_qgemv.int16_twin(x, group) if cpu_qgemv.int16_rows() else x.double()) @ w.t()
+    torch.testing.assert_close(y, twin, atol=1e-5, rtol=2 ** -8)
+    group_max = x.double().abs().view(rows, -1, group).amax(-1).repeat_interleave(group, -1)
+    exact = x.double() @ w.t()
+    assert ((y - exact).abs() <= 2 ** -8 * exact.abs() + 2 ** -14 * (group_max @ w.abs().t())).all()
+    x[0, 5] = float("nan")
+    y = cpu_qgemv.gemv_int4(x, *panels, group)
+    assert y[0].isnan().all() and not y[1:].isnan().any()
+
+
 def test_unsupported_shapes_are_declined():
     assert not cpu_qgemv.supports(40, 64)  # rows come in panels of 16
     assert not cpu_qgemv.supports(32, 100, 64)  # K must split into whole groups

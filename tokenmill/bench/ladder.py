@@ -222,6 +222,7 @@ def run_ladder(model: str, out: str, scenario: str = "playbook", workload: dict 
     outdir = os.path.dirname(os.path.abspath(out))
     os.makedirs(outdir, exist_ok=True)
     stem = os.path.splitext(os.path.basename(out))[0]
+    first = None  # the baseline rung's texts
     for i, (name, changes, cfg) in enumerate(ladder_configs(base, sc, rungs)):
         path = os.path.join(outdir, f"{stem}.rung{i}.json")
         print(f"[ladder] rung {i}: {name}", flush=True)

@@ -70,6 +70,22 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
         return False
 
 
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype to multiply `x` in, on CPU, against a weight made for this call (widened or dequantized): without
+    oneDNN's bf16 GEMM (AVX2 CPUs) torch's bf16 matmul is 5-7x slower than float32 at prefill sizes, so bfloat16
+    rows are multiplied in float32 there."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not onednn_linear_available(torch.bfloat16):
+        return torch.float32
+    return x.dtype
+
+
+def linear_in(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b computed in w's dtype (from `matmul_dtype`), returned in x's."""
+    if w.dtype == x.dtype:
+        return F.linear(x, w, None if bias is None else bias.to(w.dtype))
+    return F.linear(x.to(w.dtype), w, None if bias is None else bias.to(w.dtype)).to(x.dtype)
+
+
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     m = x.shape[0]
     rows = padded_rows(m) if x.dim() == 2 else m
@@ -180,8 +196,7 @@ class UnquantizedLinearMethod(LinearMethod):
         if getattr(layer, "packed", None) is not None:
             return onednn_linear(x, layer.packed, layer.bias)
         if getattr(layer, "widen_rows", False) and x.shape[0] > WIDEN_MIN_ROWS:
-            bias = None if layer.bias is None else layer.bias.float()
-            return F.linear(x.float(), layer.weight.float(), bias).to(x.dtype)
+            return linear_in(x, layer.weight.float(), layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
     def decode_rows_kernel(self, layer):

@@ -327,8 +327,138 @@ void tm_qgemv_s8(const int8_t *P, const float *scales, const void *x_in, const f
     free(owned);
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#include <math.h>
+
+/* AVX2, bfloat16 x, one row: integer dot products instead of widening every nibble to float32 (which made
+ * the float loop compute-bound at a third of the memory's speed). Per group g, x is scaled by a power of
+ * two, xi[k] = x[k] * 2^(14 - e_g) with max|x| < 2^e_g, and rounded to int16: exact for every element within
+ * 2^7 of the group's largest (a bfloat16 has 8 significant bits), rounded below that, so the dot products
+ * keep float32's precision relative to the group. Then per 16-row panel and group, in int32:
+ *
+ *     dot[r] = sum_k xi[k] q[r,k]              (vpmaddwd: (q[r,k], q[r,k+1]) . (xi[k], xi[k+1]))
+ *     y[r]  += s[g,r] 2^(e_g - 14) (dot[r] - z[g,r] sum_k xi[k])
+ *
+ * A 32-byte load is two panel lines, k = 4c .. 4c + 3 (chunk c); nibbles are split, interleaved per row and
+ * widened to 16-bit words, so each 32-bit lane holds one row's (q[r,k], q[r,k+1]):
+ *
+ *     load      lane 0: line 2c   (16 rows x k = 4c, 4c+1)    lane 1: line 2c+1 (k = 4c+2, 4c+3)
+ *     words     rows 0-3 | 4-7 | 8-11 | 12-15, each lane against xe[c] = (xi pair of its line) x 4
+ *
+ * Bounds: |xi| <= 2^14, so one lane sums at most G/4 * 2 * 15 * 2^14 < 2^24 per group. */
+static int x_to_int16(const uint16_t *x, int64_t K, int64_t G, int32_t *xe, float *xs, float *xsum) {
+    for (int64_t g = 0; g < K / G; g++) {
+        const uint16_t *xg = x + g * G;
+        float amax = 0.f, probe = 0.f;  /* probe turns NaN on a NaN or an infinity (fmaxf skips NaNs) */
+        for (int64_t k = 0; k < G; k++) {
+            const float v = bf16_to_f32(xg[k]);
+            amax = fmaxf(amax, fabsf(v));
+            probe += v * 0.f;
+        }
+        if (probe != 0.f) return 0;  /* the float path carries them through */
+        int e;
+        frexpf(amax, &e);
+        const float inv = ldexpf(1.f, 14 - e);
+        int16_t xi[G];
+        int32_t sum = 0;
+        for (int64_t k = 0; k < G; k++) {
+            const float v = bf16_to_f32(xg[k]) * inv;
+            xi[k] = (int16_t)(v + copysignf(0.5f, v));  /* round half away from zero */
+            sum += xi[k];
+        }
+        xs[g] = ldexpf(1.f, e - 14);
+        xsum[g] = (float)sum;
+        for (int64_t c = 0; c < G / 4; c++) {
+            int32_t lo, hi;  /* (xi[k], xi[k + 1]) as one int32: the low word first */
+            const uint16_t p0[2] = {(uint16_t)xi[4 * c], (uint16_t)xi[4 * c + 1]};
+            const uint16_t p1[2] = {(uint16_t)xi[4 * c + 2], (uint16_t)xi[4 * c + 3]};
+            memcpy(&lo, p0, 4);
+            memcpy(&hi, p1, 4);
+            int32_t *dst = xe + (g * G / 4 + c) * 8;
+            for (int j = 0; j < 4; j++) { dst[j] = lo; dst[4 + j] = hi; }
+        }
+    }
+    return 1;
+}
+
+/* sum_k xi[k] q[r,k] over chunks [c0, c1) of a panel for one row (xe0) or two (xe0, xe1: `two`, a constant
+ * where this is inlined): each chunk's weights are widened once for both rows. d0/d1: rows 0-7, 8-15. */
+static inline __attribute__((always_inline)) void u4_int16_dots(const uint8_t *blk, int64_t c0, int64_t c1,
+                                                                 const int32_t *xe0, const int32_t *xe1, const int two,
+                                                                 __m256 d0[2], __m256 d1[2]) {
+    const __m256i m0f = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+    __m256i a[2][4] = {{zero, zero, zero, zero}, {zero, zero, zero, zero}};
+    for (int64_t c = c0; c < c1; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + c * 32));
+        const __m256i lo = _mm256_and_si256(v, m0f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m0f);
+        const __m256i p0 = _mm256_unpacklo_epi8(lo, hi), p1 = _mm256_unpackhi_epi8(lo, hi);
+        const __m256i w[4] = {_mm256_unpacklo_epi8(p0, zero), _mm256_unpackhi_epi8(p0, zero),
+                              _mm256_unpacklo_epi8(p1, zero), _mm256_unpackhi_epi8(p1, zero)};
+        for (int m = 0; m < 1 + two; m++) {
+            const __m256i xv = _mm256_load_si256((const __m256i *)((m ? xe1 : xe0) + c * 8));
+            for (int j = 0; j < 4; j++) a[m][j] = _mm256_add_epi32(a[m][j], _mm256_madd_epi16(w[j], xv));
+        }
+    }
+    for (int m = 0; m < 1 + two; m++) {  /* the two lines' halves of each row summed: rows 0-7 and 8-15 in order */
+        d0[m] = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(a[m][0], a[m][1], 0x20),
+                                                    _mm256_permute2x128_si256(a[m][0], a[m][1], 0x31)));
+        d1[m] = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(a[m][2], a[m][3], 0x20),
+                                                    _mm256_permute2x128_si256(a[m][2], a[m][3], 0x31)));
+    }
+}
+
+/* M <= MAX_ROWS bfloat16 rows; 0 (nothing written) when a row holds a NaN or an infinity */
+static int qgemm_u4_bf16_int16(const uint8_t *P, const float *S, const float *Z, const uint16_t *x, const float *bias,
+                               uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
+    const int64_t ngroups = K / G;
+    int32_t *xe = aligned_alloc(32, M * (K / 4) * 8 * sizeof(int32_t));
+    float *xs = malloc(2 * M * ngroups * sizeof(float)), *xsum = xs + M * ngroups;
+    int ok = 1;
+    for (int64_t m = 0; m < M && ok; m++)
+        ok = x_to_int16(x + m * K, K, G, xe + m * (K / 4) * 8, xs + m * ngroups, xsum + m * ngroups);
+    if (ok) {
+        #pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t b = 0; b < N / 16; b++) {
+            const uint8_t *blk = P + b * (K / 2) * 16;
+            __m256 y0[MAX_ROWS], y1[MAX_ROWS];
+            for (int64_t m = 0; m < M; m++) y0[m] = y1[m] = _mm256_setzero_ps();
+            for (int64_t g = 0; g < ngroups; g++) {
+                const float *s = S + (b * ngroups + g) * 16, *z = Z + (b * ngroups + g) * 16;
+                const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+                const __m256 z0 = _mm256_loadu_ps(z), z1 = _mm256_loadu_ps(z + 8);
+                for (int64_t m = 0; m < M; m += 2) {
+                    __m256 d0[2], d1[2];
+                    const int32_t *xe0 = xe + m * (K / 4) * 8;
+                    if (m + 1 < M) u4_int16_dots(blk, g * G / 4, (g + 1) * G / 4, xe0, xe0 + (K / 4) * 8, 1, d0, d1);
+                    else u4_int16_dots(blk, g * G / 4, (g + 1) * G / 4, xe0, NULL, 0, d0, d1);
+                    for (int64_t i = m; i < M && i < m + 2; i++) {  /* y += s 2^(e - 14) (dot - z sum(xi)) */
+                        const __m256 xsg = _mm256_set1_ps(xs[i * ngroups + g]);
+                        const __m256 sumg = _mm256_set1_ps(xsum[i * ngroups + g]);
+                        y0[i] = _mm256_fmadd_ps(_mm256_fnmadd_ps(z0, sumg, d0[i - m]), _mm256_mul_ps(s0, xsg), y0[i]);
+                        y1[i] = _mm256_fmadd_ps(_mm256_fnmadd_ps(z1, sumg, d1[i - m]), _mm256_mul_ps(s1, xsg), y1[i]);
+                    }
+                }
+            }
+            for (int64_t m = 0; m < M; m++) {
+                float acc[16];
+                _mm256_storeu_ps(acc, y0[m]);
+                _mm256_storeu_ps(acc + 8, y1[m]);
+                store16_row(acc, bias, b * 16, y + m * N, 1);
+            }
+        }
+    }
+    free(xe);
+    free(xs);
+    return ok;
+}
+#endif
+
 void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const void *x_in, const float *bias, void *y,
                  int64_t N, int64_t K, int64_t G, int y_bf16, int nthreads) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (y_bf16 && qgemm_u4_bf16_int16(P, S, Z, x_in, bias, y, 1, N, K, G, nthreads)) return;
+#endif
     float *owned;
     const float *x = widen(x_in, K, y_bf16, &owned);
     const int64_t ngroups = K / G;
@@ -388,6 +518,9 @@ void tm_qgemm_s8(const int8_t *P, const float *scales, const void *x_in, const f
 
 void tm_qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, const uint16_t *x_in, const float *bias,
                       void *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (qgemm_u4_bf16_int16(P, S, Z, x_in, bias, y, M, N, K, G, nthreads)) return;
+#endif
     const int64_t ngroups = K / G;
     float *x;
     widen(x_in, M * K, 1, &x);
@@ -472,4 +605,13 @@ void tm_dequant_u4(const uint8_t *P, const float *S, const float *Z, void *out, 
             store16(out, (2 * k2 + 1) * N + b * 16, hi, out_bf16);
         }
     }
+}
+
+/* whether bfloat16 rows of the int4 kernels take the integer path (ops/cpu_qgemv.py int16_rows) */
+int tm_qgemv_u4_int16_rows(void) {
+#if !(defined(__AVX512F__) && defined(__AVX512BF16__)) && defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
 }

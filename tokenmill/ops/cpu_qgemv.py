@@ -31,11 +31,26 @@ def _library():
     lib.tm_dequant_s8.argtypes = [_P, _P, _P, _I, _I, ctypes.c_int, ctypes.c_int]
     lib.tm_dequant_u4.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int]
     lib.tm_qgemv_s8.restype = lib.tm_qgemv_u4.restype = lib.tm_dequant_s8.restype = lib.tm_dequant_u4.restype = None
+    lib.tm_qgemv_u4_int16_rows.restype = ctypes.c_int
     return lib
 
 
 def available() -> bool:
     return _library() is not None
+
+
+def int16_rows() -> bool:
+    """Whether the int4 kernels multiply bfloat16 rows in integers (the AVX2 build): see `int16_twin`."""
+    return bool(_library().tm_qgemv_u4_int16_rows())
+
+
+def int16_twin(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The values the integer path multiplies for float rows x [M, K]: per group of K, x scaled by 2^(14 - e)
+    (max |x| < 2^e), rounded half away from zero to int16, and scaled back (float64)."""
+    xg = x.double().view(x.shape[0], -1, group_size)
+    e = torch.frexp(xg.abs().amax(-1, keepdim=True))[1].double()
+    scaled = xg * torch.exp2(14 - e)
+    return (torch.trunc(scaled + torch.copysign(torch.full_like(scaled, 0.5), scaled)) * torch.exp2(e - 14)).view_as(x)
 
 
 def supports(n: int, k: int, group_size: int | None = None) -> bool:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.linear import LinearMethod, LoadContext, DecodeRowsKernel, UnquantizedLinearMethod, add_param
+from tokenmill.layers.linear import (LinearMethod, LoadContext, DecodeRowsKernel, UnquantizedLinearMethod, add_param,
+                                     linear_in, matmul_dtype)
 from tokenmill.quantization.awq_format import dequantize_w4, unpack_int4
 from tokenmill.quantization.config import QuantizationConfig, awq_settings
 from tokenmill.quantization.int8 import GEMV_MAX_ROWS, Int8LinearMethod
@@ -77,8 +78,8 @@ class AWQLinearMethod(LinearMethod):
         if layer.panels is not None:
             if x.shape[0] <= GEMV_MAX_ROWS:
                 return cpu_qgemv.gemv_int4(x, *layer.panels, self.group_size, layer.bias_f32)
-            w = cpu_qgemv.dequant_int4(*layer.panels, self.group_size, x.dtype)
-            return F.linear(x, w.to(x.dtype), layer.bias)
+            w = cpu_qgemv.dequant_int4(*layer.panels, self.group_size, matmul_dtype(x))
+            return linear_in(x, w, layer.bias)
         if layer.int4_packed is not None and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.int4_packed, self.group_size,
                                                           layer.int4_scale_zero)

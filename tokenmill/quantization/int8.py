@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers.linear import (LinearMethod, LoadContext, DecodeRowsKernel, UnquantizedLinearMethod, add_param,
-                                     padded_rows)
+                                     linear_in, matmul_dtype, padded_rows)
 from tokenmill.ops import cpu_qgemv, native, triton_quant
 from tokenmill.quantization.awq_format import quantize_w8
 from tokenmill.quantization.config import QuantizationConfig
@@ -108,8 +108,7 @@ class Int8LinearMethod(LinearMethod):
         if layer.gemv_panels and x.shape[0] <= GEMV_MAX_ROWS:
             return cpu_qgemv.gemv_int8(x, layer.qweight, layer.wscale, layer.bias_f32)
         if layer.gemv_panels:
-            w = cpu_qgemv.dequant_int8(layer.qweight, layer.wscale, x.dtype)
-            return F.linear(x, w.to(x.dtype), layer.bias)
+            return linear_in(x, cpu_qgemv.dequant_int8(layer.qweight, layer.wscale, matmul_dtype(x)), layer.bias)
         return w8a16_linear_ref(x, self.codes(layer), layer.wscale, layer.bias)
 
     def decode_rows_kernel(self, layer):

@@ -1,7 +1,6 @@
 """`tokenmill tune --model M --slo ttft_p99=500ms,tpot_p99=50ms [workload flags] [engine flags]`."""
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
