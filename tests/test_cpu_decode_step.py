@@ -82,6 +82,18 @@ def test_decode_batches_up_to_eight_rows_are_bit_identical(dirs, dtype):
     _assert_same(fast, _run(dirs["qwen2"], prompts, dtype=dtype, max_num_seqs=6, enforce_eager=True)[0])
 
 
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_bfloat16_batches_over_eight_rows_where_the_kernels_take_them(dirs, quantization):
+    """bfloat16 linears on CPUs without a fast bf16 GEMM (AVX2) take the few-row kernels up to 64 rows, in
+    chunks of 8: 12-row decode steps then run in one C call, still bit-identical; elsewhere op by op."""
+    prompts = random_prompts([6, 2, 9, 4, 3, 7, 5, 8, 1, 2, 6, 3])
+    kw = dict(dtype="bfloat16", max_num_seqs=12, quantization=quantization)
+    fast, runner = _run(dirs["llama"], prompts, **kw)
+    step = runner.decode_step
+    assert (step.steps > 0 and step.rows / step.steps > 8) if step.max_rows >= 12 else step.steps == 0
+    _assert_same(fast, _run(dirs["llama"], prompts, enforce_eager=True, **kw)[0])
+
+
 def test_more_rows_than_it_takes_go_op_by_op(dirs):
     prompts = random_prompts([4] * 10)
     fast, runner = _run(dirs["llama"], prompts, max_num_seqs=10)

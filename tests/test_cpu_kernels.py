@@ -55,10 +55,11 @@ def test_kernels_build_on_an_avx2_cpu():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,k,bias,rows", [(16, 2, False, 1), (64, 70, True, 1), (4864, 896, False, 1),
                                            (1152, 896, True, 1), (16, 2, True, 2), (64, 70, True, 3),
-                                           (1152, 896, False, 5), (160, 4100, True, 8)])
+                                           (1152, 896, False, 5), (160, 4100, True, 8),
+                                           (64, 70, True, 9), (160, 96, False, 21)])
 def test_gemv_matches_linear(n, k, bias, rows, dtype):
-    """One row: the GEMV; 2-8 rows: gemm_rows, which reads each panel once for all of them (K > 4096 takes
-    its heap buffer for the widened bf16 rows)."""
+    """One row: the GEMV; more: gemm_rows, which reads each panel once for up to 8 of them (K > 4096 takes
+    its heap buffer for the widened bf16 rows; over 8 rows, balanced chunks)."""
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g).to(dtype)
     x = torch.randn(rows, k, generator=g).to(dtype)

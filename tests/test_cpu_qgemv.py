@@ -65,6 +65,25 @@ def test_int4_gemv_of_bfloat16_rows_matches_its_integer_twin(rows):
     assert y[0].isnan().all() and not y[1:].isnan().any()
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_int8_gemv_of_bfloat16_rows_matches_its_integer_twin(rows):
+    """The int8 kernels' integer path (AVX2, bfloat16 rows): x in blocks of INT8_BLOCK scaled to 15 bits, the
+    product rounded once to bfloat16, also where it cancels; a NaN row stays NaN and spares the others."""
+    n, k = 48, 4 * cpu_qgemv.INT8_BLOCK
+    g = torch.Generator().manual_seed(11)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    s = torch.rand(n, generator=g) * 0.01
+    w = q.double() * s.double()[:, None]
+    x = (torch.randn(rows, k, generator=g) * torch.exp2(torch.randint(-20, 4, (rows, k), generator=g).float()))
+    x = x.bfloat16()
+    y = cpu_qgemv.gemv_int8(x, cpu_qgemv.pack_int8(q), s).double()
+    twin = (cpu_qgemv.int16_twin(x, cpu_qgemv.INT8_BLOCK) if cpu_qgemv.int16_rows() else x.double()) @ w.t()
+    torch.testing.assert_close(y, twin, atol=1e-5, rtol=2 ** -8)
+    x[0, 5] = float("nan")
+    y = cpu_qgemv.gemv_int8(x, cpu_qgemv.pack_int8(q), s)
+    assert y[0].isnan().all() and not y[1:].isnan().any()
+
+
 def test_unsupported_shapes_are_declined():
     assert not cpu_qgemv.supports(40, 64)  # rows come in panels of 16
     assert not cpu_qgemv.supports(32, 100, 64)  # K must split into whole groups
@@ -86,7 +105,7 @@ def test_dequantized_panels_are_the_twins_weights(dtype):
     torch.testing.assert_close(w4.float(), dequantize_w4(qweight, qzeros, scales, 32), **exact)
 
 
-@pytest.mark.parametrize("rows", [2, 5, 8])
+@pytest.mark.parametrize("rows", [2, 5, 8, 9, 21])  # over 8: balanced chunks of at most 8 (ops/rows.h)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_multi_row_kernels_match_twins(rows, dtype):
     g = torch.Generator().manual_seed(rows)

@@ -105,9 +105,9 @@ class LoadContext:
 
 @dataclass(frozen=True)
 class DecodeRowsKernel:
-    """The C kernels a Linear's `apply` runs on CPU for one row and for a few (up to 8) rows, with their
-    operands, so that the fused decode step (ops/cpu_decode.py) can call the same kernels without Python
-    in between. kind: "f32" / "bf16" (ops/cpu_gemv.c: GEMV, gemm_rows; bias in the weights' dtype), "s8" /
+    """The C kernels a Linear's `apply` runs on CPU for one row and for up to `max_rows` rows (in chunks of 8),
+    with their operands, so that the fused decode step (ops/cpu_decode.py) can call the same kernels without
+    Python in between. kind: "f32" / "bf16" (ops/cpu_gemv.c: GEMV, gemm_rows; bias in the weights' dtype), "s8" /
     "u4" (ops/cpu_qgemv.c; bias float32)."""
 
     kind: str
@@ -118,6 +118,16 @@ class DecodeRowsKernel:
     scales: torch.Tensor | None = None
     zeros: torch.Tensor | None = None
     group_size: int = 0
+    max_rows: int = cpu_gemv.MAX_ROWS
+
+
+def kernel_rows(dtype: torch.dtype) -> int:
+    """Up to how many rows a CPU linear takes the few-row C kernels, each chunk of 8 rows reading the weights
+    once. Where torch has no fast bf16 GEMM (AVX2), bfloat16 layers take them up to 64 rows: at Qwen2.5-0.5B's
+    MLP shape 4.0 ms against 6.1 ms for the weight widened to float32 per call (BENCHMARKS.md, issue 14)."""
+    if dtype == torch.bfloat16 and not onednn_linear_available(torch.bfloat16):
+        return 64
+    return cpu_gemv.MAX_ROWS
 
 
 class LinearMethod:
@@ -180,6 +190,7 @@ class UnquantizedLinearMethod(LinearMethod):
             return
         if ctx.cpu_kernel in ("onednn+gemv", "torch+gemv") and cpu_gemv.supports(layer.weight):
             layer.gemv_packed = cpu_gemv.pack(layer.weight)
+            layer.kernel_rows = kernel_rows(layer.weight.dtype)
         if ctx.cpu_kernel == "torch+gemv":
             # without oneDNN's bf16 GEMM (AVX2 CPUs) torch's bf16 matmul is 5-7x slower than float32 at prefill
             # sizes: widening the weight per call and multiplying in float32 pays from a few rows up
@@ -191,7 +202,7 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer, x):
         packed = getattr(layer, "gemv_packed", None)
-        if packed is not None and x.shape[0] <= cpu_gemv.MAX_ROWS:  # a decode batch: each panel read once
+        if packed is not None and x.shape[0] <= layer.kernel_rows:  # a decode batch: each panel read once per 8 rows
             return (cpu_gemv.gemv if x.shape[0] == 1 else cpu_gemv.gemm_rows)(x, packed, layer.bias)
         if getattr(layer, "packed", None) is not None:
             return onednn_linear(x, layer.packed, layer.bias)
@@ -204,7 +215,8 @@ class UnquantizedLinearMethod(LinearMethod):
         if packed is None:
             return None
         kind = "bf16" if packed.dtype == torch.bfloat16 else "f32"
-        return DecodeRowsKernel(kind, packed, layer.out_features, layer.in_features, layer.bias)
+        return DecodeRowsKernel(kind, packed, layer.out_features, layer.in_features, layer.bias,
+                                max_rows=layer.kernel_rows)
 
     def dense_weight(self, layer):
         if layer.weight is None:

@@ -1,4 +1,4 @@
-/* A decode step of up to 8 rows (one token each) through the whole Llama decoder in one call (CPU).
+/* A decode step of up to 64 rows (one token each) through the whole Llama decoder in one call (CPU).
  *
  * A decode step of a small model is ~10 kernel calls per layer from Python, and the Python, ctypes and
  * torch dispatch between them costs more than their math; the OpenMP workers also fall asleep in the gaps
@@ -68,7 +68,7 @@ typedef struct {
     void *scratch;
 } tm_decoder;
 
-#define MAX_ROWS 8
+#define MAX_ROWS 64  /* the linears' kernels take any row count (in chunks of 8, rows.h) */
 
 /* M rows: the kernel the layer's `apply` takes for M rows (layers/linear.py, quantization/) */
 static void linear(const tm_linear *l, const char *x, char *y, int64_t M, int bf16, int nt) {

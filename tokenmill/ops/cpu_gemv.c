@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "rows.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -180,11 +181,11 @@ ALWAYS_INLINE void rows_panel_bf16(const uint32_t *blk, const float *x, int64_t 
 }
 
 #define ROWS_CASES(CALL) \
-    switch (M) { case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; case 5: CALL(5); break; \
+    switch (M) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; case 5: CALL(5); break; \
                  case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); break; }
 
-void tm_gemm_rows_f32(const float *P, const float *x, const float *bias, float *y, int64_t M, int64_t N, int64_t K,
-                      int nthreads) {
+static void gemm_rows_f32(const float *P, const float *x, const float *bias, float *y, int64_t M, int64_t N, int64_t K,
+                          int nthreads) {
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < N / 16; b++) {
         float acc[GEMM_MAX_ROWS][16] = {{0}};
@@ -197,8 +198,8 @@ void tm_gemm_rows_f32(const float *P, const float *x, const float *bias, float *
     }
 }
 
-void tm_gemm_rows_bf16(const uint16_t *P, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
-                       int64_t K, int nthreads) {
+static void gemm_rows_bf16(const uint16_t *P, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t M,
+                           int64_t N, int64_t K, int nthreads) {
     float xf[GEMM_MAX_ROWS * 4096], *xw = K <= 4096 ? xf : malloc(M * K * sizeof(float));
     for (int64_t i = 0; i < M * K; i++) xw[i] = bf16_to_f32(x[i]);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -213,4 +214,21 @@ void tm_gemm_rows_bf16(const uint16_t *P, const uint16_t *x, const uint16_t *bia
         }
     }
     if (xw != xf) free(xw);
+}
+
+/* any M >= 1, in chunks of at most GEMM_MAX_ROWS (rows.h) */
+void tm_gemm_rows_f32(const float *P, const float *x, const float *bias, float *y, int64_t M, int64_t N, int64_t K,
+                      int nthreads) {
+    for (int64_t c = 0, n = row_chunks(M, GEMM_MAX_ROWS); c < n; c++) {
+        const int64_t lo = row_chunk_start(M, n, c), hi = row_chunk_start(M, n, c + 1);
+        gemm_rows_f32(P, x + lo * K, bias, y + lo * N, hi - lo, N, K, nthreads);
+    }
+}
+
+void tm_gemm_rows_bf16(const uint16_t *P, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
+                       int64_t K, int nthreads) {
+    for (int64_t c = 0, n = row_chunks(M, GEMM_MAX_ROWS); c < n; c++) {
+        const int64_t lo = row_chunk_start(M, n, c), hi = row_chunk_start(M, n, c + 1);
+        gemm_rows_bf16(P, x + lo * K, bias, y + lo * N, hi - lo, N, K, nthreads);
+    }
 }

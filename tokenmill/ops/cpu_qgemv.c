@@ -23,6 +23,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "rows.h"
 
 /* sum(x) per group of G along K for each of M rows of x (bf16 or fp32): one pass, shared by every panel */
 static float *group_sums(const void *x, int64_t M, int64_t K, int64_t G, int x_bf16) {
@@ -181,8 +182,8 @@ void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const void *x
     free(owned);
 }
 
-void tm_qgemm_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t M,
-                 int64_t N, int64_t K, int y_bf16, int nthreads) {
+static void qgemm_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t M,
+                     int64_t N, int64_t K, int y_bf16, int nthreads) {
     float *owned;
     const float *x = widen(x_in, M * K, y_bf16, &owned);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -202,8 +203,8 @@ void tm_qgemm_s8(const int8_t *P, const float *scales, const void *x_in, const f
     free(owned);
 }
 
-void tm_qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, const uint16_t *x, const float *bias,
-                      void *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
+static void qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, const uint16_t *x, const float *bias,
+                          void *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
     const int64_t ngroups = K / G;
     float *xsum = group_sums(x, M, K, G, 1);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -312,21 +313,6 @@ static inline void u4_panel_dot(const uint8_t *blk, const float *x, int64_t k0, 
     for (int r = 0; r < 16; r++) dot[r] = a0[r] + a1[r];
 }
 
-void tm_qgemv_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t N,
-                 int64_t K, int y_bf16, int nthreads) {
-    float *owned;
-    const float *x = widen(x_in, K, y_bf16, &owned);
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t b = 0; b < N / 16; b++) {
-        float acc[16];
-        s8_panel_dot(P + b * K * 16, x, 0, K, acc);
-        #pragma omp simd
-        for (int r = 0; r < 16; r++) acc[r] *= scales[b * 16 + r];
-        store16_row(acc, bias, b * 16, y, y_bf16);
-    }
-    free(owned);
-}
-
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #include <math.h>
@@ -408,16 +394,95 @@ static inline __attribute__((always_inline)) void u4_int16_dots(const uint8_t *b
     }
 }
 
+/* int8 panels ([K][16] lines), the same integer scheme with blocks of S8_BLOCK along K in place of groups:
+ * two lines k, k + 1 sign-extended to words and interleaved give each row's (q[r,k], q[r,k+1]) in one
+ * 32-bit lane (rows 0-3 and 8-11 | 4-7 and 12-15), against the broadcast pair (xi[k], xi[k+1]).
+ * |q| <= 128, so a lane sums at most S8_BLOCK / 2 * 2 * 128 * 2^14 < 2^29 per block. */
+#define S8_BLOCK 64
+
+static inline __attribute__((always_inline)) void s8_int16_dots(const int8_t *blk, int64_t k0, int64_t k1,
+                                                                 const int32_t *xe0, const int32_t *xe1, const int two,
+                                                                 __m256 d0[2], __m256 d1[2]) {
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i a[2][2] = {{zero, zero}, {zero, zero}};
+    for (int64_t k = k0; k < k1; k += 2) {
+        const __m256i l0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + k * 16)));
+        const __m256i l1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + (k + 1) * 16)));
+        const __m256i lo = _mm256_unpacklo_epi16(l0, l1), hi = _mm256_unpackhi_epi16(l0, l1);
+        /* xe holds the pair (xi[k], xi[k + 1]) at lane 0 of chunk k / 4 for even k / 2, lane 4 for odd */
+        const int64_t at = (k / 4) * 8 + ((k / 2) & 1) * 4;
+        for (int m = 0; m < 1 + two; m++) {
+            const __m256i xv = _mm256_set1_epi32((m ? xe1 : xe0)[at]);
+            a[m][0] = _mm256_add_epi32(a[m][0], _mm256_madd_epi16(lo, xv));
+            a[m][1] = _mm256_add_epi32(a[m][1], _mm256_madd_epi16(hi, xv));
+        }
+    }
+    for (int m = 0; m < 1 + two; m++) {
+        d0[m] = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(a[m][0], a[m][1], 0x20));
+        d1[m] = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(a[m][0], a[m][1], 0x31));
+    }
+}
+
+/* x rows [M][K] (bfloat16) -> xe [M][K/4][8], xs and xsum [M][K/G]; 0 when a row holds a NaN or an infinity */
+static int rows_to_int16(const uint16_t *x, int64_t M, int64_t K, int64_t G, int32_t **xe, float **xs) {
+    const int64_t ngroups = K / G;
+    *xe = aligned_alloc(32, M * (K / 4) * 8 * sizeof(int32_t));
+    *xs = malloc(2 * M * ngroups * sizeof(float));
+    int ok = 1;
+    for (int64_t m = 0; m < M && ok; m++)
+        ok = x_to_int16(x + m * K, K, G, *xe + m * (K / 4) * 8, *xs + m * ngroups, *xs + M * ngroups + m * ngroups);
+    return ok;
+}
+
+static int qgemm_s8_bf16_int16(const int8_t *P, const float *scales, const uint16_t *x, const float *bias,
+                               uint16_t *y, int64_t M, int64_t N, int64_t K, int nthreads) {
+    if (K % S8_BLOCK) return 0;
+    const int64_t nblocks = K / S8_BLOCK;
+    int32_t *xe;
+    float *xs;
+    const int ok = rows_to_int16(x, M, K, S8_BLOCK, &xe, &xs);
+    if (ok) {  /* symmetric codes: no zero-point term */
+        #pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t b = 0; b < N / 16; b++) {
+            const int8_t *blk = P + b * K * 16;
+            __m256 y0[MAX_ROWS], y1[MAX_ROWS];
+            for (int64_t m = 0; m < M; m++) y0[m] = y1[m] = _mm256_setzero_ps();
+            for (int64_t g = 0; g < nblocks; g++)
+                for (int64_t m = 0; m < M; m += 2) {
+                    __m256 d0[2], d1[2];
+                    const int32_t *xe0 = xe + m * (K / 4) * 8;
+                    const int64_t k0 = g * S8_BLOCK, k1 = k0 + S8_BLOCK;
+                    if (m + 1 < M) s8_int16_dots(blk, k0, k1, xe0, xe0 + (K / 4) * 8, 1, d0, d1);
+                    else s8_int16_dots(blk, k0, k1, xe0, NULL, 0, d0, d1);
+                    for (int64_t i = m; i < M && i < m + 2; i++) {
+                        const __m256 xsg = _mm256_set1_ps(xs[i * nblocks + g]);
+                        y0[i] = _mm256_fmadd_ps(d0[i - m], xsg, y0[i]);
+                        y1[i] = _mm256_fmadd_ps(d1[i - m], xsg, y1[i]);
+                    }
+                }
+            const __m256 s0 = _mm256_loadu_ps(scales + b * 16), s1 = _mm256_loadu_ps(scales + b * 16 + 8);
+            for (int64_t m = 0; m < M; m++) {
+                float acc[16];
+                _mm256_storeu_ps(acc, _mm256_mul_ps(y0[m], s0));
+                _mm256_storeu_ps(acc + 8, _mm256_mul_ps(y1[m], s1));
+                store16_row(acc, bias, b * 16, y + m * N, 1);
+            }
+        }
+    }
+    free(xe);
+    free(xs);
+    return ok;
+}
+
 /* M <= MAX_ROWS bfloat16 rows; 0 (nothing written) when a row holds a NaN or an infinity */
 static int qgemm_u4_bf16_int16(const uint8_t *P, const float *S, const float *Z, const uint16_t *x, const float *bias,
                                uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
     const int64_t ngroups = K / G;
-    int32_t *xe = aligned_alloc(32, M * (K / 4) * 8 * sizeof(int32_t));
-    float *xs = malloc(2 * M * ngroups * sizeof(float)), *xsum = xs + M * ngroups;
-    int ok = 1;
-    for (int64_t m = 0; m < M && ok; m++)
-        ok = x_to_int16(x + m * K, K, G, xe + m * (K / 4) * 8, xs + m * ngroups, xsum + m * ngroups);
+    int32_t *xe;
+    float *xs;
+    const int ok = rows_to_int16(x, M, K, G, &xe, &xs);
     if (ok) {
+        const float *xsum = xs + M * ngroups;
         #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int64_t b = 0; b < N / 16; b++) {
             const uint8_t *blk = P + b * (K / 2) * 16;
@@ -454,6 +519,25 @@ static int qgemm_u4_bf16_int16(const uint8_t *P, const float *S, const float *Z,
 }
 #endif
 
+void tm_qgemv_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t N,
+                 int64_t K, int y_bf16, int nthreads) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (y_bf16 && qgemm_s8_bf16_int16(P, scales, x_in, bias, y, 1, N, K, nthreads)) return;
+#endif
+    float *owned;
+    const float *x = widen(x_in, K, y_bf16, &owned);
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < N / 16; b++) {
+        float acc[16];
+        s8_panel_dot(P + b * K * 16, x, 0, K, acc);
+        #pragma omp simd
+        for (int r = 0; r < 16; r++) acc[r] *= scales[b * 16 + r];
+        store16_row(acc, bias, b * 16, y, y_bf16);
+    }
+    free(owned);
+}
+
+
 void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const void *x_in, const float *bias, void *y,
                  int64_t N, int64_t K, int64_t G, int y_bf16, int nthreads) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -481,8 +565,11 @@ void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const void *x
     free(owned);
 }
 
-void tm_qgemm_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t M,
-                 int64_t N, int64_t K, int y_bf16, int nthreads) {
+static void qgemm_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t M,
+                     int64_t N, int64_t K, int y_bf16, int nthreads) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (y_bf16 && qgemm_s8_bf16_int16(P, scales, x_in, bias, y, M, N, K, nthreads)) return;
+#endif
     float *owned;
     const float *x = widen(x_in, M * K, y_bf16, &owned);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -516,8 +603,8 @@ void tm_qgemm_s8(const int8_t *P, const float *scales, const void *x_in, const f
     free(owned);
 }
 
-void tm_qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, const uint16_t *x_in, const float *bias,
-                      void *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
+static void qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, const uint16_t *x_in, const float *bias,
+                          void *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
 #if defined(__AVX2__) && defined(__FMA__)
     if (qgemm_u4_bf16_int16(P, S, Z, x_in, bias, y, M, N, K, G, nthreads)) return;
 #endif
@@ -555,6 +642,26 @@ void tm_qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, const ui
     free(x);
 }
 #endif
+
+
+/* any M >= 1, in chunks of at most MAX_ROWS (rows.h) */
+void tm_qgemm_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t M,
+                 int64_t N, int64_t K, int y_bf16, int nthreads) {
+    const int64_t e = y_bf16 ? 2 : 4;
+    for (int64_t c = 0, n = row_chunks(M, MAX_ROWS); c < n; c++) {
+        const int64_t lo = row_chunk_start(M, n, c), hi = row_chunk_start(M, n, c + 1);
+        qgemm_s8(P, scales, (const char *)x_in + lo * K * e, bias, (char *)y + lo * N * e, hi - lo, N, K, y_bf16,
+                 nthreads);
+    }
+}
+
+void tm_qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, const uint16_t *x, const float *bias, void *y,
+                      int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
+    for (int64_t c = 0, n = row_chunks(M, MAX_ROWS); c < n; c++) {
+        const int64_t lo = row_chunk_start(M, n, c), hi = row_chunk_start(M, n, c + 1);
+        qgemm_u4_bf16(P, S, Z, x + lo * K, bias, (uint16_t *)y + lo * N, hi - lo, N, K, G, nthreads);
+    }
+}
 
 /* Dequantize the panels to W^T [K, N] (bfloat16 when out_bf16, else float32), for steps with more rows
  * than the GEMVs take: the dense GEMM that follows (x @ W^T) amortizes this pass. Each panel row of
@@ -607,8 +714,8 @@ void tm_dequant_u4(const uint8_t *P, const float *S, const float *Z, void *out, 
     }
 }
 
-/* whether bfloat16 rows of the int4 kernels take the integer path (ops/cpu_qgemv.py int16_rows) */
-int tm_qgemv_u4_int16_rows(void) {
+/* whether bfloat16 rows of the int4 and int8 kernels take the integer path (ops/cpu_qgemv.py int16_rows) */
+int tm_qgemv_int16_rows(void) {
 #if !(defined(__AVX512F__) && defined(__AVX512BF16__)) && defined(__AVX2__) && defined(__FMA__)
     return 1;
 #else

@@ -31,7 +31,7 @@ def _library():
     lib.tm_dequant_s8.argtypes = [_P, _P, _P, _I, _I, ctypes.c_int, ctypes.c_int]
     lib.tm_dequant_u4.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int]
     lib.tm_qgemv_s8.restype = lib.tm_qgemv_u4.restype = lib.tm_dequant_s8.restype = lib.tm_dequant_u4.restype = None
-    lib.tm_qgemv_u4_int16_rows.restype = ctypes.c_int
+    lib.tm_qgemv_int16_rows.restype = ctypes.c_int
     return lib
 
 
@@ -40,8 +40,12 @@ def available() -> bool:
 
 
 def int16_rows() -> bool:
-    """Whether the int4 kernels multiply bfloat16 rows in integers (the AVX2 build): see `int16_twin`."""
-    return bool(_library().tm_qgemv_u4_int16_rows())
+    """Whether the int4 and int8 kernels multiply bfloat16 rows in integers (the AVX2 build): see `int16_twin`.
+    int4 scales x per AWQ group; int8 per block of INT8_BLOCK along K (when K is a multiple of it)."""
+    return bool(_library().tm_qgemv_int16_rows())
+
+
+INT8_BLOCK = 64  # S8_BLOCK in the C file
 
 
 def int16_twin(x: torch.Tensor, group_size: int) -> torch.Tensor:

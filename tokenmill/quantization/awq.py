@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers.linear import (LinearMethod, LoadContext, DecodeRowsKernel, UnquantizedLinearMethod, add_param,
-                                     linear_in, matmul_dtype)
+                                     kernel_rows, linear_in, matmul_dtype)
 from tokenmill.quantization.awq_format import dequantize_w4, unpack_int4
 from tokenmill.quantization.config import QuantizationConfig, awq_settings
-from tokenmill.quantization.int8 import GEMV_MAX_ROWS, Int8LinearMethod
+from tokenmill.quantization.int8 import Int8LinearMethod
 from tokenmill.ops import cpu_qgemv, triton_quant
 
 PACK = 8  # nibbles per int32
@@ -54,6 +54,7 @@ class AWQLinearMethod(LinearMethod):
         if fast and cpu_qgemv.available() and cpu_qgemv.supports(n, k, self.group_size):
             q = unpack_int4(layer.qweight.data).t()                          # [N, K]
             layer.panels = cpu_qgemv.pack_int4(q, layer.scales.data, unpack_int4(layer.qzeros.data), self.group_size)
+            layer.kernel_rows = kernel_rows(ctx.dtype)
         elif fast and int4pack_available():
             q = unpack_int4(layer.qweight.data).t().contiguous().to(torch.int32)
             s = layer.scales.data.float()                                     # [K/G, N]
@@ -70,13 +71,13 @@ class AWQLinearMethod(LinearMethod):
             return None
         packed, s, z = layer.panels
         return DecodeRowsKernel("u4", packed, layer.out_features, layer.in_features, layer.bias_f32, scales=s, zeros=z,
-                            group_size=self.group_size)
+                                group_size=self.group_size, max_rows=layer.kernel_rows)
 
     def apply(self, layer, x):
         if layer.triton:
             return triton_quant.awq_gemm(x, layer.qweight, layer.qzeros, layer.scales, self.group_size, layer.bias)
         if layer.panels is not None:
-            if x.shape[0] <= GEMV_MAX_ROWS:
+            if x.shape[0] <= layer.kernel_rows:
                 return cpu_qgemv.gemv_int4(x, *layer.panels, self.group_size, layer.bias_f32)
             w = cpu_qgemv.dequant_int4(*layer.panels, self.group_size, matmul_dtype(x))
             return linear_in(x, w, layer.bias)

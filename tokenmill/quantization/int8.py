@@ -15,14 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers.linear import (LinearMethod, LoadContext, DecodeRowsKernel, UnquantizedLinearMethod, add_param,
-                                     linear_in, matmul_dtype, padded_rows)
+                                     kernel_rows, linear_in, matmul_dtype, padded_rows)
 from tokenmill.ops import cpu_qgemv, native, triton_quant
 from tokenmill.quantization.awq_format import quantize_w8
 from tokenmill.quantization.config import QuantizationConfig
 
 # Up to this many rows the GEMV kernels read each weight line once for all rows; above it the weight is
 # dequantized once per call and a dense GEMM runs, which larger batches amortize (benchmarks/bench_qkernels.py).
-GEMV_MAX_ROWS = cpu_qgemv.MAX_ROWS
 
 
 def qlinear_available() -> bool:
@@ -84,6 +83,7 @@ class Int8LinearMethod(LinearMethod):
         layer.bias_f32 = None if layer.bias is None else layer.bias.data.float()
         # W8A16 keeps one copy of the codes: the GEMV panel layout when the kernel is there, else [N, K]
         layer.gemv_panels = fast and not self.activations and cpu_qgemv.available() and cpu_qgemv.supports(n, k)
+        layer.kernel_rows = kernel_rows(ctx.dtype)
         layer.register_buffer("qweight", cpu_qgemv.pack_int8(q) if layer.gemv_panels else q.contiguous(),
                               persistent=False)
         layer.qlinear = None
@@ -105,7 +105,7 @@ class Int8LinearMethod(LinearMethod):
             return self._w8a8(layer, x)
         if layer.triton:
             return triton_quant.int8_gemm(x, layer.qweight, layer.wscale, layer.bias)
-        if layer.gemv_panels and x.shape[0] <= GEMV_MAX_ROWS:
+        if layer.gemv_panels and x.shape[0] <= layer.kernel_rows:
             return cpu_qgemv.gemv_int8(x, layer.qweight, layer.wscale, layer.bias_f32)
         if layer.gemv_panels:
             return linear_in(x, cpu_qgemv.dequant_int8(layer.qweight, layer.wscale, matmul_dtype(x)), layer.bias)
@@ -115,7 +115,7 @@ class Int8LinearMethod(LinearMethod):
         if self.activations or layer.triton or not layer.gemv_panels:
             return None
         return DecodeRowsKernel("s8", layer.qweight, layer.out_features, layer.in_features, layer.bias_f32,
-                            scales=layer.wscale)
+                                scales=layer.wscale, max_rows=layer.kernel_rows)
 
     def _w8a8(self, layer, x):
         qmax = layer.act_qmax

@@ -1,13 +1,14 @@
-"""The CPU's captured decode step: a step of up to 8 decode rows (one token each: decodes, speculative
-verification rows, a draft model's steps) through the whole model in one C call (ops/cpu_decode.c), where
-the per-op path makes ~65 Python-level kernel calls. It plays the part CUDA graphs play on a GPU
+"""The CPU's captured decode step: a step of decode rows (one token each: decodes, speculative verification
+rows, a draft model's steps) through the whole model in one C call (ops/cpu_decode.c), where the per-op path
+makes ~65 Python-level kernel calls. It takes up to 8 rows, or up to 64 where every linear gives its C kernels
+that many (bfloat16 on CPUs without a fast bf16 GEMM: layers/linear.py `kernel_rows`). It plays the part CUDA graphs play on a GPU
 (worker/cuda_graphs.py), with the same runner interface (`can_run`, `run`), and like them it is off with
 `enforce_eager`.
 
 It is built only where the per-op path would run exactly the kernels the driver calls, so that its output
 is bit-identical to that path's: a whole Llama-family model (no tensor or pipeline split) in float32 or
 bfloat16, the torch attention backend with its C decode kernel, the fused C norm / rotary / SiLU kernels,
-and C kernels for one to eight rows behind every linear layer (float GEMVs, int8 or AWQ int4). `build`
+and C kernels for the step's rows behind every linear layer (float GEMVs, int8 or AWQ int4). `build`
 returns None, and says why in the debug log, everywhere else; those models keep the per-op path.
 """
 from __future__ import annotations
@@ -72,7 +73,9 @@ def _operands(model, backend: AttentionBackend, kv_caches, block_size: int) -> c
 class CpuDecodeStep:
     def __init__(self, kernel: cpu_decode.DecoderKernel):
         self.kernel = kernel
-        self.max_rows = cpu_decode.max_rows()
+        # as many rows as every linear's `apply` gives its C kernels (8, or 64 for bf16 on AVX2)
+        self.max_rows = min([cpu_decode.max_rows()] + [k.max_rows for lo in kernel.ops.layers
+                                                       for k in (lo.qkv, lo.o, lo.gate_up, lo.down)])
         self.steps = self.rows = 0  # decode steps it ran, and their rows (tests and benchmarks read them)
 
     @classmethod
