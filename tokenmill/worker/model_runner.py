@@ -13,6 +13,7 @@ the last stage samples and proposes.
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +36,14 @@ class ModelRunnerOutput:
     propose_seconds: float = 0.0  # time the proposer took this step (charged to its drafts by the draft policy)
     # per request: logprob rows for the prompt tokens this chunk predicted (positions start+1 ..)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows] for strictly increasing rows: a slice when they are consecutive (decode-only steps), which
+    costs a fifth of a gather."""
+    if rows[-1] - rows[0] == len(rows) - 1:
+        return t[rows[0]:rows[-1] + 1]
+    return t[rows]
 
 
 class ModelRunner:
@@ -144,9 +153,12 @@ class ModelRunner:
                 tables += row
             qsl.append(qsl[-1] + n)
         rows = len(pos)
-        # two host-to-device copies: the int64 rows and the int32 rows, cut into views
-        longs = torch.tensor(toks + pos + slots, device=dev)
-        ints = torch.tensor(list(range(rows + 1)) + lens + tables, dtype=torch.int32, device=dev)
+        # two tensors (host-to-device copies): the int64 rows and the int32 rows, cut into views; from
+        # arrays, which torch wraps without a per-element conversion (4x cheaper than torch.tensor(list))
+        longs = torch.frombuffer(array("q", toks + pos + slots), dtype=torch.int64)
+        ints = torch.frombuffer(array("i", list(range(rows + 1)) + lens + tables), dtype=torch.int32)
+        if dev != "cpu":
+            longs, ints = longs.to(dev), ints.to(dev)
         batch = AttentionBatch(
             slot_mapping=longs[2 * rows:], query_start_loc=ints[:rows + 1], seq_lens=ints[rows + 1:2 * rows + 1],
             block_tables=ints[2 * rows + 1:].view(rows, width), num_decodes=rows, max_seq_len=max(lens),
@@ -177,11 +189,11 @@ class ModelRunner:
             return out
         plain = [i for i, s in enumerate(seqs) if s.num_sampled_positions and not s.draft_token_ids]
         if plain:
-            self._sample(out, [seqs[i] for i in plain], hidden[[qsl[i + 1] - 1 for i in plain]])
+            self._sample(out, [seqs[i] for i in plain], _rows(hidden, [qsl[i + 1] - 1 for i in plain]))
         drafted = [i for i, s in enumerate(seqs) if s.draft_token_ids]
         if drafted:
             rows = [r for i in drafted for r in range(qsl[i + 1] - seqs[i].num_sampled_positions, qsl[i + 1])]
-            self._verify(out, [seqs[i] for i in drafted], hidden[rows])
+            self._verify(out, [seqs[i] for i in drafted], _rows(hidden, rows))
         if self.proposer is not None:
             self._propose(out, seqs)
         for i, s in enumerate(seqs):
