@@ -40,8 +40,9 @@ def test_long_text_ladder_switches_the_levers_on_in_turn(tmp_path):
     rungs = long_text_rungs((128, 32), host_cache_gb=0.01)
     cfgs = [c for _, _, c in ladder_configs({"model": "m"}, SCENARIOS["long-text"], rungs)]
     assert not cfgs[0]["enable_chunked_prefill"] and not cfgs[0]["enable_prefix_caching"]
-    assert [c["max_num_batched_tokens"] for c in cfgs[1:4]] == [128, 128, 32]
-    assert [c.get("long_prefill_token_threshold", 0) for c in cfgs[1:4]] == [0, 64, 16]
+    assert [c["max_num_batched_tokens"] for c in cfgs[1:5]] == [128, 128, 128, 32]
+    assert [c.get("long_prefill_token_threshold", 0) for c in cfgs[1:5]] == [0, 64, 64, 16]
+    assert [c.get("max_long_partial_prefills", 0) for c in cfgs[1:5]] == [0, 0, 1, 1]
     assert cfgs[-1]["enable_prefix_caching"] and cfgs[-1]["kv_host_cache_gb"] == 0.01 and cfgs[-1]["speculative_config"]
     ladder = run_ladder(DEFAULT_MODEL, str(out), "long-text", dict(
         num_prompts=8, request_rate=50.0, long_doc_len=256, short_len=16, question_len=8, questions_per_doc=2,

@@ -196,3 +196,9 @@ def test_long_prefill_threshold_gives_the_same_tokens(llama_dir, reference):
     prompts, ref = reference
     llm = make_llm(llama_dir, max_num_batched_tokens=40, long_prefill_token_threshold=12)
     assert _run(llm, prompts) == ref
+    llm = make_llm(llama_dir, max_num_batched_tokens=40, long_prefill_token_threshold=12, max_long_partial_prefills=1)
+    assert _run(llm, prompts) == ref
+    with pytest.raises(ValueError, match="max_long_partial_prefills needs long_prefill_token_threshold"):
+        make_llm(llama_dir, max_long_partial_prefills=1)
+    with pytest.raises(ValueError, match="max_long_partial_prefills must be >= 0"):
+        make_llm(llama_dir, long_prefill_token_threshold=12, max_long_partial_prefills=-1)

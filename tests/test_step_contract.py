@@ -175,6 +175,26 @@ def test_long_prefill_threshold_lets_a_short_prompt_start_behind_a_long_one():
     assert all(n <= 16 for s in sizes for n in [sum(s.values())])
 
 
+def test_max_long_partial_prefills_lets_short_prompts_pass_a_second_document():
+    """Two 60-token documents and a short prompt arrive together, budget 16, cap 8: without a limit both
+    documents take the step and the short prompt waits; with max_long_partial_prefills=1 the second document
+    waits (until the first has one chunk left) and the short prompt runs in the first step."""
+    def first_steps(**kw):
+        sched = _scheduler(num_blocks=64, block_size=4, budget=16, long_prefill_token_threshold=8, **kw)
+        for rid, n in (("doc1", 60), ("doc2", 60), ("short", 3)):
+            sched.add_request(_request(rid, n) if rid != "doc2" else
+                              Request(rid, list(range(200, 260)), SamplingParams(temperature=0, max_tokens=4,
+                                                                                 ignore_eos=True)))
+        return [{s.request_id: s.num_new_tokens for s in _run_step(sched).seqs} for _ in range(9)]
+
+    assert first_steps()[0] == {"doc1": 8, "doc2": 8}
+    steps = first_steps(max_long_partial_prefills=1)
+    assert steps[0] == {"doc1": 8, "short": 3}
+    doc2_start = next(i for i, s in enumerate(steps) if "doc2" in s)
+    assert doc2_start == 7  # doc1 had 60 - 7 * 8 = 4 tokens left: its last chunk
+    assert all(set(s) <= {"doc1", "short"} for s in steps[:doc2_start])
+
+
 def test_a_long_prompt_starts_only_when_the_pool_holds_all_of_it():
     """Two 40-token prompts, a pool of 15 four-token blocks (room for one and a half), chunks of 8: the second
     waits for the first to finish instead of both prefilling, and preempting each other, in turns."""

@@ -141,6 +141,9 @@ class EngineConfig:
     long_prefill_token_threshold: int = option(0, "chunked prefill: most tokens one request's prefill takes per "
                                                "step (0: the whole budget), so prompts behind a long one start "
                                                "in the same step instead of after its whole prefill (vLLM's name)")
+    max_long_partial_prefills: int = option(0, "chunked prefill: at most this many prompts longer than "
+                                            "long_prefill_token_threshold prefill at once (0: no limit); the rest wait "
+                                            "while shorter prompts pass them (vLLM's name)")
     scheduling_policy: str = option("fcfs", "fcfs, or priority (lower values run first)",
                                     choices=("fcfs", "priority"))
     load_format: str = option("auto", "dummy: random weights for any config.json (benchmarking real shapes)",
@@ -334,6 +337,11 @@ class EngineConfig:
             self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_num_seqs * self.max_model_len)
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.max_long_partial_prefills < 0:
+            raise ValueError(f"max_long_partial_prefills must be >= 0, got {self.max_long_partial_prefills}")
+        if self.max_long_partial_prefills and not self.long_prefill_token_threshold:
+            raise ValueError("max_long_partial_prefills needs long_prefill_token_threshold (which prompts count as "
+                             "long)")
         if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
             raise ValueError("long_prefill_token_threshold needs chunked prefill (a prompt's prefill is split "
                              "across steps only then)")

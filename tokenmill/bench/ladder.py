@@ -50,8 +50,8 @@ PENDING: list[tuple[str, str]] = []
 def long_text_rungs(budgets: tuple[int, ...] = (2048, 512), host_cache_gb: float = 2.0,
                     prefill_cap: int | None = None) -> list[tuple[str, str, dict]]:
     """The long-text ladder: the production engine with the long-prompt levers off, then each in turn.
-    After the first budget comes the long-prefill cap (`prefill_cap`, default half the budget), then the
-    smaller budgets (the cap at most half of each)."""
+    After the first budget comes the long-prefill cap (`prefill_cap`, default half the budget), one long
+    prefill at a time, then the smaller budgets (the cap at most half of each)."""
     rungs = [("baseline", "the production engine (continuous batching, paged KV, fused attention, packed GEMMs) with "
               "chunked prefill and prefix caching off: a step takes whole prompts, so whatever arrives behind a "
               "document waits for all of its prefill", {})]
@@ -63,6 +63,9 @@ def long_text_rungs(budgets: tuple[int, ...] = (2048, 512), host_cache_gb: float
         (f"+ long-prefill cap ({cap})", f"one prefill takes at most {cap} tokens of a step (long_prefill_token_threshold):"
          " a short prompt behind a document starts in the next step, not after the document's whole prefill",
          dict(long_prefill_token_threshold=cap)),
+        ("+ one document at a time", "at most one prompt longer than the cap prefills at once "
+         "(max_long_partial_prefills=1): a second document waits, and the short prompts behind it pass, so a burst "
+         "of documents leaves room in every step", dict(max_long_partial_prefills=1)),
     ]
     for b in smaller:
         rungs.append((f"chunk budget {b}", f"a smaller per-step token budget, {b} (cap {min(cap, b // 2)}): each step, "
@@ -315,7 +318,8 @@ def add_ladder_parser(sub) -> None:
 _RUN_LADDER_ARGS = {"model", "dtype", "max_model_len", "max_num_seqs", "num_kv_blocks", "seed"}
 _SET_BY_RUNGS = {"batching", "kv_layout", "attention_impl", "cpu_linear_kernel", "enable_prefix_caching", "quantization",
                  "kv_host_cache_gb", "speculative_config", "enable_chunked_prefill", "max_num_batched_tokens",
-                 "long_prefill_token_threshold", "mm_encoder_cache", "mm_encoder_overlap", "mm_encoder_quantization"}
+                 "long_prefill_token_threshold", "max_long_partial_prefills", "mm_encoder_cache", "mm_encoder_overlap",
+                 "mm_encoder_quantization"}
 _WORKLOAD_ARGS = ("num_prompts", "request_rate", "output_len", "prefix_len", "suffix_len", "num_prefixes",
                   "long_doc_len", "short_len", "question_len", "questions_per_doc", "long_fraction", "input_len",
                   "mm_images_per_request", "mm_image_size", "mm_num_distinct_images", "mm_video_fraction",

@@ -40,7 +40,7 @@ def build_scheduler(config: EngineConfig, kv: KVCacheManager, multimodal: bool =
                                    config.mm_encoder_overlap)
     if config.batching == "static":
         return StaticBatchScheduler(*args, encoder=encoder, batch_wait_s=config.static_batch_wait_s)
-    return Scheduler(*args, encoder=encoder)
+    return Scheduler(*args, encoder=encoder, max_long_partial_prefills=config.max_long_partial_prefills)
 
 
 def build_attention_backend(config: EngineConfig) -> AttentionBackend:

@@ -76,7 +76,7 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, policy: str = "fcfs", enable_chunked_prefill: bool = True,
                  spec: DraftPolicy | None = None, long_prefill_token_threshold: int = 0,
-                 encoder: EncoderScheduler | None = None):
+                 encoder: EncoderScheduler | None = None, max_long_partial_prefills: int = 0):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -87,6 +87,9 @@ class Scheduler:
         # rest to prompts that arrive behind a long one; decodes are never capped
         self.prefill_cap = long_prefill_token_threshold if enable_chunked_prefill and long_prefill_token_threshold \
             else max_num_batched_tokens
+        # at most this many prompts longer than the cap prefill at once (0: any number); the others wait while
+        # shorter prompts pass them, so a burst of documents leaves room in every step for short requests
+        self.max_long_prefills = max_long_partial_prefills if self.prefill_cap < max_num_batched_tokens else 0
         self.requests: dict[str, Request] = {}
         # per running request: how many of its block ids the worker has been sent
         self._blocks_sent: dict[str, int] = {}
@@ -260,6 +263,7 @@ class Scheduler:
         if not len(self.waiting):
             return budget
         debt = sum(self.kv.blocks_still_needed(r, r.num_tokens) for r in self.running) if self.chunked else 0
+        long_prefills = sum(self._is_long_prefill(r) for r in self.running) if self.max_long_prefills else 0
         blocked = False
         for req in self.waiting.ordered():
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
@@ -278,6 +282,9 @@ class Scheduler:
                     break
             num_cached = len(cached) * self.kv.block_size
             n = req.num_tokens - num_cached
+            is_long = self.max_long_prefills and n > self.prefill_cap
+            if is_long and long_prefills >= self.max_long_prefills:
+                continue  # shorter prompts behind it may pass
             if self.chunked:
                 if not self.kv.fits(self.kv.blocks_still_needed(req, req.num_tokens) - len(cached), cached, debt):
                     blocked = True
@@ -310,9 +317,14 @@ class Scheduler:
             scheduled[req.request_id] = n
             budget -= n
             debt += self.kv.blocks_still_needed(req, req.num_tokens)
+            long_prefills += bool(is_long)
             if req.mm_items:
                 self.encoder.commit(req, n)
         return budget
+
+    def _is_long_prefill(self, req: Request) -> bool:
+        """A running prompt whose prefill still has more than one capped chunk to go."""
+        return req.num_prompt_tokens - req.num_computed_tokens > self.prefill_cap
 
     def _plan_admitted_encodes(self, req: Request, n: int, scheduled: dict[str, int]) -> int:
         """A joining request's tokens and inline encodes; 0 tokens when it must wait for its images (the
