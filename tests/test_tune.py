@@ -64,6 +64,12 @@ def test_the_space_leaves_fixed_settings_alone():
     assert fixed == {"max_num_seqs": 8, "model": "m"}
     assert "max_num_seqs" not in searched(None, fixed) and "block_size" in searched(None, fixed)
     assert normalize({"enable_chunked_prefill": False, "max_num_batched_tokens": 512}) == {"enable_chunked_prefill": False}
+    # one long prefill at a time needs a threshold that says which prompts are long
+    assert normalize({"long_prefill_token_threshold": 0, "max_long_partial_prefills": 1})["max_long_partial_prefills"] == 0
+    assert normalize({"long_prefill_token_threshold": 512, "max_long_partial_prefills": 1,
+                      "max_num_batched_tokens": 2048})["max_long_partial_prefills"] == 1
+    assert "max_long_partial_prefills" not in searched(["max_long_partial_prefills"], {})
+    assert "max_long_partial_prefills" in searched(["max_long_partial_prefills"], {"long_prefill_token_threshold": 256})
     assert to_flags({"enable_prefix_caching": False, "max_num_seqs": 8, "quantization": None}) == [
         "--no-enable-prefix-caching", "--max-num-seqs", "8"]
     with pytest.raises(ValueError, match="unknown setting\\(s\\) to search: foo; searchable: max_num_seqs"):

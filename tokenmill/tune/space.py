@@ -13,6 +13,7 @@ SPACE: dict[str, list] = {
     "max_num_batched_tokens": [256, 512, 1024, 2048, 4096],
     "enable_chunked_prefill": [True, False],
     "long_prefill_token_threshold": [0, 256, 512, 1024, 2048],
+    "max_long_partial_prefills": [0, 1],
     "enable_prefix_caching": [True, False],
     "block_size": [16, 32],
     "quantization": [None, "int8"],
@@ -27,7 +28,10 @@ def searched(names: list[str] | None, fixed: dict) -> dict[str, list]:
         if unknown:
             raise ValueError(f"unknown setting(s) to search: {', '.join(unknown)}; searchable: {', '.join(SPACE)}")
     chosen = names or list(SPACE)
-    return {n: SPACE[n] for n in chosen if n not in fixed}
+    space = {n: SPACE[n] for n in chosen if n not in fixed}
+    if "long_prefill_token_threshold" not in space and not fixed.get("long_prefill_token_threshold"):
+        space.pop("max_long_partial_prefills", None)  # which prompts are long comes from the threshold
+    return space
 
 
 def fixed_settings(engine_kwargs: dict) -> dict:
@@ -42,8 +46,11 @@ def normalize(settings: dict) -> dict:
     if s.get("enable_chunked_prefill") is False:
         s.pop("max_num_batched_tokens", None)
         s.pop("long_prefill_token_threshold", None)
+        s.pop("max_long_partial_prefills", None)
     elif s.get("long_prefill_token_threshold", 0) >= s.get("max_num_batched_tokens", 2048):
         s["long_prefill_token_threshold"] = 0  # a cap at or above the budget caps nothing
+    if s.get("long_prefill_token_threshold", None) == 0 and s.get("max_long_partial_prefills"):
+        s["max_long_partial_prefills"] = 0  # no threshold: no prompt counts as long
     if s.get("kv_host_cache_gb") and s.get("enable_prefix_caching") is False:
         s["kv_host_cache_gb"] = 0.0  # tiers store prefix-cache blocks
     return s
