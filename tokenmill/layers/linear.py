@@ -74,9 +74,15 @@ def matmul_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype to multiply `x` in, on CPU, against a weight made for this call (widened or dequantized): without
     oneDNN's bf16 GEMM (AVX2 CPUs) torch's bf16 matmul is 5-7x slower than float32 at prefill sizes, so bfloat16
     rows are multiplied in float32 there."""
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not onednn_linear_available(torch.bfloat16):
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and slow_bf16_gemm():
         return torch.float32
     return x.dtype
+
+
+@functools.cache
+def slow_bf16_gemm() -> bool:
+    """Whether this CPU lacks oneDNN's bf16 GEMM (AVX2), where torch's bf16 matmul is slow: decided once."""
+    return not onednn_linear_available(torch.bfloat16)
 
 
 def linear_in(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -125,7 +131,7 @@ def kernel_rows(dtype: torch.dtype) -> int:
     """Up to how many rows a CPU linear takes the few-row C kernels, each chunk of 8 rows reading the weights
     once. Where torch has no fast bf16 GEMM (AVX2), bfloat16 layers take them up to 64 rows: at Qwen2.5-0.5B's
     MLP shape 4.0 ms against 6.1 ms for the weight widened to float32 per call (BENCHMARKS.md, issue 14)."""
-    if dtype == torch.bfloat16 and not onednn_linear_available(torch.bfloat16):
+    if dtype == torch.bfloat16 and slow_bf16_gemm():
         return 64
     return cpu_gemv.MAX_ROWS
 

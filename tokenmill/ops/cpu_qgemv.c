@@ -39,6 +39,17 @@ static float *group_sums(const void *x, int64_t M, int64_t K, int64_t G, int x_b
     return sums;
 }
 
+/* 16 values to out[idx ..], rounded to bfloat16 when out_bf16 */
+static inline void store16(void *out, int64_t idx, const float *v, int out_bf16) {
+    if (out_bf16) {
+        #pragma omp simd
+        for (int r = 0; r < 16; r++) ((uint16_t *)out)[idx + r] = f32_to_bf16(v[r]);
+    } else {
+        #pragma omp simd
+        for (int r = 0; r < 16; r++) ((float *)out)[idx + r] = v[r];
+    }
+}
+
 static const float *widen(const void *x, int64_t K, int x_bf16, float **owned) {
     *owned = NULL;
     if (!x_bf16) return (const float *)x;
@@ -263,13 +274,7 @@ static inline void store16_row(const float *acc, const float *bias, int64_t n0, 
     float v[16];
     #pragma omp simd
     for (int r = 0; r < 16; r++) v[r] = bias ? acc[r] + bias[n0 + r] : acc[r];
-    if (y_bf16) {
-        #pragma omp simd
-        for (int r = 0; r < 16; r++) ((uint16_t *)y)[n0 + r] = f32_to_bf16(v[r]);
-    } else {
-        #pragma omp simd
-        for (int r = 0; r < 16; r++) ((float *)y)[n0 + r] = v[r];
-    }
+    store16(y, n0, v, y_bf16);
 }
 
 /* sum_k x[k] q[n,k] over k in [k0, k1) for the 16 rows of an int8 panel */
@@ -314,6 +319,7 @@ static inline void u4_panel_dot(const uint8_t *blk, const float *x, int64_t k0, 
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
+#define INT16_ROWS 1  /* bfloat16 rows of the int4 / int8 kernels take the integer path below */
 #include <immintrin.h>
 #include <math.h>
 
@@ -423,6 +429,17 @@ static inline __attribute__((always_inline)) void s8_int16_dots(const int8_t *bl
     }
 }
 
+/* a panel's 16 outputs (rows 0-7 in y0, 8-15 in y1) of M rows, + bias, to bfloat16 y [M][N] at column n0 */
+static inline void store_panel_rows(const __m256 *y0, const __m256 *y1, int64_t M, const float *bias, int64_t n0,
+                                    uint16_t *y, int64_t N) {
+    for (int64_t m = 0; m < M; m++) {
+        float acc[16];
+        _mm256_storeu_ps(acc, y0[m]);
+        _mm256_storeu_ps(acc + 8, y1[m]);
+        store16_row(acc, bias, n0, y + m * N, 1);
+    }
+}
+
 /* x rows [M][K] (bfloat16) -> xe [M][K/4][8], xs and xsum [M][K/G]; 0 when a row holds a NaN or an infinity */
 static int rows_to_int16(const uint16_t *x, int64_t M, int64_t K, int64_t G, int32_t **xe, float **xs) {
     const int64_t ngroups = K / G;
@@ -462,11 +479,10 @@ static int qgemm_s8_bf16_int16(const int8_t *P, const float *scales, const uint1
                 }
             const __m256 s0 = _mm256_loadu_ps(scales + b * 16), s1 = _mm256_loadu_ps(scales + b * 16 + 8);
             for (int64_t m = 0; m < M; m++) {
-                float acc[16];
-                _mm256_storeu_ps(acc, _mm256_mul_ps(y0[m], s0));
-                _mm256_storeu_ps(acc + 8, _mm256_mul_ps(y1[m], s1));
-                store16_row(acc, bias, b * 16, y + m * N, 1);
+                y0[m] = _mm256_mul_ps(y0[m], s0);
+                y1[m] = _mm256_mul_ps(y1[m], s1);
             }
+            store_panel_rows(y0, y1, M, bias, b * 16, y, N);
         }
     }
     free(xe);
@@ -505,12 +521,7 @@ static int qgemm_u4_bf16_int16(const uint8_t *P, const float *S, const float *Z,
                     }
                 }
             }
-            for (int64_t m = 0; m < M; m++) {
-                float acc[16];
-                _mm256_storeu_ps(acc, y0[m]);
-                _mm256_storeu_ps(acc + 8, y1[m]);
-                store16_row(acc, bias, b * 16, y + m * N, 1);
-            }
+            store_panel_rows(y0, y1, M, bias, b * 16, y, N);
         }
     }
     free(xe);
@@ -521,7 +532,7 @@ static int qgemm_u4_bf16_int16(const uint8_t *P, const float *S, const float *Z,
 
 void tm_qgemv_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t N,
                  int64_t K, int y_bf16, int nthreads) {
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef INT16_ROWS
     if (y_bf16 && qgemm_s8_bf16_int16(P, scales, x_in, bias, y, 1, N, K, nthreads)) return;
 #endif
     float *owned;
@@ -537,10 +548,9 @@ void tm_qgemv_s8(const int8_t *P, const float *scales, const void *x_in, const f
     free(owned);
 }
 
-
 void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const void *x_in, const float *bias, void *y,
                  int64_t N, int64_t K, int64_t G, int y_bf16, int nthreads) {
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef INT16_ROWS
     if (y_bf16 && qgemm_u4_bf16_int16(P, S, Z, x_in, bias, y, 1, N, K, G, nthreads)) return;
 #endif
     float *owned;
@@ -567,7 +577,7 @@ void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const void *x
 
 static void qgemm_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t M,
                      int64_t N, int64_t K, int y_bf16, int nthreads) {
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef INT16_ROWS
     if (y_bf16 && qgemm_s8_bf16_int16(P, scales, x_in, bias, y, M, N, K, nthreads)) return;
 #endif
     float *owned;
@@ -605,7 +615,7 @@ static void qgemm_s8(const int8_t *P, const float *scales, const void *x_in, con
 
 static void qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, const uint16_t *x_in, const float *bias,
                           void *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef INT16_ROWS
     if (qgemm_u4_bf16_int16(P, S, Z, x_in, bias, y, M, N, K, G, nthreads)) return;
 #endif
     const int64_t ngroups = K / G;
@@ -643,7 +653,6 @@ static void qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, cons
 }
 #endif
 
-
 /* any M >= 1, in chunks of at most MAX_ROWS (rows.h) */
 void tm_qgemm_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t M,
                  int64_t N, int64_t K, int y_bf16, int nthreads) {
@@ -667,16 +676,6 @@ void tm_qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, const ui
  * than the GEMVs take: the dense GEMM that follows (x @ W^T) amortizes this pass. Each panel row of
  * 16 outputs is one contiguous 16-value store, so no transpose is needed. One memory-bound pass per call,
  * so one portable implementation serves every CPU (gcc vectorizes it for the CPU at hand). */
-static inline void store16(void *out, int64_t idx, const float *v, int out_bf16) {
-    if (out_bf16) {
-        #pragma omp simd
-        for (int r = 0; r < 16; r++) ((uint16_t *)out)[idx + r] = f32_to_bf16(v[r]);
-    } else {
-        #pragma omp simd
-        for (int r = 0; r < 16; r++) ((float *)out)[idx + r] = v[r];
-    }
-}
-
 void tm_dequant_s8(const int8_t *P, const float *scales, void *out, int64_t N, int64_t K, int out_bf16,
                    int nthreads) {
     #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -716,7 +715,7 @@ void tm_dequant_u4(const uint8_t *P, const float *S, const float *Z, void *out, 
 
 /* whether bfloat16 rows of the int4 and int8 kernels take the integer path (ops/cpu_qgemv.py int16_rows) */
 int tm_qgemv_int16_rows(void) {
-#if !(defined(__AVX512F__) && defined(__AVX512BF16__)) && defined(__AVX2__) && defined(__FMA__)
+#ifdef INT16_ROWS
     return 1;
 #else
     return 0;
