@@ -5,8 +5,9 @@ on in turn; P50/P99 TTFT and E2E by length class and the long/short P99 ratio pe
     python benchmarks/bench_long_text.py --shape tiny8k --label tiny8k --request-rate 1.5
     python benchmarks/bench_long_text.py --shape qwen --label qwen --num-prompts 24 --request-rate 0.05
 
-Shapes: `tiny8k` is the shipped model's directory with max_position_embeddings raised to 8192 (its trained
-weights; past 512 positions its text is not meaningful, but the compute of every step is the real shape's);
+Shapes: `tiny8k` is the shipped model's directory (trained on 8192-token windows) with max_position_embeddings
+raised to 8704, so an 8K document, its question and the answer fit (the last 512 positions are past its
+training; the compute of every step is the real shape's);
 `qwen` is the Qwen2.5-0.5B shape with dummy weights and the shipped tokenizer. Writes
 benchmarks/results/long_text/<label>.json (the ladder, plus the machine) and a report with plots.
 """

@@ -3,10 +3,12 @@
 Workloads (each engine configuration in its own process):
   draft   the shipped tiny-shakespeare with tiny-shakespeare-draft, batch 1, prompts from held-out
           Shakespeare (assets/eval/shakespeare_valid.txt), sampled continuation is greedy
-  ngram   the shipped model, batch 1, a "quoting" workload: a held-out passage, then its first line
-          again, so the continuation can copy the passage (the shipped model holds 512 tokens, so the
-          passages are ~350 tokens, not 8K; the long-context training is still to come)
-  sweep   concurrency 1 .. 32 (max_num_seqs, all requests queued at once): off, fixed k, adaptive
+  ngram   the shipped model, batch 1, the long-document quoting workload: documents of ~7K tokens of
+          held-out plays, each followed by a blank line and the opening words of one of its speeches, so
+          the continuation quotes the document (several quotes per document, as questions about one
+          document would; its KV is reused through the prefix cache)
+  sweep   concurrency 1 .. 32 (max_num_seqs, all requests queued at once; 4 x concurrency requests, at
+          least 16, of 128 tokens each): off, fixed k, adaptive
   qwen    the Qwen2.5-0.5B shape with dummy weights, repetitive prompts (n-gram), batch 1: what
           verification costs at a realistic size
 
@@ -25,6 +27,8 @@ from common import QWEN25_05B, dummy_model_dir, machine, run_job, serve_job, wri
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tokenmill", "assets")
 MODEL = os.path.join(ASSETS, "models", "tiny-shakespeare")
 DRAFT = os.path.join(ASSETS, "models", "tiny-shakespeare-draft")
+DOC_CHARS = 20_000  # ~7K tokens of the shipped tokenizer: with the cue and 256 new tokens, inside 8192
+QUOTES_PER_DOC = 3
 KEEP = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms",
         "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms", "duration", "spec_decode")
 
@@ -45,11 +49,16 @@ def _passages(n: int, chars: int, seed: int = 0) -> list[str]:
 def _requests(kind: str, n: int, output_len: int) -> list[dict]:
     if kind == "draft":
         return [{"prompt": p, "output_len": output_len} for p in _passages(n, 300, seed=1)]
-    if kind == "quote":
+    if kind == "quote":  # n documents x QUOTES_PER_DOC cues
+        import random
+
+        rng = random.Random(2)
         reqs = []
-        for p in _passages(n, 700, seed=2):
-            first = p.split("\n")[0] + "\n"
-            reqs.append({"prompt": p + "\n\n" + first, "output_len": output_len})
+        for doc in _passages(n, DOC_CHARS, seed=2):
+            speeches = [i + 2 for i in range(len(doc) - 2000) if doc.startswith("\n\n", i)]
+            for start in rng.sample(speeches, QUOTES_PER_DOC):
+                cue = doc[start:doc.index("\n", doc.index("\n", start) + 1) + 1]  # speaker line + first line
+                reqs.append({"prompt": doc + "\n\n" + cue, "output_len": output_len})
         return reqs
     if kind == "repeat":  # token ids for the dummy Qwen shape: a random phrase, repeated
         import random
@@ -125,16 +134,16 @@ def main() -> None:
                                   _requests("draft", 8, 128), args.repeats)
     if "ngram" in only:
         print("[spec] n-gram, batch 1, quoting workload", flush=True)
-        out["ngram_batch1"] = _ab("ngram", dict(tiny, max_num_seqs=1),
+        out["ngram_batch1"] = _ab("ngram", dict(tiny, max_num_seqs=1, max_model_len=8192),
                                   {"off": None, "fixed k": dict(ngram, adaptive=False), "adaptive": ngram},
-                                  _requests("quote", 8, 128), args.repeats)
+                                  _requests("quote", 4, 256), args.repeats)
     if "sweep" in only:
         out["sweep"] = {}
         for conc in (1, 4, 16, 32):
             print(f"[spec] load sweep, concurrency {conc}", flush=True)
             out["sweep"][conc] = _ab(f"c={conc}", dict(tiny, max_num_seqs=conc),
                                      {"off": None, "fixed k": dict(draft, adaptive=False), "adaptive": draft},
-                                     _requests("draft", max(4, 2 * conc), 64), 1)
+                                     _requests("draft", max(16, 4 * conc), 128), 1)
     if "qwen" in only:
         print("[spec] Qwen2.5-0.5B shape, n-gram, batch 1", flush=True)
         qwen = dict(model=dummy_model_dir(QWEN25_05B), load_format="dummy", dtype="bfloat16", max_model_len=1024,

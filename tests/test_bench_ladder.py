@@ -29,7 +29,12 @@ def test_ladder_end_to_end_and_report(tmp_path):
     assert [r["name"] for r in ladder["rungs"]] == [n for n, _, _ in RUNGS]
     for r in ladder["rungs"]:
         assert r["failed_requests"] == 0 and r["output_throughput"] > 0 and r["peak_memory_mb"] > 0
-        assert r["same_greedy_text_as_baseline"], r["name"]
+        if r["lossy"]:  # int8 weights may flip a near-tie: most requests, not all, must agree
+            assert sum(r["same_greedy_text_by_request"]) * 2 >= len(r["same_greedy_text_by_request"]), r["name"]
+        else:
+            assert r["same_greedy_text_as_baseline"], r["name"]
+    lossy = [r["lossy"] for r in ladder["rungs"]]
+    assert ladder["rungs"][lossy.index(True)]["name"] == "+ int8 weights"  # rungs are cumulative from there on
     report = render_report([str(out)], str(tmp_path / "report"))
     text = open(report).read() if not report.lstrip().startswith("#") else report
     assert "+ continuous batching" in text and list((tmp_path / "report").glob("*.png"))

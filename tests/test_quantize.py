@@ -175,7 +175,7 @@ BAD = [
     (dict(calib_data="NOTEXT", group_size=64), 'line 1 has no string "text" field'),
     (dict(num_samples=2, seq_len=64, group_size=64), "below the minimum of 256"),
     (dict(num_samples=256, seq_len=1, group_size=64), "--seq-len at least 8"),
-    (dict(seq_len=1024, group_size=64), "exceeds the model's max_position_embeddings 512"),
+    (dict(seq_len=16384, group_size=64), "exceeds the model's max_position_embeddings 8192"),
     (dict(model="QUANTIZED", group_size=64), "already quantized"),
     (dict(output="NONEMPTY", group_size=64), "exists and is not empty"),
 ]

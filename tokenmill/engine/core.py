@@ -133,6 +133,9 @@ class EngineCore:
 
     # -- the step --------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        spec, started = self.scheduler.spec, time.perf_counter()
+        if spec is not None:
+            spec.step_started(started)  # the last step's whole cycle ends here
         if self.governor is not None:
             self.governor.tick()
         xfer, encoder = self.kv_transfer, self.runner.encoder
@@ -162,16 +165,17 @@ class EngineCore:
             self.executor.submit(sched)
             self._in_flight.append(sched)
             return [] if len(self._in_flight) < self.executor.max_in_flight else self._finish_oldest()
-        spec = self.scheduler.spec
-        t0 = time.perf_counter()
         result = self._executor().execute(sched)
         if spec is not None:  # the draft policy learns from real step times
             decode_only = all(s.num_sampled_positions == s.num_new_tokens for s in sched.seqs)
-            spec.observe_step(sum(len(t) for t in result.sampled_token_ids.values()),
-                              time.perf_counter() - t0 - result.propose_seconds, decode_only, result.propose_seconds)
+            spec.step_ran(sum(len(t) for t in result.sampled_token_ids.values()), decode_only,
+                          result.propose_seconds, started)
         if xfer is not None:
             xfer.store(sched.kv_backups)
-        return self._finish_step(sched, result)
+        outputs = self._finish_step(sched, result)
+        if spec is not None:
+            spec.step_finished(time.perf_counter())
+        return outputs
 
     def _executor(self):
         return self.executor if self.executor is not None else self.runner
