@@ -224,6 +224,37 @@ def test_paged_decode_attention_matches_torch(dtype, hq, hkv, d, bs):
     torch.testing.assert_close(out.float(), ref.float(), **tol)
 
 
+@needs_attention_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d,bs", [(14, 2, 64, 16), (4, 2, 64, 16), (4, 2, 16, 1)])
+def test_verification_rows_read_their_blocks_once_and_give_the_same_bits(dtype, hq, hkv, d, bs):
+    """Rows of one sequence at lengths L .. L+k (a speculative verification) are attended as one group
+    whose keys are read once; each row's output must be bit for bit what the row gives alone. Mixed in:
+    a sequence sharing the first blocks (a prefix-cache hit) but not the last, single rows, and a
+    verification longer than one group holds (14 x 64 heads: 9 rows per group)."""
+    g = torch.Generator().manual_seed(7 + d + bs)
+    max_blocks = -(-300 // bs)
+    num_blocks = 2 * max_blocks + 8
+    key_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    value_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    a, b = perm[:max_blocks], perm[max_blocks:2 * max_blocks].clone()
+    b[:3] = a[:3]  # shares its first three blocks with a
+    rows = [(a, 37), (a, 38), (a, 39), (a, 40), (a, 41), (b, 45), (b, 46), (a, 16), (b, 17)] + \
+        [(b, 200 + i) for i in range(12)] + [(a, 300)]
+    tables = torch.stack([t for t, _ in rows])
+    lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
+    q = torch.randn(len(rows), hq, d, generator=g).to(dtype)
+    out = cpu_attention.paged_decode_attention(q, key_cache, value_cache, tables, lens, d ** -0.5)
+    for i in range(len(rows)):
+        alone = cpu_attention.paged_decode_attention(q[i:i + 1], key_cache, value_cache, tables[i:i + 1],
+                                                     lens[i:i + 1], d ** -0.5)
+        assert torch.equal(out[i], alone[0]), i
+    ref = _torch_paged_decode(q, key_cache, value_cache, tables, lens, d ** -0.5)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+
 def test_attention_kernel_refuses_what_it_cannot_run():
     q = torch.zeros(2, 4, 16)
     assert not cpu_attention.supports(torch.zeros(2, 4, 12), torch.zeros(4, 16, 2, 12))  # D % 16

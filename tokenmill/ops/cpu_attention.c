@@ -6,8 +6,18 @@
  *   seq_lens     int32 [B]                  keys 0 .. seq_lens[b]-1 are attended
  *   out          [B][Hq][D]
  *
- * Query head h reads KV head h / (Hq / Hkv). Each (sequence, KV head) pair is one task: its keys and values
- * are read once, 16 tokens (a tile) at a time, and shared by the Hq / Hkv query heads of the group. Softmax
+ * Query head h reads KV head h / (Hq / Hkv). Consecutive rows that read the same blocks (the 1 + k rows of a
+ * speculative verification: one sequence at lengths L .. L+k) form one group, and each (group, KV head) pair
+ * is one task: its keys and values are read once, 16 tokens (a tile) at a time, and shared by the group's
+ * rows times Hq / Hkv query heads, each query masked at its own row's length. So verifying k drafts reads a
+ * long context once, not 1 + k times. Each query's arithmetic is what a task of its row alone would do, in
+ * the same order, so grouping changes no bit of the output.
+ *
+ *   rows     b0: L      b1: L+1     b2: L+2        same block-table entries up to each row's own length
+ *   queries  b0 heads | b1 heads | b2 heads        one task per KV head: tile t0..t0+15 read once,
+ *                                                  query j scores lanes t0+t < len(j) only
+ *
+ * Softmax
  * is computed online (running max and sum, FlashAttention-style) in float32, once per tile: 16 scores (from
  * the tile's keys transposed in registers, so no horizontal sums), one vector exp and one rescale of the
  * accumulator, so nothing of size seq_len is materialized. Float32 rows are read in place; bfloat16 rows
@@ -22,7 +32,7 @@
  *
  * The task loop, the queries and the prefetch are shared; each path supplies `attend`, one task's tiles.
  *
- * D must be a multiple of 16 and (Hq / Hkv) * D at most MAX_GROUP_FLOATS.
+ * D must be a multiple of 16 and (Hq / Hkv) * D at most MAX_GROUP_FLOATS (a group takes as many rows as fit).
  */
 #include <math.h>
 #include <stdint.h>
@@ -128,18 +138,22 @@ static inline void transpose16(__m512 r[16]) {
     }
 }
 
-/* one task: the g query heads of KV head h over a sequence's L cached tokens, online softmax state in
- * (m, l, acc), queries qf already scaled */
+/* keys of this tile that query j attends: those before its row's length (0 when the tile is past it) */
+static inline int tile_keys(int64_t len, int64_t t0) {
+    return (int)(len - t0 >= TILE ? TILE : len - t0 > 0 ? len - t0 : 0);
+}
+
+/* one task: g query heads of KV head h over the cached tokens, query j attending keys 0 .. len[j]-1 (L the
+ * longest), online softmax state in (m, l, acc), queries qf already scaled */
 static void attend(const float *qf, float *acc, float *m, float *l, const void *key_cache, const void *value_cache,
-                   const int32_t *table, int64_t L, int64_t g, int64_t Hkv, int64_t h, int64_t D, int64_t bs,
-                   int bf16) {
+                   const int32_t *table, const int64_t *len, int64_t L, int64_t g, int64_t Hkv, int64_t h, int64_t D,
+                   int64_t bs, int bf16) {
     const int64_t elem = bf16 ? 2 : 4;
     float kbuf[TILE * MAX_D], vbuf[TILE * MAX_D], s[TILE];
     const float *k[TILE], *v[TILE];
     __m512 sacc[MAX_GROUP_FLOATS / 16];
     for (int64_t t0 = 0; t0 < L; t0 += TILE) {
         const int n = (int)(L - t0 < TILE ? L - t0 : TILE);
-        const __mmask16 valid = (__mmask16)((1u << n) - 1);
         /* the tile's key and value rows, as float32, shared by the group's query heads */
         for (int t = 0; t < n; t++) {
             const int64_t row = cache_row(table, t0 + t, bs, Hkv, h, D);
@@ -169,6 +183,9 @@ static void attend(const float *qf, float *acc, float *m, float *l, const void *
             }
         }
         for (int64_t j = 0; j < g; j++) {
+            const int nj = tile_keys(len[j], t0);
+            if (nj == 0) continue;
+            const __mmask16 valid = (__mmask16)((1u << nj) - 1);
             const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sacc[j]);
             const float m_new = fmaxf(m[j], _mm512_reduce_max_ps(sv));
             const float c = expf(m[j] - m_new);  /* rescales what earlier tiles summed; 0 at the start */
@@ -179,7 +196,7 @@ static void attend(const float *qf, float *acc, float *m, float *l, const void *
             float *aj = acc + j * D;
             for (int64_t i = 0; i < D; i += 16) {
                 __m512 a = _mm512_mul_ps(_mm512_loadu_ps(aj + i), _mm512_set1_ps(c));
-                for (int t = 0; t < n; t++)
+                for (int t = 0; t < nj; t++)
                     a = _mm512_fmadd_ps(_mm512_set1_ps(s[t]), _mm512_loadu_ps(v[t] + i), a);
                 _mm512_storeu_ps(aj + i, a);
             }
@@ -224,11 +241,16 @@ static __attribute__((noinline)) void axpy4(float *restrict y, const float *cons
     for (int64_t i = 0; i < D; i++) y[i] += (a0 * x0[i] + a1 * x1[i]) + (a2 * x2[i] + a3 * x3[i]);
 }
 
-/* one task: the g query heads of KV head h over a sequence's L cached tokens, online softmax state in
- * (m, l, acc), queries qf already scaled */
+/* keys of this tile that query j attends: those before its row's length (0 when the tile is past it) */
+static inline int tile_keys(int64_t len, int64_t t0) {
+    return (int)(len - t0 >= TILE ? TILE : len - t0 > 0 ? len - t0 : 0);
+}
+
+/* one task: g query heads of KV head h over the cached tokens, query j attending keys 0 .. len[j]-1 (L the
+ * longest), online softmax state in (m, l, acc), queries qf already scaled */
 static void attend(const float *qf, float *acc, float *m, float *l, const void *key_cache, const void *value_cache,
-                   const int32_t *table, int64_t L, int64_t g, int64_t Hkv, int64_t h, int64_t D, int64_t bs,
-                   int bf16) {
+                   const int32_t *table, const int64_t *len, int64_t L, int64_t g, int64_t Hkv, int64_t h, int64_t D,
+                   int64_t bs, int bf16) {
     const int64_t elem = bf16 ? 2 : 4;
     /* the tile's keys transposed, kt[i][t] = element i of key t, so a head's 16 scores are 16-lane FMAs
      * (no horizontal sums); written once per tile, read by the group's query heads */
@@ -253,6 +275,8 @@ static void attend(const float *qf, float *acc, float *m, float *l, const void *
             for (int64_t i = 0; i < D; i++) kt[i * TILE + t] = 0.0f;
         prefetch_tile(key_cache, value_cache, table, t0 + TILE, L, bs, Hkv, h, D, elem);
         for (int64_t j = 0; j < g; j++) {
+            const int nj = tile_keys(len[j], t0);
+            if (nj == 0) continue;
             const float *qj = qf + j * D;
             float s0[TILE] = {0}, s1[TILE] = {0}, s2[TILE] = {0}, s3[TILE] = {0};  /* 4 chains: D % 16 == 0 */
             for (int64_t i = 0; i < D; i += 4) {
@@ -267,11 +291,11 @@ static void attend(const float *qf, float *acc, float *m, float *l, const void *
                 }
             }
             float smax = m[j];
-            for (int t = 0; t < n; t++) {
+            for (int t = 0; t < nj; t++) {
                 s0[t] = (s0[t] + s1[t]) + (s2[t] + s3[t]);
                 smax = s0[t] > smax ? s0[t] : smax;  /* not fmaxf: gcc calls libm for it */
             }
-            for (int t = n; t < TILE; t++) s0[t] = -INFINITY;  /* a short tile's missing keys */
+            for (int t = nj; t < TILE; t++) s0[t] = -INFINITY;  /* keys this query does not attend */
             const float c = expf(m[j] - smax);  /* rescales what earlier tiles summed; 0 at the start */
             float x[TILE], p[TILE], psum = 0.0f;
             #pragma omp simd
@@ -281,7 +305,7 @@ static void attend(const float *qf, float *acc, float *m, float *l, const void *
             }
             #pragma omp simd
             for (int t = 0; t < TILE; t++) p[t] = exp_le0(x[t]);
-            for (int t = n; t < TILE; t++) p[t] = 0.0f;
+            for (int t = nj; t < TILE; t++) p[t] = 0.0f;
             #pragma omp simd reduction(+ : psum)
             for (int t = 0; t < TILE; t++) psum += p[t];
             l[j] = l[j] * c + psum;
@@ -290,33 +314,52 @@ static void attend(const float *qf, float *acc, float *m, float *l, const void *
             #pragma omp simd
             for (int64_t i = 0; i < D; i++) aj[i] *= c;
             int t = 0;
-            for (; t + 4 <= n; t += 4) axpy4(aj, v + t, p + t, D);
-            for (; t < n; t++) axpy4(aj, (const float *[4]){v[t], ZERO_ROW, ZERO_ROW, ZERO_ROW},
+            for (; t + 4 <= nj; t += 4) axpy4(aj, v + t, p + t, D);
+            for (; t < nj; t++) axpy4(aj, (const float *[4]){v[t], ZERO_ROW, ZERO_ROW, ZERO_ROW},
                                      (const float[4]){p[t], 0.0f, 0.0f, 0.0f}, D);
         }
     }
 }
 #endif
 
+/* Rows b0 .. b-1 and row b read the same blocks up to row b's length: b may join b0's group (read through
+ * b0's table). Rows of a speculative verification always do; unrelated rows differ in some block. */
+static int same_blocks(const int32_t *tables, int64_t table_stride, int64_t b0, int64_t b, int64_t len, int64_t bs) {
+    return memcmp(tables + b0 * table_stride, tables + b * table_stride, ((len + bs - 1) / bs) * sizeof(int32_t)) == 0;
+}
+
 void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_cache, const void *value_cache,
                                const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                                void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
                                float scale, int bf16, int nthreads) {
-    const int64_t g = Hq / Hkv;
+    const int64_t g = Hq / Hkv, rows_per_group = MAX_GROUP_FLOATS / (g * D);
+    int64_t starts[B + 1], G = 0;  /* group i is rows starts[i] .. starts[i+1]-1 */
+    for (int64_t b = 0; b < B; b++)
+        if (b == 0 || b - starts[G - 1] >= rows_per_group ||
+            !same_blocks(block_tables, table_stride, starts[G - 1], b, seq_lens[b], bs))
+            starts[G++] = b;
+    starts[G] = B;
     #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(nthreads)
-    for (int64_t b = 0; b < B; b++) {
+    for (int64_t grp = 0; grp < G; grp++) {
         for (int64_t h = 0; h < Hkv; h++) {
             float qf[MAX_GROUP_FLOATS], acc[MAX_GROUP_FLOATS], m[MAX_GROUP_FLOATS / 16], l[MAX_GROUP_FLOATS / 16];
-            for (int64_t j = 0; j < g; j++) {
-                row_to_f32(q, b * q_stride + (h * g + j) * D, bf16, qf + j * D, D);
-                for (int64_t i = 0; i < D; i++) qf[j * D + i] *= scale;
-                m[j] = -INFINITY;
-                l[j] = 0.0f;
+            int64_t len[MAX_GROUP_FLOATS / 16], L = 0;
+            const int64_t b0 = starts[grp], nq = (starts[grp + 1] - b0) * g;
+            for (int64_t b = b0; b < starts[grp + 1]; b++) {
+                L = seq_lens[b] > L ? seq_lens[b] : L;
+                for (int64_t j = (b - b0) * g; j < (b - b0 + 1) * g; j++) {
+                    row_to_f32(q, b * q_stride + (h * g + j % g) * D, bf16, qf + j * D, D);
+                    for (int64_t i = 0; i < D; i++) qf[j * D + i] *= scale;
+                    m[j] = -INFINITY;
+                    l[j] = 0.0f;
+                    len[j] = seq_lens[b];
+                }
             }
-            memset(acc, 0, g * D * sizeof(float));
-            attend(qf, acc, m, l, key_cache, value_cache, block_tables + b * table_stride, seq_lens[b], g, Hkv, h, D,
+            memset(acc, 0, nq * D * sizeof(float));
+            attend(qf, acc, m, l, key_cache, value_cache, block_tables + b0 * table_stride, len, L, nq, Hkv, h, D,
                    bs, bf16);
-            write_heads(out, acc, l, (b * Hq + h * g) * D, g, D, bf16);
+            for (int64_t b = b0; b < starts[grp + 1]; b++)
+                write_heads(out, acc + (b - b0) * g * D, l + (b - b0) * g, (b * Hq + h * g) * D, g, D, bf16);
         }
     }
 }
