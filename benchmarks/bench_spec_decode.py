@@ -7,8 +7,8 @@ Workloads (each engine configuration in its own process):
           held-out plays, each followed by a blank line and the opening words of one of its speeches, so
           the continuation quotes the document (several quotes per document, as questions about one
           document would; its KV is reused through the prefix cache)
-  sweep   concurrency 1 .. 32 (max_num_seqs, all requests queued at once; 4 x concurrency requests, at
-          least 16, of 128 tokens each): off, fixed k, adaptive
+  sweep   concurrency 1 .. 32 (max_num_seqs, all requests queued at once; 8 x concurrency requests, at
+          least 32, of 128 tokens each): off, fixed k, adaptive
   qwen    the Qwen2.5-0.5B shape with dummy weights, repetitive prompts (n-gram), batch 1: what
           verification costs at a realistic size
 
@@ -143,7 +143,7 @@ def main() -> None:
             print(f"[spec] load sweep, concurrency {conc}", flush=True)
             out["sweep"][conc] = _ab(f"c={conc}", dict(tiny, max_num_seqs=conc),
                                      {"off": None, "fixed k": dict(draft, adaptive=False), "adaptive": draft},
-                                     _requests("draft", max(16, 4 * conc), 128), 1)
+                                     _requests("draft", max(32, 8 * conc), 128), 1)
     if "qwen" in only:
         print("[spec] Qwen2.5-0.5B shape, n-gram, batch 1", flush=True)
         qwen = dict(model=dummy_model_dir(QWEN25_05B), load_format="dummy", dtype="bfloat16", max_model_len=1024,

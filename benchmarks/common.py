@@ -8,6 +8,7 @@ import subprocess
 import tempfile
 import time
 
+import tokenmill  # noqa: F401  (before torch: its OpenMP settings, else every worker keeps the long spin-wait)
 import torch
 
 QWEN25_05B = dict(architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=896, intermediate_size=4864,

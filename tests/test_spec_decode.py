@@ -286,6 +286,15 @@ def test_draft_policy_learns_when_drafts_pay():
     assert np.mean(fixed_cost[late]) > 3.0
 
 
+def test_draft_policy_skips_depths_that_acceptance_says_cannot_pay():
+    """One draft costs a full step and drafts are accepted 40 % of the time: four drafts could emit at most
+    (1 + .4 + .4^2 + .4^3 + .4^4) / 1.4 = 1.19x the tokens of one at no less cost, which still loses to no
+    drafts, so depth 4 is never tried; where drafts are cheap and accepted, it still is."""
+    compute_bound = _simulate(lambda k: 0.010 * (1 + k), accept=0.4)
+    assert 4 not in compute_bound and 1 in compute_bound
+    assert 4 in _simulate(lambda k: 0.010 + 0.0002 * k, accept=0.8)
+
+
 def test_draft_policy_charges_a_step_its_whole_cycle_but_not_idle_time():
     """A step's cost runs from its start to the next step's start (scheduling and output handling
     included); a gap longer than the step itself is idle time and is left out."""

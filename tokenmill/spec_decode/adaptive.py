@@ -67,16 +67,28 @@ class DepthBandit:
     def _tried(self, bucket: int, k: int) -> bool:
         return self._trials.get((bucket, k), 0) >= self.min_trials
 
-    def choose(self, bucket: int) -> int:
+    def _beyond_reach(self, bucket: int, k: int, acceptance: float | None) -> bool:
+        """Whether depth k cannot beat depth 0, judged from depth 1: a step's cost does not fall as k grows, and
+        with per-draft acceptance a the tokens per step grow from 1 + a to 1 + a + ... + a^k, so k's rate is at
+        most rate(1) times that ratio. Trying k then only costs steps (a draft model that loses at one draft
+        and is accepted 40 % of the time has no deeper depth that wins)."""
+        if acceptance is None or not (self._tried(bucket, 0) and self._tried(bucket, 1)):
+            return False
+        gain = sum(acceptance ** i for i in range(k + 1)) / (1 + acceptance)
+        return self._rate[(bucket, 1)] * gain < self._rate[(bucket, 0)]
+
+    def choose(self, bucket: int, acceptance: float | None = None) -> int:
+        """`acceptance`: the measured per-draft acceptance so far (None until there is enough of it)."""
         self._choices += 1
         for k in self._first:
-            if not self._tried(bucket, k):
+            if not self._tried(bucket, k) and not self._beyond_reach(bucket, k, acceptance):
                 return k
 
         def rate(k: int) -> float:
             return self._rate[(bucket, k)]
 
-        if max(rate(k) for k in self._first) > self.margin * rate(0):  # drafts pay somewhere: look between too
+        first = [k for k in self._first if self._tried(bucket, k)]
+        if max(rate(k) for k in first) > self.margin * rate(0):  # drafts pay somewhere: look between too
             for k in range(self.k_max + 1):
                 if not self._tried(bucket, k):
                     return k
@@ -105,9 +117,10 @@ class DepthBandit:
 
 class DraftPolicy:
     def __init__(self, k_max: int, adaptive: bool = True, prior: float = 0.6, decay: float = 0.8,
-                 probe_every: int = 16, min_gain: float = 0.1):
+                 probe_every: int = 16, min_gain: float = 0.1, min_acceptance_drafts: int = 8):
         self.k_max, self.adaptive = k_max, adaptive
         self.prior, self.decay, self.probe_every, self.min_gain = prior, decay, probe_every, min_gain
+        self.min_acceptance_drafts = min_acceptance_drafts  # verified drafts before their acceptance bounds depths
         self.bandit = DepthBandit(k_max)
         self.stats = SpecStats(accepted_per_pos=[0] * k_max)
         self._acc: dict[str, list[float]] = {}  # request -> [decayed accepted, decayed trials]
@@ -162,7 +175,9 @@ class DraftPolicy:
         if not self.adaptive:
             return {rid: self.k_max for rid in rids}
         bucket = bucket_of(len(rids))
-        depth = self.bandit.choose(bucket)
+        s = self.stats
+        acceptance = s.acceptance_rate if s.num_draft_tokens >= self.min_acceptance_drafts else None
+        depth = self.bandit.choose(bucket, acceptance)
         self._verifying, self._planned = self._planned, (bucket, depth)
         return {rid: self._useful_depth(rid, depth) for rid in rids}
 
