@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -34,8 +35,6 @@ KEEP = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", 
 
 
 def _passages(n: int, chars: int, seed: int = 0) -> list[str]:
-    import random
-
     text = open(os.path.join(ASSETS, "eval", "shakespeare_valid.txt")).read()
     rng = random.Random(seed)
     out = []
@@ -50,8 +49,6 @@ def _requests(kind: str, n: int, output_len: int) -> list[dict]:
     if kind == "draft":
         return [{"prompt": p, "output_len": output_len} for p in _passages(n, 300, seed=1)]
     if kind == "quote":  # n documents x QUOTES_PER_DOC cues
-        import random
-
         rng = random.Random(2)
         reqs = []
         for doc in _passages(n, DOC_CHARS, seed=2):
@@ -61,8 +58,6 @@ def _requests(kind: str, n: int, output_len: int) -> list[dict]:
                 reqs.append({"prompt": doc + "\n\n" + cue, "output_len": output_len})
         return reqs
     if kind == "repeat":  # token ids for the dummy Qwen shape: a random phrase, repeated
-        import random
-
         rng = random.Random(3)
         out = []
         for _ in range(n):

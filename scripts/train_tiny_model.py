@@ -18,6 +18,7 @@ import importlib.util
 import json
 import math
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -322,7 +323,7 @@ def stage_train(kind: str, steps: int, lr: float, args) -> None:
     write_stats(kind, dict(
         params=n_params, steps=steps, batch_size=args.batch_size, seq_len=SEQ_LEN,
         lr=lr, min_lr=lr / 10, warmup=warmup, weight_decay=0.1, betas=[0.9, 0.95],
-        grad_clip=1.0, seed=args.seed, threads=torch.get_num_threads(),
+        grad_clip=1.0, seed=args.seed, threads=torch.get_num_threads(), cpu=cpu_name(),
         train_tokens=len(data), tokens_seen=steps * args.batch_size * SEQ_LEN,
         epochs=steps * args.batch_size * SEQ_LEN / len(data), train_seconds=train_s,
         final_train_loss=sum(losses[-50:]) / len(losses[-50:])))
@@ -379,7 +380,7 @@ def stage_long(kind: str, steps: int, lr: float, args) -> None:
     save_model(model, out)
     write_stats(f"{kind}_long", dict(
         steps=steps, batch_size=1, seq_len=LONG_LEN, rope_theta=LONG_THETA, lr=lr, min_lr=lr / 10,
-        warmup=warmup, seed=args.seed + 1, threads=torch.get_num_threads(),
+        warmup=warmup, seed=args.seed + 1, threads=torch.get_num_threads(), cpu=cpu_name(),
         tokens_seen=steps * LONG_LEN, epochs=steps * LONG_LEN / len(data),
         copy_share=COPY_SHARE, copy_windows=sum(1 for c in copied if c), copied_tokens=sum(copied),
         train_seconds=train_s, final_train_loss=sum(losses[-50:]) / len(losses[-50:])))
@@ -455,8 +456,8 @@ def stage_eval(args) -> None:
     counts = torch.ones(VOCAB_SIZE, dtype=torch.float64)
     counts += torch.bincount(encode_train(tok), minlength=VOCAB_SIZE).double()
     logp = (counts / counts.sum()).log()
-    res["unigram"] = {w: ppl_mod.perplexity(lambda ids: logp.expand(len(ids), -1), valid_ids, w, BOS)
-                      for w in EVAL_WINDOWS}
+    # (position-independent: the 512-token windows score the same tokens as any other)
+    res["unigram"] = {window: ppl_mod.perplexity(lambda ids: logp.expand(len(ids), -1), valid_ids, window, BOS)}
     log(f"unigram: valid {res['unigram']}")
 
     # Greedy agreement on validation text (teacher-forced), plus next-token accuracy.
@@ -501,7 +502,14 @@ def stage_eval(args) -> None:
 
 
 def threads(stats: dict) -> str:
-    return f"{stats['threads']} thread" + ("s" if stats["threads"] > 1 else "")
+    return f"{stats['threads']} thread" + ("s" if stats["threads"] > 1 else "") + f", {stats['cpu']}"
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
 
 
 def write_card(kind, stats, long_stats, s, samples, chat_sample, config) -> None:
@@ -567,7 +575,7 @@ def write_card(kind, stats, long_stats, s, samples, chat_sample, config) -> None
         f"| LR schedule | linear warmup {stats['warmup']} steps to {stats['lr']:g}, cosine to {stats['min_lr']:g} | "
         f"warmup {long_stats['warmup']} steps to {long_stats['lr']:g}, cosine to {long_stats['min_lr']:g} |",
         f"| seed | {stats['seed']} | {long_stats['seed']} |",
-        f"| training time (AMD EPYC, float32) | {stats['train_seconds'] / 60:.1f} min, {threads(stats)} | "
+        f"| training time (float32) | {stats['train_seconds'] / 60:.1f} min, {threads(stats)} | "
         f"{long_stats['train_seconds'] / 60:.1f} min, {threads(long_stats)} |",
         f"| final train loss (mean of last 50 steps) | {stats['final_train_loss']:.3f} | "
         f"{long_stats['final_train_loss']:.3f} |", "",
@@ -581,8 +589,8 @@ def write_card(kind, stats, long_stats, s, samples, chat_sample, config) -> None
           for w in s["windows"]],
         *[f"| before the long-context stage | {w} | {b['nll']:.4f} | {b['ppl']:.2f} | {b['tokens']} |"
           for w, b in s["long"][f"{kind}_before"]["ppl"].items()],
-        f"| unigram baseline (add-one train-split token frequencies) | 512 | {u[512]['nll']:.4f} | "
-        f"{u[512]['ppl']:.2f} | {u[512]['tokens']} |",
+        f"| unigram baseline (add-one train-split token frequencies) | {s['window']} | {u[s['window']]['nll']:.4f} | "
+        f"{u[s['window']]['ppl']:.2f} | {u[s['window']]['tokens']} |",
         *([f"| {other} (the target, for reference) | {w} | {s['target'][w]['nll']:.4f} | "
            f"{s['target'][w]['ppl']:.2f} | {s['target'][w]['tokens']} |" for w in s["windows"]]
           if kind == "draft" else []),

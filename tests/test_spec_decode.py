@@ -301,19 +301,16 @@ def test_draft_policy_charges_a_step_its_whole_cycle_but_not_idle_time():
     policy = DraftPolicy(k_max=4)
     policy.step_started(0.0)
     depth = policy.plan(["a"])["a"]  # step 1 plans the drafts step 2 verifies
-    policy.step_ran(1, True, 0.0002, started=0.0)
-    policy.step_finished(0.001)
+    policy.step_ran(1, True, 0.0002, started=0.0, ended=0.001)
     policy.step_started(0.0015)  # nothing verified in step 1: nothing to credit
     assert policy.bandit.rate(1, depth) is None
     policy.plan(["a"])
-    policy.step_ran(3, True, 0.0001, started=0.0015)
-    policy.step_finished(0.0025)
+    policy.step_ran(3, True, 0.0001, started=0.0015, ended=0.0025)
     policy.step_started(0.003)  # cycle 1.5 ms, less its own proposing, plus step 1's proposing
     assert policy.bandit.rate(1, depth) == pytest.approx(3 / (0.0015 - 0.0001 + 0.0002))
     policy.plan(["a"])
     assert policy._verifying == (1, depth)  # the first tries all go to depth 0
-    policy.step_ran(2, True, 0.0, started=0.003)
-    policy.step_finished(0.004)
+    policy.step_ran(2, True, 0.0, started=0.003, ended=0.004)
     policy.step_started(1.0)  # the engine sat idle: only the step's own 1 ms (plus step 2's proposing)
     first, second = 3 / 0.0016, 2 / 0.0011
     assert policy.bandit.rate(1, depth) == pytest.approx(0.9 * first + 0.1 * second)

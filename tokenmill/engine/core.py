@@ -166,15 +166,13 @@ class EngineCore:
             self._in_flight.append(sched)
             return [] if len(self._in_flight) < self.executor.max_in_flight else self._finish_oldest()
         result = self._executor().execute(sched)
-        if spec is not None:  # the draft policy learns from real step times
-            decode_only = all(s.num_sampled_positions == s.num_new_tokens for s in sched.seqs)
-            spec.step_ran(sum(len(t) for t in result.sampled_token_ids.values()), decode_only,
-                          result.propose_seconds, started)
         if xfer is not None:
             xfer.store(sched.kv_backups)
         outputs = self._finish_step(sched, result)
-        if spec is not None:
-            spec.step_finished(time.perf_counter())
+        if spec is not None:  # the draft policy learns from real step times
+            decode_only = all(s.num_sampled_positions == s.num_new_tokens for s in sched.seqs)
+            spec.step_ran(sum(len(t) for t in result.sampled_token_ids.values()), decode_only,
+                          result.propose_seconds, started, time.perf_counter())
         return outputs
 
     def _executor(self):

@@ -77,6 +77,11 @@ static inline void prefetch_tile(const void *key_cache, const void *value_cache,
     }
 }
 
+/* keys of this tile that query j attends: those before its row's length (0 when the tile is past it) */
+static inline int tile_keys(int64_t len, int64_t t0) {
+    return (int)(len - t0 >= TILE ? TILE : len - t0 > 0 ? len - t0 : 0);
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -136,11 +141,6 @@ static inline void transpose16(__m512 r[16]) {
         r[8 + m] = _mm512_shuffle_f32x4(y, y2, 0x88);
         r[12 + m] = _mm512_shuffle_f32x4(y, y2, 0xDD);
     }
-}
-
-/* keys of this tile that query j attends: those before its row's length (0 when the tile is past it) */
-static inline int tile_keys(int64_t len, int64_t t0) {
-    return (int)(len - t0 >= TILE ? TILE : len - t0 > 0 ? len - t0 : 0);
 }
 
 /* one task: g query heads of KV head h over the cached tokens, query j attending keys 0 .. len[j]-1 (L the
@@ -239,11 +239,6 @@ static __attribute__((noinline)) void axpy4(float *restrict y, const float *cons
     const float a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
     #pragma omp simd
     for (int64_t i = 0; i < D; i++) y[i] += (a0 * x0[i] + a1 * x1[i]) + (a2 * x2[i] + a3 * x3[i]);
-}
-
-/* keys of this tile that query j attends: those before its row's length (0 when the tile is past it) */
-static inline int tile_keys(int64_t len, int64_t t0) {
-    return (int)(len - t0 >= TILE ? TILE : len - t0 > 0 ? len - t0 : 0);
 }
 
 /* one task: g query heads of KV head h over the cached tokens, query j attending keys 0 .. len[j]-1 (L the

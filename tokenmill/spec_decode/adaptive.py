@@ -130,7 +130,7 @@ class DraftPolicy:
         self._verifying: tuple[int, int] | None = None
         self._planned: tuple[int, int] | None = None  # (bucket, K) planned this step
         self._propose_s = 0.0  # the proposer's time for the drafts this step verifies
-        self._last_step: list | None = None  # [emitted, decode_only, propose_s, started, ended]: credited at the next start
+        self._last_step: tuple | None = None  # (emitted, decode_only, propose_s, started, ended): credited at the next start
 
     # -- per request --------------------------------------------------------------------------------------
     def acceptance(self, rid: str) -> float:
@@ -187,19 +187,17 @@ class DraftPolicy:
     # the bandit then favoured depths that lost end to end.
     def step_started(self, now: float) -> None:
         last, self._last_step = self._last_step, None
-        if last is None or last[4] is None:
+        if last is None:
             return
         emitted, decode_only, propose_s, started, ended = last
         busy = ended - started
         cycle = now - started if now - ended <= busy else busy  # a gap longer than the step is idle time
         self.observe_step(emitted, cycle - propose_s, decode_only, propose_s)
 
-    def step_ran(self, emitted: int, decode_only: bool, propose_seconds: float, started: float) -> None:
-        self._last_step = [emitted, decode_only, propose_seconds, started, None]
-
-    def step_finished(self, now: float) -> None:
-        if self._last_step is not None:
-            self._last_step[4] = now
+    def step_ran(self, emitted: int, decode_only: bool, propose_seconds: float, started: float,
+                 ended: float) -> None:
+        """A step that ran from `started` to `ended` (its outputs handed back): credited at the next start."""
+        self._last_step = (emitted, decode_only, propose_seconds, started, ended)
 
     def observe_step(self, emitted: int, seconds: float, decode_only: bool, propose_seconds: float) -> None:
         """One step ran: `emitted` tokens in `seconds` (its own proposing excluded, which belongs to the
