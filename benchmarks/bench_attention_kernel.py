@@ -4,6 +4,11 @@ float32 copy through the block tables, two batched matmuls), timed in the same r
 also builds and times another version of the C file (e.g. the previous commit's) for a before/after.
 
     python benchmarks/bench_attention_kernel.py [--compare-source OLD.c] [--out FILE]
+    python benchmarks/bench_attention_kernel.py --verify-lens 1024 7000 --heads 4 2 --out FILE
+
+`--verify-lens` times a speculative verification instead: one sequence's 1 + k rows at lengths L-k .. L over
+the same blocks, in one call (the kernel groups them and reads the keys once) against the same rows in 1 + k
+single-row calls (each reading the keys) and one row alone.
 
 Each case checks the kernel's output against the torch path before timing it. Writes JSON."""
 from __future__ import annotations
@@ -53,6 +58,42 @@ def case(batch: int, max_len: int, dtype: torch.dtype, bs: int = 16, seed: int =
     return q, key_cache, value_cache, meta, d ** -0.5
 
 
+def verify_case(length: int, rows: int, hq: int, hkv: int, d: int, dtype: torch.dtype, bs: int = 16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = -(-length // bs) + 8
+    table = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    key_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    value_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    q = torch.randn(rows, hq, d, generator=g).to(dtype)
+    lens = torch.arange(length - rows + 1, length + 1, dtype=torch.int32)
+    return q, key_cache, value_cache, table.expand(rows, -1).contiguous(), lens, d ** -0.5
+
+
+def verify_rows(args) -> list[dict]:
+    hq, hkv = args.heads
+    out = []
+    for dname in args.dtypes:
+        dtype = getattr(torch, dname)
+        for length in args.verify_lens:
+            q, kc, vc, tables, lens, scale = verify_case(length, 1 + args.k, hq, hkv, 64, dtype)
+            grouped = cpu_attention.paged_decode_attention(q, kc, vc, tables, lens, scale)
+
+            def one_by_one():
+                return [cpu_attention.paged_decode_attention(q[i:i + 1], kc, vc, tables[i:i + 1], lens[i:i + 1], scale)
+                        for i in range(len(lens))]
+
+            assert torch.equal(grouped, torch.cat(one_by_one()))  # grouping changes no bit
+            t_one = timed(lambda: cpu_attention.paged_decode_attention(q[-1:], kc, vc, tables[-1:], lens[-1:], scale))
+            t_group = timed(lambda: cpu_attention.paged_decode_attention(q, kc, vc, tables, lens, scale))
+            t_rows = timed(one_by_one)
+            row = {"dtype": dname, "heads": f"{hq}/{hkv}x64", "length": length, "rows": 1 + args.k,
+                   "one_row_us": 1e6 * t_one, "grouped_us": 1e6 * t_group, "row_by_row_us": 1e6 * t_rows,
+                   "grouped_vs_one_row": t_group / t_one, "row_by_row_vs_grouped": t_rows / t_group}
+            out.append(row)
+            print(" | ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    return out
+
+
 def timed(fn, min_seconds: float = 1.0) -> float:
     """Median seconds per call."""
     fn()
@@ -72,10 +113,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compare-source", help="another version of ops/cpu_attention.c to time as well")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "attention_kernel.json"))
+    ap.add_argument("--verify-lens", type=int, nargs="+", help="time a verification's rows at these lengths")
+    ap.add_argument("--k", type=int, default=4, help="drafts per verification (--verify-lens)")
+    ap.add_argument("--heads", type=int, nargs=2, default=[4, 2], metavar=("HQ", "HKV"),
+                    help="query and KV heads for --verify-lens (default: the shipped model's)")
     args = ap.parse_args()
     if not cpu_attention.available():
         sys.exit("the C attention kernel does not run here (needs x86-64 with AVX2 + FMA, and gcc)")
     torch.set_num_threads(args.threads)
+    if args.verify_lens:
+        write_json({"benchmark": "paged_decode_attention_verification", "machine": machine(),
+                    "command": " ".join(sys.argv), "rows": verify_rows(args)}, args.out)
+        return
     other = build(args.compare_source) if args.compare_source else None
     bandwidth = read_bandwidth_gbs(args.threads)
     rows = []
