@@ -10,6 +10,30 @@
 
 #include "bf16.h"
 
+#define INLINE static inline __attribute__((always_inline))
+
+/* e^x for any float x, lane by lane and branch-free (integer masks: gcc will not if-convert float compares
+ * here), within 1 ulp of the exact value: Cephes' expf polynomial. |x| is clamped to 104, and 2^n is applied
+ * as two normal powers of two, so overflow gives inf and underflow denormals or 0, as expf does. */
+INLINE float exp_any(float x) {
+    const uint32_t ux = f32_bits(x), mag = ux & 0x7FFFFFFFu;
+    const uint32_t big = -(uint32_t)(mag > 0x42D00000u), nan = -(uint32_t)(mag > 0x7F800000u);
+    const float xc = bits_f32((ux & ~big) | (((ux & 0x80000000u) | 0x42D00000u) & big));
+    const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest */
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500E-4f;
+    p = p * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    p = p * (r * r) + r + 1.0f;
+    const int32_t ni = (int32_t)n, n1 = ni / 2, n2 = ni - n1;  /* |n| <= 151 */
+    const float y = p * bits_f32((uint32_t)(n1 + 127) << 23) * bits_f32((uint32_t)(n2 + 127) << 23);
+    return bits_f32((f32_bits(y) & ~nan) | (ux & nan));
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
@@ -58,11 +82,32 @@ void tm_add_rmsnorm(const void *x, void *residual, const void *w, void *out, int
     }
 }
 
-static inline __m512 exp_neg(__m512 v) {  /* exp(-v), through the scalar libm for exactness */
-    float a[16];
-    _mm512_storeu_ps(a, v);
-    for (int j = 0; j < 16; j++) a[j] = expf(-a[j]);
-    return _mm512_loadu_ps(a);
+/* exp(-v): exp_any's steps in AVX-512 (libm's scalar expf, 16 calls per vector, made silu_mul several
+ * times slower than torch's) */
+static inline __m512 exp_neg(__m512 v) {
+    const __m512i ux = _mm512_castps_si512(_mm512_sub_ps(_mm512_setzero_ps(), v));
+    const __m512i mag = _mm512_and_si512(ux, _mm512_set1_epi32(0x7FFFFFFF));
+    const __mmask16 big = _mm512_cmpgt_epu32_mask(mag, _mm512_set1_epi32(0x42D00000));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(mag, _mm512_set1_epi32(0x7F800000));
+    const __m512i clamped = _mm512_or_si512(_mm512_and_si512(ux, _mm512_set1_epi32((int)0x80000000u)),
+                                            _mm512_set1_epi32(0x42D00000));
+    const __m512 xc = _mm512_castsi512_ps(_mm512_mask_mov_epi32(ux, big, clamped));
+    const __m512 shift = _mm512_set1_ps(12582912.0f);
+    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), shift), shift);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512i ni = _mm512_cvttps_epi32(n), n1 = _mm512_srai_epi32(_mm512_add_epi32(ni, _mm512_srli_epi32(ni, 31)), 1);
+    const __m512i n2 = _mm512_sub_epi32(ni, n1), bias = _mm512_set1_epi32(127);
+    const __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, bias), 23))),
+                                   _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, bias), 23)));
+    return _mm512_mask_mov_ps(y, nan, _mm512_castsi512_ps(ux));
 }
 
 /* gu [T, 2I] = [gate | up] -> out [T, I] = round(silu(gate)) * up.  I % 16 == 0. */
@@ -102,7 +147,6 @@ void tm_rotary(void *qkv, const void *cos, const void *sin, int64_t T, int64_t H
 #else
 /* Portable path. Each kernel's row body is inlined twice, with bf16 a constant 0 or 1, so every loop
  * over a row is straight-line float math that gcc vectorizes. */
-#define INLINE static inline __attribute__((always_inline))
 
 INLINE float ld(const void *p, int64_t i, const int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -153,28 +197,6 @@ void tm_add_rmsnorm(const void *x, void *residual, const void *w, void *out, int
         if (bf16) add_rmsnorm_row(x, residual, w, out, t * D, D, eps, 1);
         else add_rmsnorm_row(x, residual, w, out, t * D, D, eps, 0);
     }
-}
-
-/* e^x for any float x, lane by lane and branch-free (integer masks: gcc will not if-convert float compares
- * here), within 1 ulp of the exact value: Cephes' expf polynomial. |x| is clamped to 104, and 2^n is applied
- * as two normal powers of two, so overflow gives inf and underflow denormals or 0, as expf does. */
-INLINE float exp_any(float x) {
-    const uint32_t ux = f32_bits(x), mag = ux & 0x7FFFFFFFu;
-    const uint32_t big = -(uint32_t)(mag > 0x42D00000u), nan = -(uint32_t)(mag > 0x7F800000u);
-    const float xc = bits_f32((ux & ~big) | (((ux & 0x80000000u) | 0x42D00000u) & big));
-    const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest */
-    float r = xc - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500E-4f;
-    p = p * r + 1.3981999507E-3f;
-    p = p * r + 8.3334519073E-3f;
-    p = p * r + 4.1665795894E-2f;
-    p = p * r + 1.6666665459E-1f;
-    p = p * r + 5.0000001201E-1f;
-    p = p * (r * r) + r + 1.0f;
-    const int32_t ni = (int32_t)n, n1 = ni / 2, n2 = ni - n1;  /* |n| <= 151 */
-    const float y = p * bits_f32((uint32_t)(n1 + 127) << 23) * bits_f32((uint32_t)(n2 + 127) << 23);
-    return bits_f32((f32_bits(y) & ~nan) | (ux & nan));
 }
 
 INLINE void silu_mul_row(const void *gu, void *out, int64_t t, int64_t I, const int bf16) {

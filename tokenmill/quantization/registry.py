@@ -19,12 +19,13 @@ def build_quant_config(method: str | None, hf_config, quantize_lm_head: bool = F
 class Int8LMHead(QuantizationConfig):
     """The LM head in int8 weight-only, made at load time, whatever the rest of the model runs. On a
     tied-embedding model it is the largest single weight read per decode step (Qwen2.5-0.5B: 136M of 494M
-    parameters); every method above leaves it in float otherwise, as AutoAWQ and vLLM do."""
+    parameters); every method above leaves it in float otherwise, as AutoAWQ and vLLM do. Under w8a8 the head
+    is W8A8 too (batched steps: its int8 GEMM), else weight-only."""
 
     def __init__(self, inner: QuantizationConfig | None):
         self.inner, self.name = inner, getattr(inner, "name", "")
 
     def linear_method(self, prefix):
         if prefix == "lm_head":
-            return Int8LinearMethod(from_checkpoint=False, activations=False)
+            return Int8LinearMethod(from_checkpoint=False, activations=getattr(self.inner, "activations", False))
         return self.inner.linear_method(prefix) if self.inner is not None else None

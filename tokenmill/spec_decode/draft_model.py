@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.sample.sampler import argmax_rows
 from tokenmill.sched.output import ScheduledRequest
 
 CATCH_UP_DECODE_ROWS = 8  # the most rows a catch-up runs as decode rows (the CPU decode step's limit)
@@ -82,7 +83,7 @@ class DraftModelProposer:
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, self.backend.build_metadata(batch), self.backend)
         last = [starts[j + 1] - 1 for j in range(len(ordered))]
-        tokens = self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
+        tokens = argmax_rows(self.model.compute_logits(hidden[last])).tolist()
         out = [0] * len(seqs)
         for j, i in enumerate(order):
             out[i] = tokens[j]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.sample.sampler import SampleRow, Sampler, TokenLogprobs, exponential_sample
+from tokenmill.sample.sampler import SampleRow, Sampler, TokenLogprobs, argmax_rows, exponential_sample
 
 
 @dataclass
@@ -45,7 +45,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, checks: list[DraftCheck]
     (accepted drafts, then one more) and, for requests that asked, one logprobs row per emitted token."""
     rows = [row for c in checks for row in expanded_rows(c)]
     adjusted = sampler.adjusted_logits(logits, rows)
-    greedy_tokens = adjusted.argmax(dim=-1).tolist()
+    greedy_tokens = argmax_rows(adjusted).tolist()
     rand = [i for i, r in enumerate(rows) if not r.params.greedy]
     probs = {}
     if rand:

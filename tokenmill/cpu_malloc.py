@@ -1,0 +1,34 @@
+"""glibc malloc settings for tensor-sized blocks (BENCHMARKS.md, "Quantization", "W8A8 at batch 32").
+
+By default glibc serves a block above its mmap threshold (128 KiB, rising to at most 32 MiB as such blocks
+are freed) with a fresh mmap and unmaps it on free, and it returns freed heap above 128 KiB to the OS. A
+tensor that size then costs a page fault per 4 KiB page on first touch, every time it is allocated:
+oneDNN's scratchpads and the float32 outputs of a 2048-token chunk's int8 GEMMs are 10-40 MB each, and
+such a GEMM took 16 ms instead of 5.5. With both thresholds at 256 MiB those blocks stay in the heap and
+are reused warm. The cost: up to 256 MiB of freed heap may stay resident instead of going back to the OS.
+
+Applied at `import tokenmill` (mallopt works at any time), unless the user set MALLOC_MMAP_THRESHOLD_ or
+MALLOC_TRIM_THRESHOLD_ (glibc's own knobs win), or TOKENMILL_MALLOC_DEFAULTS=0, or the libc is not glibc.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+THRESHOLD_BYTES = 256 << 20
+_USER_KNOBS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+
+def apply_malloc_defaults() -> bool:
+    """True when the thresholds were set."""
+    if os.environ.get("TOKENMILL_MALLOC_DEFAULTS") == "0" or any(k in os.environ for k in _USER_KNOBS):
+        return False
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, THRESHOLD_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, THRESHOLD_BYTES))
