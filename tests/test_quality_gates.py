@@ -23,8 +23,9 @@ def test_int8_weight_only_within_one_percent(float_ppl, kw):
     assert increase(ppl, float_ppl) <= 0.01
 
 
-def test_w8a8_within_one_percent(float_ppl):
-    ppl = evaluate_perplexity(DEFAULT_MODEL, quantization="w8a8")["ppl"]
+@pytest.mark.parametrize("head", [False, True])
+def test_w8a8_within_one_percent(float_ppl, head):
+    ppl = evaluate_perplexity(DEFAULT_MODEL, quantization="w8a8", quantize_lm_head=head)["ppl"]
     assert ppl != float_ppl and abs(increase(ppl, float_ppl)) <= 0.01
 
 

@@ -125,10 +125,11 @@ def test_int8_lm_head_matches_its_dequantized_reference(model_dirs, tmp_path, qu
         assert toks == hf_greedy(ref, q, 16)
 
 
-def test_w8a8_kernel_matches_its_twin_and_stays_close_to_float(model_dirs):
+@pytest.mark.parametrize("head", [False, True])
+def test_w8a8_kernel_matches_its_twin_and_stays_close_to_float(model_dirs, head):
     path, hf = model_dirs["llama"]
     prompts = random_prompts([5, 21, 40], seed=9)
-    runs = {k: make_llm(path, quantization="w8a8", cpu_linear_kernel=k) for k in KERNELS}
+    runs = {k: make_llm(path, quantization="w8a8", cpu_linear_kernel=k, quantize_lm_head=head) for k in KERNELS}
     # int32 accumulation is exact in both, so the VNNI kernel and the twin agree token for token
     assert generate(runs["auto"], prompts) == generate(runs["torch"], prompts)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
