@@ -157,6 +157,9 @@ def main():
         import llamacpp
 
         result["llamacpp_commit"] = llamacpp.commit()
+        # LLAMA_ARG_REPACK=0: llama.cpp without its repacked (AMX / AVX-512) quantized kernels, which
+        # segfaulted on the AMX machine of 2026-12-02 (BENCHMARKS.md)
+        result["llamacpp_env"] = {k: v for k, v in os.environ.items() if k.startswith(("LLAMA_ARG_", "GGML_"))}
     write_json(result, a.out)
 
 

@@ -7,6 +7,7 @@ import logging
 
 import torch
 
+from tokenmill import cpu_malloc
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.distributed.comm import WHOLE_MODEL, ModelShard, PipelineLink
 from tokenmill.distributed.layout import kv_head_split
@@ -61,6 +62,8 @@ def build_runner(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, shar
                                                        config.block_size)
     if mc.is_multimodal:
         runner.encoder = EncoderRunner(model, config.device, dtype, config.mm_encoder_overlap)
+    if config.device == "cpu":
+        cpu_malloc.tune_for_steps()  # after the load: what it freed goes back to the OS first
     return runner
 
 
