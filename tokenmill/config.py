@@ -152,8 +152,8 @@ class EngineConfig:
         None, "weight quantization: int8 (weight-only, made at load time), w8a8 (int8 weights and activations), "
         "awq (AutoAWQ / `tokenmill quantize` checkpoints; detected from config.json)",
         choices=(None, "int8", "awq", "w8a8"), aliases=("-q",))
-    quantize_lm_head: bool = option(False, "also run the LM head in int8 weight-only (made at load time; the other "
-                                    "methods keep it in float, as AutoAWQ and vLLM do)")
+    quantize_lm_head: bool = option(False, "also run the LM head in int8, made at load time: weight-only, or W8A8 "
+                                    "under w8a8 (the methods keep it in float otherwise, as AutoAWQ and vLLM do)")
     kv_host_cache_gb: float = option(0.0, "KV tier in host RAM below the KV pool, GiB (0: off): evicted prefix "
                                      "blocks are kept there and loaded back on a hit (pinned memory on a GPU)")
     kv_disk_cache_dir: str | None = option(None, "KV tier on local disk: one file per block under this directory, "
