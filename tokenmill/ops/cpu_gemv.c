@@ -16,6 +16,7 @@
 
 #include "bf16.h"
 #include "rows.h"
+#include "stream.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -32,7 +33,8 @@ void tm_gemv_bf16_vnni(const uint16_t *P, const uint16_t *x, const uint16_t *bia
         /* four independent accumulators hide the dot-product latency */
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
         int64_t k2 = 0;
-        for (; k2 + 4 <= K2; k2 += 4) {
+        for (; k2 + 4 <= K2; k2 += 4) {  /* four 64-byte lines */
+            for (int j = 0; j < 4; j++) STREAM_PREFETCH(blk + (k2 + j) * 32);
             a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(blk + (k2 + 0) * 32), (__m512bh)_mm512_set1_epi32(xpairs[k2 + 0]));
             a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(blk + (k2 + 1) * 32), (__m512bh)_mm512_set1_epi32(xpairs[k2 + 1]));
             a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(blk + (k2 + 2) * 32), (__m512bh)_mm512_set1_epi32(xpairs[k2 + 2]));
@@ -172,6 +174,7 @@ ALWAYS_INLINE void rows_panel_f32(const float *blk, const float *x, int64_t K, c
 ALWAYS_INLINE void rows_panel_bf16(const uint32_t *blk, const float *x, int64_t K, const int M, float acc[][16]) {
     for (int64_t k2 = 0; k2 < K / 2; k2++) {
         const uint32_t *p = blk + k2 * 16;
+        STREAM_PREFETCH(p);
         for (int m = 0; m < M; m++) {
             const float x0 = x[m * K + 2 * k2], x1 = x[m * K + 2 * k2 + 1];
             #pragma omp simd

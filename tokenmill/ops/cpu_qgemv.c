@@ -24,6 +24,7 @@
 
 #include "bf16.h"
 #include "rows.h"
+#include "stream.h"
 
 /* sum(x) per group of G along K for each of M rows of x (bf16 or fp32): one pass, shared by every panel */
 static float *group_sums(const void *x, int64_t M, int64_t K, int64_t G, int x_bf16) {
@@ -97,6 +98,7 @@ void tm_qgemv_s8(const int8_t *P, const float *scales, const void *x_in, const f
         int64_t k = 0;
         for (; k + 4 <= K; k += 4) {  /* one 64-byte line: four k of 16 rows */
             const __m128i *line = (const __m128i *)(blk + k * 16);
+            STREAM_PREFETCH(line);
             __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(line)));
             __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(line + 1)));
             __m512 w2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(line + 2)));
@@ -132,6 +134,7 @@ static void qgemv_u4_bf16(const uint8_t *P, const float *S, const float *Z, cons
             __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
             for (int64_t k = g * G; k < (g + 1) * G; k += 8) {  /* one 64-byte line: 8 k of 16 rows */
                 const __m128i *line = (const __m128i *)(blk + (k / 2) * 16);
+                STREAM_PREFETCH(line);
                 __m512i w[4];
                 for (int j = 0; j < 4; j++) w[j] = nibbles_to_bf16_pairs(line + j);
                 a0 = _mm512_dpbf16_ps(a0, (__m512bh)w[0], (__m512bh)_mm512_set1_epi32(xpairs[k / 2 + 0]));
@@ -168,6 +171,7 @@ void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const void *x
             __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
             const int64_t k_end = (g + 1) * G;
             for (int64_t k = g * G; k < k_end; k += 8) {  /* one 64-byte line: 8 k of 16 rows */
+                STREAM_PREFETCH(blk + (k / 2) * 16);
                 __m512i line = _mm512_loadu_si512(blk + (k / 2) * 16);
                 __m512i v0 = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(line));
                 __m512i v1 = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(line, 1));
@@ -203,6 +207,7 @@ static void qgemm_s8(const int8_t *P, const float *scales, const void *x_in, con
         __m512 acc[MAX_ROWS];
         for (int64_t r = 0; r < M; r++) acc[r] = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k++) {
+            if (!(k & 3)) STREAM_PREFETCH(blk + k * 16);  /* a line holds four k */
             __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + k * 16))));
             for (int64_t r = 0; r < M; r++) acc[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r * K + k]), acc[r]);
         }
@@ -228,6 +233,7 @@ static void qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, cons
             for (int64_t r = 0; r < M; r++) d0[r] = d1[r] = _mm512_setzero_ps();
             for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
                 const __m128i *line = (const __m128i *)(blk + (k / 2) * 16);
+                STREAM_PREFETCH(line);
                 __m512i w[4];
                 for (int j = 0; j < 4; j++) w[j] = nibbles_to_bf16_pairs(line + j);
                 for (int64_t r = 0; r < M; r++) {
