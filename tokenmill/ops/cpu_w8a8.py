@@ -1,7 +1,8 @@
-"""The passes around oneDNN's int8 GEMM in a W8A8 linear (ops/cpu_w8a8.c): per-row activation
-quantization to unsigned codes, and the per-row rescale of the int32 products' float result. Their
-pure-torch twins are quantization/int8.quantize_rows and the torch epilogue in Int8LinearMethod._w8a8;
-both are bit-identical to these. `TOKENMILL_DISABLE_CPU_W8A8=1` turns them off."""
+"""W8A8 passes in C (ops/cpu_w8a8.c): per-row activation quantization to int8 codes; the per-row rescale of
+oneDNN's float result; and, on CPUs with AMX-INT8, the whole product on AMX tiles with both scales applied in
+its epilogue. Their pure-torch twins are quantization/int8.quantize_rows, the torch epilogue in
+Int8LinearMethod._w8a8 and int8.w8a8_linear_ref; all are bit-identical to these.
+`TOKENMILL_DISABLE_CPU_W8A8=1` turns them off."""
 from __future__ import annotations
 
 import ctypes
@@ -13,9 +14,6 @@ from tokenmill.ops import native
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 DTYPES = (torch.bfloat16, torch.float32)
-import os
-SERIAL = int(os.environ.get("TM_W8A8_SERIAL", "0"))
-def _threads(m): return 1 if m <= SERIAL else torch.get_num_threads()
 
 
 @lru_cache(maxsize=1)
@@ -26,7 +24,9 @@ def _library():
     lib.tm_quantize_rows_u8.argtypes = [_P, _P, _P, _I, _I, _I, ctypes.c_float, ctypes.c_int, ctypes.c_int,
                                         ctypes.c_int]
     lib.tm_rescale_rows.argtypes = [_P, _P, _P, _P, _I, _I, ctypes.c_int, ctypes.c_int]
-    lib.tm_quantize_rows_u8.restype = lib.tm_rescale_rows.restype = None
+    lib.tm_w8a8_amx.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int]
+    lib.tm_quantize_rows_u8.restype = lib.tm_rescale_rows.restype = lib.tm_w8a8_amx.restype = None
+    lib.tm_amx_init.restype = ctypes.c_int
     return lib
 
 
@@ -42,7 +42,7 @@ def quantize_rows_u8(x: torch.Tensor, rows: int, qmax: int, zero_point: int) -> 
     xu = torch.empty(rows, k, dtype=torch.uint8)
     t = torch.empty(m, dtype=torch.float32)
     _library().tm_quantize_rows_u8(x.data_ptr(), xu.data_ptr(), t.data_ptr(), m, rows, k, float(qmax), zero_point,
-                                   int(x.dtype == torch.bfloat16), _threads(m))
+                                   int(x.dtype == torch.bfloat16), torch.get_num_threads())
     return xu, t
 
 
@@ -52,5 +52,45 @@ def rescale_rows(y: torch.Tensor, t: torch.Tensor, bias: torch.Tensor | None, dt
     m, n = t.shape[0], y.shape[1]
     out = torch.empty(m, n, dtype=dtype)
     _library().tm_rescale_rows(y.data_ptr(), t.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-                               m, n, int(dtype == torch.bfloat16), _threads(m))
+                               m, n, int(dtype == torch.bfloat16), torch.get_num_threads())
+    return out
+
+
+@lru_cache(maxsize=1)
+def amx_available() -> bool:
+    """Built with AMX-INT8 (gcc -march=native on such a CPU) and the kernel granted the tile state."""
+    lib = _library()
+    return lib is not None and "amx_int8" in native.cpu_flags() and bool(lib.tm_amx_init())
+
+
+def amx_supports(n: int, k: int) -> bool:
+    return n % 32 == 0 and k % 64 == 0
+
+
+def pack_amx(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> B tiles [N/16, K/64, 16, 16, 4]: P[b, c, r, j, i] = q[16 b + j, 64 c + 4 r + i]."""
+    n, k = q.shape
+    return q.reshape(n // 16, 16, k // 64, 16, 4).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def unpack_amx(packed: torch.Tensor) -> torch.Tensor:
+    """pack_amx's inverse: int8 [N, K]."""
+    nb, kc = packed.shape[:2]
+    return packed.permute(0, 3, 1, 2, 4).reshape(nb * 16, kc * 64)
+
+
+def amx_rows(m: int) -> int:
+    """Rows of the codes buffer for m rows: whole 16-row tiles."""
+    return (m + 15) // 16 * 16
+
+
+def w8a8_amx(xq: torch.Tensor, t: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+             bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """xq int8 [amx_rows(M), K] (padding rows zero), t float32 [M], packed from pack_amx, scales float32 [N],
+    bias float32 [N] or None -> ((xq @ q^T) * t[:, None] * scales + bias) [M, N] in dtype, rounded once."""
+    m, k, n = t.shape[0], xq.shape[1], packed.shape[0] * 16
+    out = torch.empty(m, n, dtype=dtype)
+    _library().tm_w8a8_amx(xq.data_ptr(), t.data_ptr(), packed.data_ptr(), scales.data_ptr(),
+                           None if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k,
+                           int(dtype == torch.bfloat16), torch.get_num_threads())
     return out

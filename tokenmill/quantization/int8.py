@@ -94,8 +94,12 @@ class Int8LinearMethod(LinearMethod):
         layer.kernel_rows = kernel_rows(ctx.dtype)
         layer.register_buffer("qweight", cpu_qgemv.pack_int8(q) if layer.gemv_panels else q.contiguous(),
                               persistent=False)
-        layer.qlinear = None
-        if fast and self.activations and qlinear_available():
+        layer.qlinear = layer.amx_panels = None
+        if fast and self.activations and cpu_w8a8.amx_available() and cpu_w8a8.amx_supports(n, k):
+            # our AMX GEMM (ops/cpu_w8a8.c): prefetched weight stream, both scales in its epilogue
+            layer.amx_panels = cpu_w8a8.pack_amx(q)
+            layer.qweight = torch.empty(0, dtype=torch.int8)  # one copy of the codes: the tiles (see `codes`)
+        elif fast and self.activations and qlinear_available():
             # oneDNN's VNNI int8 GEMM on a weight reordered once; the row scales are applied after it
             layer.qlinear = torch.ops.onednn.qlinear_prepack(q, [32, k])
             layer.register_buffer("zero_points", torch.zeros(n, dtype=torch.int64), persistent=False)
@@ -106,6 +110,8 @@ class Int8LinearMethod(LinearMethod):
 
     def codes(self, layer) -> torch.Tensor:
         """int8 [N, K], whichever layout is stored."""
+        if layer.amx_panels is not None:
+            return cpu_w8a8.unpack_amx(layer.amx_panels)
         q = layer.qweight
         return q.transpose(1, 2).reshape(-1, q.shape[1]) if layer.gemv_panels else q
 
@@ -128,6 +134,9 @@ class Int8LinearMethod(LinearMethod):
 
     def _w8a8(self, layer, x):
         qmax = layer.act_qmax
+        if layer.amx_panels is not None and cpu_w8a8.usable(x):
+            xq, t = cpu_w8a8.quantize_rows_u8(x, cpu_w8a8.amx_rows(x.shape[0]), qmax, 0)
+            return cpu_w8a8.w8a8_amx(xq.view(torch.int8), t, layer.amx_panels, layer.wscale, layer.bias_f32, x.dtype)
         if layer.qlinear is not None:
             m = x.shape[0]
             rows = padded_rows(m)  # a bounded set of shapes for oneDNN's primitive cache
@@ -147,8 +156,8 @@ class Int8LinearMethod(LinearMethod):
             y = y[:m].mul_(t[:, None])
         else:
             xq, t = quantize_rows(x, qmax)
-            acc = torch._int_mm(xq, layer.qweight.t()) if layer.use_int_mm else \
-                xq.to(torch.int32) @ layer.qweight.to(torch.int32).t()
+            q = self.codes(layer)
+            acc = torch._int_mm(xq, q.t()) if layer.use_int_mm else xq.to(torch.int32) @ q.to(torch.int32).t()
             y = acc.float().mul_(t[:, None]).mul_(layer.wscale[None, :])
         if layer.bias is not None:
             y += layer.bias.float()
