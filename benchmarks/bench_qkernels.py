@@ -18,7 +18,7 @@ from common import machine, read_bandwidth_gbs, write_json  # noqa: E402
 
 import tokenmill  # noqa: F401,E402
 from tokenmill.layers.linear import linear_in, matmul_dtype, onednn_linear, onednn_linear_available  # noqa: E402
-from tokenmill.ops import cpu_gemv, cpu_qgemv  # noqa: E402
+from tokenmill.ops import cpu_gemv, cpu_qgemv, cpu_w8a8  # noqa: E402
 from tokenmill.quantization.awq_format import quantize_w4, quantize_w8, unpack_int4  # noqa: E402
 from tokenmill.quantization.int8 import quantize_rows  # noqa: E402
 
@@ -63,6 +63,11 @@ def main():
     sz = torch.rand(k // g, n, 2, dtype=torch.bfloat16)
     ql = [torch.ops.onednn.qlinear_prepack(q, [32, k]) for q, _ in q8]
     zp = torch.zeros(n, dtype=torch.int64)
+    amx = [(cpu_w8a8.pack_amx(q), s.float()) for q, s in q8] if cpu_w8a8.amx_available() else []
+
+    def w8a8_amx(x, p, s):  # the whole linear: quantize the rows, multiply, both scales, bf16 out
+        xq, t = cpu_w8a8.quantize_rows_u8(x, cpu_w8a8.amx_rows(x.shape[0]), 127, 0)
+        return cpu_w8a8.w8a8_amx(xq.view(torch.int8), t, p, s, None, x.dtype)
 
     def per_row(fn, x):
         return [fn(r) for r in x.split(1)]
@@ -88,6 +93,7 @@ def main():
                 quantize_rows(x)[0].view(torch.uint8).bitwise_xor_(128), 1.0, 128, p, s.float(), zp, None, 1.0, 0,
                 torch.float32, "none", [None], "") for p, (_, s) in zip(ql, q8)], L),
             "w8a8 torch _int_mm": timed(lambda: [torch._int_mm(quantize_rows(x)[0], q.t()) for q, _ in q8], L),
+            "w8a8 AMX kernel": timed(lambda: [w8a8_amx(x, p, s) for p, s in amx], L) if amx else nan,
         }
         if m == 1:
             r["bf16 GEMV"] = timed(lambda: [cpu_gemv.gemv(x, p, None) for p in gemv], L)
