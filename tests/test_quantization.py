@@ -100,6 +100,24 @@ def test_int8_weight_only_matches_transformers_on_dequantized_weights(model_dirs
         assert toks == hf_greedy(hf, p, 16)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "awq"])
+def test_weight_only_decode_batches_above_eight_rows_match_transformers(model_dirs, awq_dirs, tmp_path, fmt):
+    """20 sequences decode together: the few-row kernels take them in chunks of at most 8 rows (up to 32 rows
+    per layer call, and through the one-call decode step), never the dequantizing path."""
+    if fmt == "awq":
+        path, hf = awq_dirs["llama"]
+        llm = make_llm(path, max_num_seqs=32)
+    else:
+        path, _ = model_dirs["llama"]
+        hf = int8_reference(path, str(tmp_path / "int8-float"))
+        llm = make_llm(path, quantization="int8", max_num_seqs=32)
+    prompts = random_prompts([3 + 2 * i for i in range(20)], seed=12)
+    # min_tokens, as hf_greedy's min_new_tokens: one of these prompts has EOS as its argmax
+    params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
+    for p, toks in zip(prompts, generate(llm, prompts, params)):
+        assert toks == hf_greedy(hf, p, 16), f"prompt length {len(p)}"
+
+
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_int8_lm_head_matches_its_dequantized_reference(model_dirs, tmp_path, quantization):
     path, _ = model_dirs["llama"]  # an untied LM head

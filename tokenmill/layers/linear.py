@@ -127,13 +127,16 @@ class DecodeRowsKernel:
     max_rows: int = cpu_gemv.MAX_ROWS
 
 
-def kernel_rows(dtype: torch.dtype) -> int:
+def kernel_rows(dtype: torch.dtype, weight_only_quantized: bool = False) -> int:
     """Up to how many rows a CPU linear takes the few-row C kernels, each chunk of 8 rows reading the weights
     once. Where torch has no fast bf16 GEMM (AVX2), bfloat16 layers take them up to 64 rows: at Qwen2.5-0.5B's
-    MLP shape 4.0 ms against 6.1 ms for the weight widened to float32 per call (BENCHMARKS.md, issue 14)."""
+    MLP shape 4.0 ms against 6.1 ms for the weight widened to float32 per call (BENCHMARKS.md, issue 14).
+    Weight-only quantized layers take them up to 32 rows everywhere, since their other path dequantizes the
+    whole weight per call: at batch 32 (128 + 128 tokens) int8 + int8 head ran 48.3 s with 8 and 22.1 s with
+    32, AWQ + int8 head 43.9 and 26.3 s (AMX machine, BENCHMARKS.md)."""
     if dtype == torch.bfloat16 and slow_bf16_gemm():
         return 64
-    return cpu_gemv.MAX_ROWS
+    return 32 if weight_only_quantized else cpu_gemv.MAX_ROWS
 
 
 class LinearMethod:

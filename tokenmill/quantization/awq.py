@@ -54,7 +54,7 @@ class AWQLinearMethod(LinearMethod):
         if fast and cpu_qgemv.available() and cpu_qgemv.supports(n, k, self.group_size):
             q = unpack_int4(layer.qweight.data).t()                          # [N, K]
             layer.panels = cpu_qgemv.pack_int4(q, layer.scales.data, unpack_int4(layer.qzeros.data), self.group_size)
-            layer.kernel_rows = kernel_rows(ctx.dtype)
+            layer.kernel_rows = kernel_rows(ctx.dtype, weight_only_quantized=True)
         elif fast and int4pack_available():
             q = unpack_int4(layer.qweight.data).t().contiguous().to(torch.int32)
             s = layer.scales.data.float()                                     # [K/G, N]

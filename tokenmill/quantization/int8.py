@@ -91,7 +91,7 @@ class Int8LinearMethod(LinearMethod):
         layer.bias_f32 = None if layer.bias is None else layer.bias.data.float()
         # W8A16 keeps one copy of the codes: the GEMV panel layout when the kernel is there, else [N, K]
         layer.gemv_panels = fast and not self.activations and cpu_qgemv.available() and cpu_qgemv.supports(n, k)
-        layer.kernel_rows = kernel_rows(ctx.dtype)
+        layer.kernel_rows = kernel_rows(ctx.dtype, weight_only_quantized=True)
         layer.register_buffer("qweight", cpu_qgemv.pack_int8(q) if layer.gemv_panels else q.contiguous(),
                               persistent=False)
         layer.qlinear = layer.amx_panels = None
