@@ -9,16 +9,24 @@
  *
  * int4 with groups of G along K and zero points (AWQ: W[n,k] = (q[n,k] - z[g,n]) * s[g,n], g = k / G):
  *
- *     P[N/16][K/2][16] uint8       P[b][k2][r] = q[16b+r][2 k2] | q[16b+r][2 k2 + 1] << 4
+ *     P[N/16][K/2][16] uint8       64-byte lines of 8 k x 16 rows, one of two layouts (U4_DWORD_LINES):
  *     S[N/16][K/G][16] float32     scales, Z the same for zero points
  *     y[n] = sum_g s[g,n] * (sum_{k in g} x[k] q[n,k]  -  z[g,n] * sum_{k in g} x[k])
  *
+ *   byte lines (portable build):  P[b][k2][r] = q[16b+r][2 k2] | q[16b+r][2 k2 + 1] << 4
+ *   dword lines (AVX-512 build):  line L of panel b is 16 uint32, one per row r, holding q[16b+r][8L + kk]
+ *                                 at nibble p (bits 4p..4p+3) for
+ *                                     p  = 0 1 2 3 4 5 6 7
+ *                                     kk = 0 2 4 6 1 3 5 7
+ *                                 so the pair (8L + 2j, 8L + 2j + 1) sits at bits 4j and 16 + 4j
+ *   ops/cpu_qgemv.py pack_int4 asks the build which (tm_qgemv_u4_layout).
+ *
  * x is float32, or bfloat16 widened once per call into a float32 copy.
  *
- * Two paths, same layouts and functions: AVX-512 intrinsics (the int4 kernels for bfloat16 x use
- * AVX512-BF16 dot products), and portable C that gcc vectorizes over the 16 rows of a panel (AVX2 here):
- * int8 / nibbles widened to float32 lane-wise, float32 FMAs, bfloat16 x widened to float32 first. The
- * dequantizing passes (more rows than the GEMVs take) are one portable implementation for both.  */
+ * Two paths, same functions: AVX-512 intrinsics (the int4 kernels for bfloat16 x use AVX512-BF16 dot
+ * products), and portable C that gcc vectorizes over the 16 rows of a panel (AVX2 here): int8 / nibbles
+ * widened to float32 lane-wise, float32 FMAs, bfloat16 x widened to float32 first. The dequantizing passes
+ * (more rows than the GEMVs take) are one portable implementation for both.  */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -65,6 +73,7 @@ static const float *widen(const void *x, int64_t K, int x_bf16, float **owned) {
 #define MAX_ROWS 8
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define U4_DWORD_LINES 1
 #include <immintrin.h>
 
 static inline void store_row(__m512 acc, const float *bias, int64_t n0, void *y, int y_bf16) {
@@ -79,12 +88,17 @@ static inline void store_row(__m512 acc, const float *bias, int64_t n0, void *y,
     }
 }
 
-/* 16 bytes of two nibbles each -> 16 bf16 pairs (128 + lo, 128 + hi), exact */
-static inline __m512i nibbles_to_bf16_pairs(const __m128i *src) {
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(src));
-    /* lo nibble -> bits 0-3, hi nibble -> bits 16-19, then OR in 128.0's bits */
-    return _mm512_or_si512(_mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x000F000F), 0xA8),
-                           _mm512_set1_epi32(0x43004300));
+/* One 64-byte line of int4 codes (layout below) -> 4 vectors of 16 bf16 pairs (128 + q[k], 128 + q[k + 1]) for
+ * k = k0, k0 + 2, k0 + 4, k0 + 6, exact. Here a line holds one dword per row with its 8 nibbles ordered so that
+ * pair j sits at bits 4j and 16 + 4j: one shift and one ternary-logic op (mask, then OR in 128.0's bits)
+ * per pair, 7 ops per line, where widening bytes took 16. */
+static inline void line_to_bf16_pairs(const void *line, __m512i w[4]) {
+    const __m512i d = _mm512_loadu_si512(line), mask = _mm512_set1_epi32(0x000F000F),
+                  one28 = _mm512_set1_epi32(0x43004300);
+    w[0] = _mm512_ternarylogic_epi32(d, mask, one28, 0xEA);  /* (d & mask) | 128.0 */
+    w[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(d, 4), mask, one28, 0xEA);
+    w[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(d, 8), mask, one28, 0xEA);
+    w[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(d, 12), mask, one28, 0xEA);
 }
 
 void tm_qgemv_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t N,
@@ -133,10 +147,10 @@ static void qgemv_u4_bf16(const uint8_t *P, const float *S, const float *Z, cons
         for (int64_t g = 0; g < ngroups; g++) {
             __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
             for (int64_t k = g * G; k < (g + 1) * G; k += 8) {  /* one 64-byte line: 8 k of 16 rows */
-                const __m128i *line = (const __m128i *)(blk + (k / 2) * 16);
+                const uint8_t *line = blk + (k / 2) * 16;
                 STREAM_PREFETCH(line);
                 __m512i w[4];
-                for (int j = 0; j < 4; j++) w[j] = nibbles_to_bf16_pairs(line + j);
+                line_to_bf16_pairs(line, w);
                 a0 = _mm512_dpbf16_ps(a0, (__m512bh)w[0], (__m512bh)_mm512_set1_epi32(xpairs[k / 2 + 0]));
                 a1 = _mm512_dpbf16_ps(a1, (__m512bh)w[1], (__m512bh)_mm512_set1_epi32(xpairs[k / 2 + 1]));
                 a2 = _mm512_dpbf16_ps(a2, (__m512bh)w[2], (__m512bh)_mm512_set1_epi32(xpairs[k / 2 + 2]));
@@ -172,19 +186,17 @@ void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const void *x
             const int64_t k_end = (g + 1) * G;
             for (int64_t k = g * G; k < k_end; k += 8) {  /* one 64-byte line: 8 k of 16 rows */
                 STREAM_PREFETCH(blk + (k / 2) * 16);
-                __m512i line = _mm512_loadu_si512(blk + (k / 2) * 16);
-                __m512i v0 = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(line));
-                __m512i v1 = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(line, 1));
-                __m512i v2 = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(line, 2));
-                __m512i v3 = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(line, 3));
-                a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v0, low4)), _mm512_set1_ps(x[k + 0]), a0);
-                a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v0, 4)), _mm512_set1_ps(x[k + 1]), a1);
-                a2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v1, low4)), _mm512_set1_ps(x[k + 2]), a2);
-                a3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v1, 4)), _mm512_set1_ps(x[k + 3]), a3);
-                a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v2, low4)), _mm512_set1_ps(x[k + 4]), a0);
-                a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v2, 4)), _mm512_set1_ps(x[k + 5]), a1);
-                a2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v3, low4)), _mm512_set1_ps(x[k + 6]), a2);
-                a3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v3, 4)), _mm512_set1_ps(x[k + 7]), a3);
+                const __m512i d = _mm512_loadu_si512(blk + (k / 2) * 16);  /* q[k + kk] at bits 4 p(kk) */
+#define U4_AT(shift) _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(d, shift), low4))
+                a0 = _mm512_fmadd_ps(U4_AT(0), _mm512_set1_ps(x[k + 0]), a0);
+                a1 = _mm512_fmadd_ps(U4_AT(16), _mm512_set1_ps(x[k + 1]), a1);
+                a2 = _mm512_fmadd_ps(U4_AT(4), _mm512_set1_ps(x[k + 2]), a2);
+                a3 = _mm512_fmadd_ps(U4_AT(20), _mm512_set1_ps(x[k + 3]), a3);
+                a0 = _mm512_fmadd_ps(U4_AT(8), _mm512_set1_ps(x[k + 4]), a0);
+                a1 = _mm512_fmadd_ps(U4_AT(24), _mm512_set1_ps(x[k + 5]), a1);
+                a2 = _mm512_fmadd_ps(U4_AT(12), _mm512_set1_ps(x[k + 6]), a2);
+                a3 = _mm512_fmadd_ps(U4_AT(28), _mm512_set1_ps(x[k + 7]), a3);
+#undef U4_AT
             }
             __m512 dot = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
             const int64_t sz = (b * ngroups + g) * 16;
@@ -232,10 +244,10 @@ static void qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, cons
             __m512 d0[MAX_ROWS], d1[MAX_ROWS];
             for (int64_t r = 0; r < M; r++) d0[r] = d1[r] = _mm512_setzero_ps();
             for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
-                const __m128i *line = (const __m128i *)(blk + (k / 2) * 16);
+                const uint8_t *line = blk + (k / 2) * 16;
                 STREAM_PREFETCH(line);
                 __m512i w[4];
-                for (int j = 0; j < 4; j++) w[j] = nibbles_to_bf16_pairs(line + j);
+                line_to_bf16_pairs(line, w);
                 for (int64_t r = 0; r < M; r++) {
                     const uint32_t *xp = (const uint32_t *)(x + r * K) + k / 2;
                     d0[r] = _mm512_dpbf16_ps(d0[r], (__m512bh)w[0], (__m512bh)_mm512_set1_epi32(xp[0]));
@@ -256,6 +268,7 @@ static void qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, cons
     free(xsum);
 }
 #else
+#define U4_DWORD_LINES 0
 /* Portable path. Weights are widened 32 bytes (two panel lines) at a time into small float arrays: a loop
  * over 32 bytes is one 256-bit load and 256-bit conversions, while over a 16-byte line gcc picks 128-bit
  * vectors for the whole loop. The arrays stay in registers; the FMAs then run over the 16 rows of a panel. */
@@ -706,18 +719,32 @@ void tm_dequant_u4(const uint8_t *P, const float *S, const float *Z, void *out, 
         for (int64_t k2 = 0; k2 < K / 2; k2++) {
             const int64_t sz = (b * ngroups + (2 * k2) / G) * 16;
             const float *s = S + sz, *z = Z + sz;
-            const uint8_t *line = blk + k2 * 16;
             float lo[16], hi[16];
+#if U4_DWORD_LINES
+            /* k = 2 k2 is nibble p = j of each row's dword in its line, k + 1 nibble j + 4 (j = k2 % 4) */
+            const uint32_t *line = (const uint32_t *)(blk + (k2 / 4) * 64);
+            const int j = (int)(k2 % 4);
+            #pragma omp simd
+            for (int r = 0; r < 16; r++) {
+                lo[r] = ((float)((line[r] >> (4 * j)) & 0xF) - z[r]) * s[r];
+                hi[r] = ((float)((line[r] >> (16 + 4 * j)) & 0xF) - z[r]) * s[r];
+            }
+#else
+            const uint8_t *line = blk + k2 * 16;
             #pragma omp simd
             for (int r = 0; r < 16; r++) {
                 lo[r] = ((float)(line[r] & 0xF) - z[r]) * s[r];
                 hi[r] = ((float)(line[r] >> 4) - z[r]) * s[r];
             }
+#endif
             store16(out, (2 * k2) * N + b * 16, lo, out_bf16);
             store16(out, (2 * k2 + 1) * N + b * 16, hi, out_bf16);
         }
     }
 }
+
+/* which int4 panel layout this build reads (ops/cpu_qgemv.py pack_int4): 1 for dword lines */
+int tm_qgemv_u4_layout(void) { return U4_DWORD_LINES; }
 
 /* whether bfloat16 rows of the int4 and int8 kernels take the integer path (ops/cpu_qgemv.py int16_rows) */
 int tm_qgemv_int16_rows(void) {

@@ -31,7 +31,7 @@ def _library():
     lib.tm_dequant_s8.argtypes = [_P, _P, _P, _I, _I, ctypes.c_int, ctypes.c_int]
     lib.tm_dequant_u4.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int]
     lib.tm_qgemv_s8.restype = lib.tm_qgemv_u4.restype = lib.tm_dequant_s8.restype = lib.tm_dequant_u4.restype = None
-    lib.tm_qgemv_int16_rows.restype = ctypes.c_int
+    lib.tm_qgemv_int16_rows.restype = lib.tm_qgemv_u4_layout.restype = ctypes.c_int
     return lib
 
 
@@ -70,10 +70,18 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
 
 
 def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int):
-    """q [N, K] in 0..15, scales and zeros [K/G, N] -> (bytes [N/16, K/2, 16], S, Z [N/16, K/G, 16])."""
+    """q [N, K] in 0..15, scales and zeros [K/G, N] -> (bytes [N/16, K/2, 16], S, Z [N/16, K/G, 16]).
+    The bytes hold 64-byte lines of 8 k x 16 rows in the layout the build reads (ops/cpu_qgemv.c)."""
     n, k = q.shape
-    q = q.to(torch.uint8).view(n // 16, 16, k // 2, 2)
-    packed = (q[..., 0] | (q[..., 1] << 4)).transpose(1, 2).contiguous()
+    if _library() is not None and _library().tm_qgemv_u4_layout() == 1:
+        # dword lines: row r's dword holds q[r][k0 + kk] at nibble p, kk = 0, 2, 4, 6, 1, 3, 5, 7 for p = 0..7;
+        # as bytes (little-endian), byte m = nibbles p = 2m (low) and 2m + 1 (high)
+        q8 = q.to(torch.uint8).view(n // 16, 16, k // 8, 8)
+        lo, hi = q8[..., [0, 4, 1, 5]], q8[..., [2, 6, 3, 7]]
+        packed = (lo | (hi << 4)).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 16).contiguous()
+    else:  # byte lines: P[b][k2][r] = q[16 b + r][2 k2] | q[16 b + r][2 k2 + 1] << 4
+        q2 = q.to(torch.uint8).view(n // 16, 16, k // 2, 2)
+        packed = (q2[..., 0] | (q2[..., 1] << 4)).transpose(1, 2).contiguous()
 
     def panels(t):
         return t.float().t().reshape(n // 16, 16, k // group_size).transpose(1, 2).contiguous()
