@@ -26,7 +26,7 @@
  * Two paths, same functions: AVX-512 intrinsics (the int4 kernels for bfloat16 x use AVX512-BF16 dot
  * products), and portable C that gcc vectorizes over the 16 rows of a panel (AVX2 here): int8 / nibbles
  * widened to float32 lane-wise, float32 FMAs, bfloat16 x widened to float32 first. The dequantizing passes
- * (more rows than the GEMVs take) are one portable implementation for both.  */
+ * (more rows than the GEMVs take) are one portable implementation for both, reading the build's layout. */
 #include <stdint.h>
 #include <stdlib.h>
 

@@ -89,17 +89,21 @@ class Int8LinearMethod(LinearMethod):
         fast = ctx.device == "cpu" and ctx.cpu_kernel != "torch"
         layer.register_buffer("wscale", s.float(), persistent=False)
         layer.bias_f32 = None if layer.bias is None else layer.bias.data.float()
-        # W8A16 keeps one copy of the codes: the GEMV panel layout when the kernel is there, else [N, K]
+        # One copy of the codes: the GEMV panels (W8A16) or the AMX tiles (W8A8) where those kernels run, else [N, K]
         layer.gemv_panels = fast and not self.activations and cpu_qgemv.available() and cpu_qgemv.supports(n, k)
+        amx = fast and self.activations and ctx.dtype in cpu_w8a8.DTYPES and cpu_w8a8.amx_available() and \
+            cpu_w8a8.amx_supports(n, k)
+        layer.amx_panels = None
+        if amx:  # our AMX GEMM (ops/cpu_w8a8.c): prefetched weight stream, both scales in its epilogue
+            layer.amx_panels, codes = cpu_w8a8.pack_amx(q), torch.empty(0, dtype=torch.int8)
+        elif layer.gemv_panels:
+            codes = cpu_qgemv.pack_int8(q)
+        else:
+            codes = q.contiguous()
+        layer.register_buffer("qweight", codes, persistent=False)
         layer.kernel_rows = kernel_rows(ctx.dtype, weight_only_quantized=True)
-        layer.register_buffer("qweight", cpu_qgemv.pack_int8(q) if layer.gemv_panels else q.contiguous(),
-                              persistent=False)
-        layer.qlinear = layer.amx_panels = None
-        if fast and self.activations and cpu_w8a8.amx_available() and cpu_w8a8.amx_supports(n, k):
-            # our AMX GEMM (ops/cpu_w8a8.c): prefetched weight stream, both scales in its epilogue
-            layer.amx_panels = cpu_w8a8.pack_amx(q)
-            layer.qweight = torch.empty(0, dtype=torch.int8)  # one copy of the codes: the tiles (see `codes`)
-        elif fast and self.activations and qlinear_available():
+        layer.qlinear = None
+        if fast and self.activations and not amx and qlinear_available():
             # oneDNN's VNNI int8 GEMM on a weight reordered once; the row scales are applied after it
             layer.qlinear = torch.ops.onednn.qlinear_prepack(q, [32, k])
             layer.register_buffer("zero_points", torch.zeros(n, dtype=torch.int64), persistent=False)
