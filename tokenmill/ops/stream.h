@@ -2,13 +2,18 @@
  * On a 2-vCPU AMX VM the hardware prefetchers kept too few lines in flight for that stream once the
  * weights outgrew the cache: the int4 GEMV read 5.9 GB/s with a model-sized footprint (96 layers of
  * 4864 x 896, 209 MB) against 17.5 with 13 MB. Asking for the line STREAM_AHEAD bytes ahead of each one
- * read brought it to 18 GB/s; 16 KiB was about the best of 0.5-64 KiB (benchmarks/bench_qkernels.py
- * --layers 96). A prefetch past the end of the weights is harmless: it never faults. */
+ * read brought it to 18 GB/s. The hint is prefetcht1 (into L2), not prefetcht0: an L1 prefetch holds one
+ * of the core's few L1 fill buffers until its line arrives, which caps the lines in flight; L2 tracks
+ * more. With T1 and 32 KiB ahead, decode at B = 1 went +10-14 % end to end over T0 and 16 KiB (bf16, int8,
+ * AWQ; BENCHMARKS.md). A prefetch past the end of the weights is harmless: it never faults. */
 #pragma once
 
 #ifndef STREAM_AHEAD
-#define STREAM_AHEAD 16384
+#define STREAM_AHEAD 32768
+#endif
+#ifndef STREAM_LOCALITY
+#define STREAM_LOCALITY 2
 #endif
 
-/* call once per 64-byte line read from a stream */
-#define STREAM_PREFETCH(p) __builtin_prefetch((const char *)(p) + STREAM_AHEAD, 0, 3)
+/* call once per 64-byte line read from a stream; locality 2 = prefetcht1 */
+#define STREAM_PREFETCH(p) __builtin_prefetch((const char *)(p) + STREAM_AHEAD, 0, STREAM_LOCALITY)
