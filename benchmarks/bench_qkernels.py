@@ -18,7 +18,7 @@ from common import machine, read_bandwidth_gbs, write_json  # noqa: E402
 
 import tokenmill  # noqa: F401,E402
 from tokenmill.layers.linear import linear_in, matmul_dtype, onednn_linear, onednn_linear_available  # noqa: E402
-from tokenmill.ops import cpu_gemv, cpu_qgemv, cpu_w8a8  # noqa: E402
+from tokenmill.ops import cpu_gemv, cpu_qgemm_amx, cpu_qgemv, cpu_w8a8  # noqa: E402
 from tokenmill.quantization.awq_format import quantize_w4, quantize_w8, unpack_int4  # noqa: E402
 from tokenmill.quantization.int8 import quantize_rows  # noqa: E402
 
@@ -64,6 +64,7 @@ def main():
     ql = [torch.ops.onednn.qlinear_prepack(q, [32, k]) for q, _ in q8]
     zp = torch.zeros(n, dtype=torch.int64)
     amx = [(cpu_w8a8.pack_amx(q), s.float()) for q, s in q8] if cpu_w8a8.amx_available() else []
+    amx_bf16 = cpu_qgemm_amx.available()
 
     def w8a8_amx(x, p, s):  # the whole linear: quantize the rows, multiply, both scales, bf16 out
         xq, t = cpu_w8a8.quantize_rows_u8(x, cpu_w8a8.amx_rows(x.shape[0]), 127, 0)
@@ -79,13 +80,17 @@ def main():
             "bf16 oneDNN": timed(lambda: [onednn_linear(x, p, None) for p in packed], L) if onednn_bf16 else nan,
             "int8 GEMV per row": timed(lambda: [per_row(lambda v: cpu_qgemv.gemv_int8(v, p, s), x) for p, s in s8], L),
             "int8 multi-row kernel": timed(lambda: [cpu_qgemv.gemv_int8(x, p, s) for p, s in s8], L)
-            if m <= cpu_qgemv.MAX_ROWS else nan,
+            if m <= 32 else nan,  # above 8 rows in chunks of at most 8
+            "int8 AMX-BF16 GEMM": timed(lambda: [cpu_qgemm_amx.gemm_int8(x, p, s) for p, s in s8], L)
+            if amx_bf16 else nan,
             "int8 dequant + GEMM": timed(lambda: [linear_in(x, cpu_qgemv.dequant_int8(p, s, matmul_dtype(x)), None)
                                                   for p, s in s8], L),
             "int8 torch int8pack": timed(lambda: [torch._weight_int8pack_mm(x, q, s) for q, s in t8], L),
             "int4 GEMV per row": timed(lambda: [per_row(lambda v: cpu_qgemv.gemv_int4(v, *p, g), x) for p in u4], L),
             "int4 multi-row kernel": timed(lambda: [cpu_qgemv.gemv_int4(x, *p, g) for p in u4], L)
-            if m <= cpu_qgemv.MAX_ROWS else nan,
+            if m <= 32 else nan,
+            "int4 AMX-BF16 GEMM": timed(lambda: [cpu_qgemm_amx.gemm_int4(x, *p, g) for p in u4], L)
+            if amx_bf16 else nan,
             "int4 dequant + GEMM": timed(lambda: [linear_in(x, cpu_qgemv.dequant_int4(*p, g, matmul_dtype(x)), None)
                                                   for p in u4], L),
             "int4 torch int4pack": timed(lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(x, p, g, sz) for p in t4], L),

@@ -9,8 +9,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from tokenmill import SamplingParams
+from tokenmill.ops import cpu_qgemm_amx
+from tokenmill.quantization import awq as awq_module, int8 as int8_module
 from awq_oracle import autoawq_linear_class, write_autoawq_checkpoint
 from conftest import build_model, hf_greedy, make_llm, random_prompts
+from tokenmill.config import DEFAULT_MODEL
 
 pytestmark = pytest.mark.skipif(autoawq_linear_class() is None, reason="autoawq is a test dependency")
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -207,3 +210,57 @@ def test_int8_on_an_awq_checkpoint_is_refused(awq_dirs):
 def test_unknown_quantization_is_refused(llama_dir):
     with pytest.raises(ValueError, match="quantization must be one of"):
         make_llm(llama_dir, quantization="fp4")
+
+
+@pytest.fixture(scope="module")
+def shipped_awq(tmp_path_factory):
+    """The shipped (trained) model as a round-to-nearest AutoAWQ checkpoint, group 64."""
+    dst = str(tmp_path_factory.mktemp("shipped-awq") / "awq")
+    write_autoawq_checkpoint(DEFAULT_MODEL, dst, 64)
+    return dst
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.skipif(not cpu_qgemm_amx.available(), reason="needs a CPU with AMX-BF16")
+@pytest.mark.parametrize("fmt", ["int8", "awq"])
+def test_bfloat16_weight_only_steps_above_eight_rows_take_amx_at_least_as_exact(shipped_awq, monkeypatch, fmt):
+    """bfloat16 prefills and decode batches of more than 8 rows go through the AMX GEMM (ops/cpu_qgemm_amx.c),
+    which reads the panels as stored and scales each group's product in float32; the path it replaces rounded
+    the dequantized weight to bfloat16 first. The two round differently, so neither gives float32's greedy
+    tokens on every prompt (random-token prompts leave near-ties); the AMX path must follow the float32 engine
+    (the same quantized weights, float32 math) at least as far as the dequantizing path does, with prompt
+    logprobs as close. The kernel itself is checked against its twin in tests/test_cpu_qgemm_amx.py."""
+    path, kw = (shipped_awq, {}) if fmt == "awq" else (DEFAULT_MODEL, {"quantization": "int8"})
+    prompts = random_prompts([3 + 5 * i for i in range(12)], seed=21, vocab=4096)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
+    kernel = "gemm_int4" if fmt == "awq" else "gemm_int8"
+    calls = []
+    real = getattr(cpu_qgemm_amx, kernel)
+    monkeypatch.setattr(cpu_qgemm_amx, kernel, lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+
+    def run(dtype):
+        outs = make_llm(path, dtype=dtype, max_num_seqs=16, **kw).generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        logprobs = torch.cat([torch.tensor([o.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))])
+                              for o, p in zip(outs, prompts)])
+        return [o.outputs[0].token_ids for o in outs], logprobs
+
+    ref_tokens, ref_lp = run("float32")
+    assert not calls
+    amx_tokens, amx_lp = run("bfloat16")
+    assert calls and max(calls) > 8
+    for module in (awq_module, int8_module):
+        monkeypatch.setattr(module, "amx_rows_kernel", lambda *a, **k: False)
+    calls.clear()
+    plain_tokens, plain_lp = run("bfloat16")
+    assert not calls
+    followed = [sum(map(common_prefix, tokens, ref_tokens)) for tokens in (amx_tokens, plain_tokens)]
+    assert followed[0] >= followed[1], followed
+    err_amx, err_plain = (amx_lp - ref_lp).abs(), (plain_lp - ref_lp).abs()
+    assert err_amx.mean() <= 1.25 * err_plain.mean() + 1e-3 and err_amx.max() < 0.25, (err_amx, err_plain)

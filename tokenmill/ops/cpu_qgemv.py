@@ -63,6 +63,11 @@ def supports(n: int, k: int, group_size: int | None = None) -> bool:
     return group_size is None or (k % group_size == 0 and group_size % 16 == 0)
 
 
+def int4_layout() -> int:
+    """The int4 panel layout this build reads: 1 for dword lines (AVX-512), 0 for byte lines."""
+    return _library().tm_qgemv_u4_layout() if _library() is not None else 0
+
+
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
     """int8 [N, K] -> [N/16, K, 16]."""
     n, k = q.shape
@@ -73,7 +78,7 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_
     """q [N, K] in 0..15, scales and zeros [K/G, N] -> (bytes [N/16, K/2, 16], S, Z [N/16, K/G, 16]).
     The bytes hold 64-byte lines of 8 k x 16 rows in the layout the build reads (ops/cpu_qgemv.c)."""
     n, k = q.shape
-    if _library() is not None and _library().tm_qgemv_u4_layout() == 1:
+    if int4_layout() == 1:
         # dword lines: row r's dword holds q[r][k0 + kk] at nibble p, kk = 0, 2, 4, 6, 1, 3, 5, 7 for p = 0..7;
         # as bytes (little-endian), byte m = nibbles p = 2m (low) and 2m + 1 (high)
         q8 = q.to(torch.uint8).view(n // 16, 16, k // 8, 8)

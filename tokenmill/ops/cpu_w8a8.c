@@ -86,35 +86,10 @@ void tm_rescale_rows(const float *y, const float *t, const float *bias, void *ou
  * blocks: C[2][2] in tiles 0-3, A in 4-5, B in 6-7. Accumulation is exact in int32; the epilogue computes
  * (acc * t[m]) * s[n] (+ bias[n]) in float32, the order of the twin (quantization/int8.w8a8_linear_ref). */
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512F__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
+#include "amx.h"
 #include "stream.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Linux hands out AMX state only to processes that ask (once per process). 1 when usable. */
-int tm_amx_init(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
-
-static void config_tiles(void) {
-    tile_config cfg = {0};
-    cfg.palette_id = 1;
-    for (int i = 0; i < 8; i++) {
-        cfg.rows[i] = 16;
-        cfg.colsb[i] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
+int tm_amx_init(void) { return amx_request(); }
 
 INLINE void epilogue(const int32_t c[16][16], const float *t, const float *s, const float *bias, void *y,
                      int64_t m0, int64_t M, int64_t n0, int64_t N, const int bf16) {
@@ -142,7 +117,7 @@ void tm_w8a8_amx(const int8_t *x, const float *t, const int8_t *P, const float *
     if (chunk < 2) chunk = 2;
     #pragma omp parallel num_threads(nthreads)
     {
-        config_tiles();
+        amx_config_tiles();
         int32_t c[4][16][16];
         for (int64_t a0 = 0; a0 < MB; a0 += chunk) {
             const int64_t a1 = a0 + chunk < MB ? a0 + chunk : MB;

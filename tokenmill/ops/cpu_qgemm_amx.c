@@ -1,0 +1,172 @@
+/* Weight-only quantized GEMM on AMX-BF16 tiles, for steps with more rows than the GEMVs take (prefill,
+ * large decode batches): y[M, N] = x[M, K] W^T (+ bias), x and y bfloat16, W the int8 or int4 panels of
+ * ops/cpu_qgemv.c, read as they are stored.
+ *
+ * The path it replaces dequantized the whole weight to a bfloat16 [K, N] per call and handed it to oneDNN,
+ * which reordered it again: about 1 ms per layer of the Qwen2.5-0.5B shape whatever the rows, which made a
+ * 128-token AWQ prefill 1.9x bf16's. Here each pair of 16-output panels is widened once per row chunk into
+ * bfloat16 B tiles in a per-thread buffer (L2), and every row block of the chunk multiplies against them.
+ *
+ * Codes become bfloat16 exactly (int8 and q - z both have at most 8 significant bits), products of bf16
+ * pairs are exact in float32, and the scale applies per group in float32 after the group's dot product:
+ *
+ *     int8:  y[m, n] = s[n] * sum_k x[m, k] q[n, k]
+ *     int4:  y[m, n] = sum_g s[g, n] * sum_{k in g} x[m, k] (q[n, k] - z[g, n])
+ *
+ * so no weight is rounded to bfloat16 on the way, unlike the dequantizing path (a torch twin in
+ * ops/cpu_qgemm_amx.py). TDPBF16PS takes B as 16 rows of k pairs x 16 outputs:
+ *
+ *     B tile for panel b, k block c (32 k):   row i = 16 x (w[16 b + j][32 c + 2 i], w[16 b + j][32 c + 2 i + 1])
+ *                                             j = 0..15, 64 bytes
+ *
+ * One int4 dword line (8 k of 16 rows, cpu_qgemv.c) gives 4 such rows: pair (2 t, 2 t + 1) of the line sits at
+ * bits 4 t and 16 + 4 t of each row's dword, one shift and mask away from two 16-bit lanes, and a table lookup
+ * (vpermw) turns q - z + 16 into bfloat16. An int8 panel gives a row from two k of 16 bytes.
+ *
+ * x is [Mp, K] with Mp a multiple of 16 (the tiles read whole row blocks; padding rows are not written out).
+ * Tiles: C[2 row blocks][2 panels] in 0-3, A in 4-5, B in 6-7. */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "bf16.h"
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#include "amx.h"
+#include "stream.h"
+
+#define INLINE static inline __attribute__((always_inline))
+#ifndef ROW_CHUNK_BYTES
+#define ROW_CHUNK_BYTES (1024 * 1024)
+#endif
+
+/* row pairs (w[k], w[k + 1]) of 16 outputs as 32 bf16, interleaved */
+INLINE __m512i interleave16(__m512 even, __m512 odd) {
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(odd, even));  /* exact: |q| <= 128 */
+}
+
+/* int8 panel P[K][16] -> K / 32 B tiles */
+static void widen_s8_panel(const int8_t *blk, int64_t K, uint8_t *tiles) {
+    for (int64_t k = 0; k < K; k += 2) {
+        STREAM_PREFETCH(blk + k * 16);
+        const __m512 e = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + k * 16))));
+        const __m512 o = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + k * 16 + 16))));
+        _mm512_store_si512(tiles + k * 32, interleave16(e, o));  /* tile k / 32, row (k % 32) / 2 */
+    }
+}
+
+/* int4 panel (K / 8 dword lines, zero points Z[K / G][16]) -> K / 32 B tiles of q - z */
+static void widen_u4_panel(const uint8_t *blk, const float *Z, int64_t K, int64_t G, uint8_t *tiles) {
+    __m512i table;  /* bf16(i - 16), i = 0..31 */
+    {
+        uint16_t t[32];
+        for (int i = 0; i < 32; i++) t[i] = f32_to_bf16((float)(i - 16));
+        table = _mm512_loadu_si512(t);
+    }
+    const __m512i mask = _mm512_set1_epi32(0x000F000F);
+    for (int64_t g = 0; g < K / G; g++) {
+        /* 16 - z in both 16-bit halves of each row's lane */
+        const __m512i zi = _mm512_sub_epi32(_mm512_set1_epi32(16), _mm512_cvtps_epi32(_mm512_loadu_ps(Z + g * 16)));
+        const __m512i off = _mm512_or_si512(zi, _mm512_slli_epi32(zi, 16));
+        for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
+            const uint8_t *line = blk + (k / 2) * 16;
+            STREAM_PREFETCH(line);
+            const __m512i d = _mm512_loadu_si512(line);
+            uint8_t *row = tiles + k * 32;  /* 4 rows of 64 bytes */
+            for (int t = 0; t < 4; t++) {
+                const __m512i q = _mm512_and_si512(_mm512_srli_epi32(d, 4 * t), mask);
+                _mm512_store_si512(row + 64 * t, _mm512_permutexvar_epi16(_mm512_add_epi16(q, off), table));
+            }
+        }
+    }
+}
+
+/* one group of k blocks [c0, c1) for row blocks a (and a + 1 when two) against the panel pair's tiles */
+INLINE void dot_group(const uint16_t *x, int64_t K, int64_t a, int two, const uint8_t *t0, const uint8_t *t1,
+                      int64_t c0, int64_t c1) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t c = c0; c < c1; c++) {
+        _tile_loadd(6, t0 + c * 1024, 64);
+        _tile_loadd(7, t1 + c * 1024, 64);
+        _tile_loadd(4, x + (a * 16) * K + c * 32, K * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, x + (a * 16 + 16) * K + c * 32, K * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
+/* bits 8 or 4. int8: P [N/16][K][16], S float32 [N], Z unused, G = K. int4: P dword lines [N/16][K/2][16],
+ * S and Z float32 [N/16][K/G][16]. bias float32 [N] or NULL. */
+void tm_qgemm_amx_bf16(int bits, const void *P, const float *S, const float *Z, const uint16_t *x,
+                       const float *bias, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
+    const int64_t NB = N / 16, MB = (M + 15) / 16, KC = K / 32, ngroups = K / G, CG = G / 32;
+    /* rows per chunk: x's chunk (~1 MiB) stays in L2 while every panel pair passes over it */
+    int64_t chunk = (ROW_CHUNK_BYTES / (2 * K)) / 32 * 2;
+    if (chunk < 2) chunk = 2;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        amx_config_tiles();
+        uint8_t *tiles = aligned_alloc(64, 2 * KC * 1024);
+        float c[4][16][16] __attribute__((aligned(64)));
+        float *acc = aligned_alloc(64, (size_t)chunk * 16 * 32 * sizeof(float));  /* [chunk rows][32 outputs] */
+        for (int64_t a0 = 0; a0 < MB; a0 += chunk) {
+            const int64_t a1 = a0 + chunk < MB ? a0 + chunk : MB;
+            #pragma omp for schedule(static)
+            for (int64_t bp = 0; bp < NB / 2; bp++) {
+                for (int i = 0; i < 2; i++) {
+                    const int64_t b = 2 * bp + i;
+                    if (bits == 8) widen_s8_panel((const int8_t *)P + b * K * 16, K, tiles + i * KC * 1024);
+                    else widen_u4_panel((const uint8_t *)P + b * (K / 2) * 16, Z + b * ngroups * 16, K, G,
+                                        tiles + i * KC * 1024);
+                }
+                for (int64_t a = a0; a < a1; a += 2) {
+                    const int two = a + 1 < a1;
+                    float *ac = acc + (a - a0) * 16 * 32;  /* 32 rows x 32 outputs */
+                    for (int64_t g = 0; g < ngroups; g++) {
+                        dot_group(x, K, a, two, tiles, tiles + KC * 1024, g * CG, (g + 1) * CG);
+                        _tile_stored(0, c[0], 64);
+                        _tile_stored(1, c[1], 64);
+                        if (two) {
+                            _tile_stored(2, c[2], 64);
+                            _tile_stored(3, c[3], 64);
+                        }
+                        for (int t = 0; t < (two ? 4 : 2); t++) {
+                            const int64_t b = 2 * bp + t % 2;
+                            const __m512 s = _mm512_loadu_ps(bits == 8 ? S + b * 16 : S + (b * ngroups + g) * 16);
+                            for (int r = 0; r < 16; r++) {
+                                float *o = ac + ((t / 2) * 16 + r) * 32 + (t % 2) * 16;
+                                const __m512 v = _mm512_load_ps(c[t][r]);
+                                _mm512_store_ps(o, g ? _mm512_fmadd_ps(v, s, _mm512_load_ps(o)) : _mm512_mul_ps(v, s));
+                            }
+                        }
+                    }
+                    for (int r = 0; r < (two ? 32 : 16) && (a * 16 + r) < M; r++)
+                        for (int j = 0; j < 32; j++) {
+                            float v = ac[r * 32 + j];
+                            if (bias) v += bias[bp * 32 + j];
+                            y[(a * 16 + r) * N + bp * 32 + j] = f32_to_bf16(v);
+                        }
+                }
+            }
+        }
+        free(acc);
+        free(tiles);
+        _tile_release();
+    }
+}
+
+int tm_qgemm_amx_available(void) { return amx_request(); }
+#else
+void tm_qgemm_amx_bf16(int bits, const void *P, const float *S, const float *Z, const uint16_t *x,
+                       const float *bias, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
+    (void)bits; (void)P; (void)S; (void)Z; (void)x; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)G;
+    (void)nthreads;
+}
+
+int tm_qgemm_amx_available(void) { return 0; }
+#endif
