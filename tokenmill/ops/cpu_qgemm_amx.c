@@ -5,7 +5,8 @@
  * The path it replaces dequantized the whole weight to a bfloat16 [K, N] per call and handed it to oneDNN,
  * which reordered it again: about 1 ms per layer of the Qwen2.5-0.5B shape whatever the rows, which made a
  * 128-token AWQ prefill 1.9x bf16's. Here each pair of 16-output panels is widened once per row chunk into
- * bfloat16 B tiles in a per-thread buffer (L2), and every row block of the chunk multiplies against them.
+ * bfloat16 B tiles, one unit of k at a time (an int4 group; 128 k of int8) into a per-thread buffer in L1,
+ * and every row block of the chunk multiplies against them.
  *
  * Codes become bfloat16 exactly (int8 and q - z both have at most 8 significant bits), products of bf16
  * pairs are exact in float32, and the scale applies per group in float32 after the group's dot product:
@@ -46,112 +47,137 @@ INLINE __m512i interleave16(__m512 even, __m512 odd) {
     return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(odd, even));  /* exact: |q| <= 128 */
 }
 
-/* int8 panel P[K][16] -> K / 32 B tiles */
-static void widen_s8_panel(const int8_t *blk, int64_t K, uint8_t *tiles) {
-    for (int64_t k = 0; k < K; k += 2) {
+/* int8 panel P[K][16], k in [k0, k1) -> (k1 - k0) / 32 B tiles */
+static void widen_s8(const int8_t *blk, int64_t k0, int64_t k1, uint8_t *tiles) {
+    for (int64_t k = k0; k < k1; k += 2) {
         STREAM_PREFETCH(blk + k * 16);
         const __m512 e = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + k * 16))));
         const __m512 o = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + k * 16 + 16))));
-        _mm512_store_si512(tiles + k * 32, interleave16(e, o));  /* tile k / 32, row (k % 32) / 2 */
+        _mm512_store_si512(tiles + (k - k0) * 32, interleave16(e, o));  /* tile (k - k0) / 32, row (k % 32) / 2 */
     }
 }
 
-/* int4 panel (K / 8 dword lines, zero points Z[K / G][16]) -> K / 32 B tiles of q - z */
-static void widen_u4_panel(const uint8_t *blk, const float *Z, int64_t K, int64_t G, uint8_t *tiles) {
-    __m512i table;  /* bf16(i - 16), i = 0..31 */
-    {
-        uint16_t t[32];
-        for (int i = 0; i < 32; i++) t[i] = f32_to_bf16((float)(i - 16));
-        table = _mm512_loadu_si512(t);
-    }
+/* int4 panel (dword lines), k in [k0, k1) inside one group with zero points z[16] -> B tiles of q - z;
+ * table holds bf16(i - 16) for i = 0..31 */
+static void widen_u4(const uint8_t *blk, const float *z, int64_t k0, int64_t k1, __m512i table, uint8_t *tiles) {
     const __m512i mask = _mm512_set1_epi32(0x000F000F);
-    for (int64_t g = 0; g < K / G; g++) {
-        /* 16 - z in both 16-bit halves of each row's lane */
-        const __m512i zi = _mm512_sub_epi32(_mm512_set1_epi32(16), _mm512_cvtps_epi32(_mm512_loadu_ps(Z + g * 16)));
-        const __m512i off = _mm512_or_si512(zi, _mm512_slli_epi32(zi, 16));
-        for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
-            const uint8_t *line = blk + (k / 2) * 16;
-            STREAM_PREFETCH(line);
-            const __m512i d = _mm512_loadu_si512(line);
-            uint8_t *row = tiles + k * 32;  /* 4 rows of 64 bytes */
-            for (int t = 0; t < 4; t++) {
-                const __m512i q = _mm512_and_si512(_mm512_srli_epi32(d, 4 * t), mask);
-                _mm512_store_si512(row + 64 * t, _mm512_permutexvar_epi16(_mm512_add_epi16(q, off), table));
-            }
+    /* 16 - z in both 16-bit halves of each row's lane */
+    const __m512i zi = _mm512_sub_epi32(_mm512_set1_epi32(16), _mm512_cvtps_epi32(_mm512_loadu_ps(z)));
+    const __m512i off = _mm512_or_si512(zi, _mm512_slli_epi32(zi, 16));
+    for (int64_t k = k0; k < k1; k += 8) {
+        const uint8_t *line = blk + (k / 2) * 16;
+        STREAM_PREFETCH(line);
+        const __m512i d = _mm512_loadu_si512(line);
+        uint8_t *row = tiles + (k - k0) * 32;  /* 4 rows of 64 bytes */
+        for (int t = 0; t < 4; t++) {
+            const __m512i q = _mm512_and_si512(_mm512_srli_epi32(d, 4 * t), mask);
+            _mm512_store_si512(row + 64 * t, _mm512_permutexvar_epi16(_mm512_add_epi16(q, off), table));
         }
     }
 }
 
-/* one group of k blocks [c0, c1) for row blocks a (and a + 1 when two) against the panel pair's tiles */
-INLINE void dot_group(const uint16_t *x, int64_t K, int64_t a, int two, const uint8_t *t0, const uint8_t *t1,
-                      int64_t c0, int64_t c1) {
+/* n k blocks from block c0 of x, row blocks a (and a + 1 when two), against tiles t0 / t1 (one per panel) */
+INLINE void dot_unit(const uint16_t *x, int64_t K, int64_t a, int two, const uint8_t *t0, const uint8_t *t1,
+                     int64_t c0, int64_t n) {
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    for (int64_t c = c0; c < c1; c++) {
+    for (int64_t c = 0; c < n; c++) {
         _tile_loadd(6, t0 + c * 1024, 64);
         _tile_loadd(7, t1 + c * 1024, 64);
-        _tile_loadd(4, x + (a * 16) * K + c * 32, K * 2);
+        _tile_loadd(4, x + (a * 16) * K + (c0 + c) * 32, K * 2);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         if (two) {
-            _tile_loadd(5, x + (a * 16 + 16) * K + c * 32, K * 2);
+            _tile_loadd(5, x + (a * 16 + 16) * K + (c0 + c) * 32, K * 2);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
     }
 }
 
+/* C tiles of row blocks a (, a + 1) x the panel pair -> ac [32 rows][32 outputs]: ac = c * s (first unit of k)
+ * or ac += c * s, s[i] the 16 scales of panel i for this unit */
+INLINE void scale_into(float c[4][16][16], int two, const float *s[2], float *ac, int first) {
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    if (two) {
+        _tile_stored(2, c[2], 64);
+        _tile_stored(3, c[3], 64);
+    }
+    for (int t = 0; t < (two ? 4 : 2); t++) {
+        const __m512 sc = _mm512_loadu_ps(s[t % 2]);
+        for (int r = 0; r < 16; r++) {
+            float *o = ac + ((t / 2) * 16 + r) * 32 + (t % 2) * 16;
+            const __m512 v = _mm512_load_ps(c[t][r]);
+            _mm512_store_ps(o, first ? _mm512_mul_ps(v, sc) : _mm512_fmadd_ps(v, sc, _mm512_load_ps(o)));
+        }
+    }
+}
+
 /* bits 8 or 4. int8: P [N/16][K][16], S float32 [N], Z unused, G = K. int4: P dword lines [N/16][K/2][16],
- * S and Z float32 [N/16][K/G][16]. bias float32 [N] or NULL. */
+ * S and Z float32 [N/16][K/G][16]. bias float32 [N] or NULL.
+ *
+ * Two loop orders. A chunk of at most 2 row blocks (decode batches): per panel pair, per unit of k (an int4
+ * group; 128 k of int8 where K allows), the unit's B tiles (4 KiB for 128 k) are widened into L1 and
+ * multiplied at once. More row blocks (prefill): the pair's whole K is widened into L2 once, then each row
+ * block pair runs every group (int8: all of K in one accumulation) with its sums in L1. */
 void tm_qgemm_amx_bf16(int bits, const void *P, const float *S, const float *Z, const uint16_t *x,
                        const float *bias, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
-    const int64_t NB = N / 16, MB = (M + 15) / 16, KC = K / 32, ngroups = K / G, CG = G / 32;
+    const int64_t NB = N / 16, MB = (M + 15) / 16, KC = K / 32, ngroups = K / G;
+    const int64_t U = bits == 4 ? G : (K % 128 == 0 ? 128 : K % 64 == 0 ? 64 : 32);  /* widening unit, small chunks */
     /* rows per chunk: x's chunk (~1 MiB) stays in L2 while every panel pair passes over it */
     int64_t chunk = (ROW_CHUNK_BYTES / (2 * K)) / 32 * 2;
     if (chunk < 2) chunk = 2;
     #pragma omp parallel num_threads(nthreads)
     {
         amx_config_tiles();
-        uint8_t *tiles = aligned_alloc(64, 2 * KC * 1024);
+        __m512i table;
+        {
+            uint16_t t[32];
+            for (int i = 0; i < 32; i++) t[i] = f32_to_bf16((float)(i - 16));
+            table = _mm512_loadu_si512(t);
+        }
+        uint8_t *tiles = aligned_alloc(64, 2 * KC * 1024);  /* [2 panels][KC] in whole mode, [2][U / 32] per unit */
         float c[4][16][16] __attribute__((aligned(64)));
         float *acc = aligned_alloc(64, (size_t)chunk * 16 * 32 * sizeof(float));  /* [chunk rows][32 outputs] */
         for (int64_t a0 = 0; a0 < MB; a0 += chunk) {
             const int64_t a1 = a0 + chunk < MB ? a0 + chunk : MB;
+            const int whole = a1 - a0 > 2;
+            const int64_t W = whole ? K : U, CW = W / 32;  /* k widened per call */
             #pragma omp for schedule(static)
             for (int64_t bp = 0; bp < NB / 2; bp++) {
-                for (int i = 0; i < 2; i++) {
-                    const int64_t b = 2 * bp + i;
-                    if (bits == 8) widen_s8_panel((const int8_t *)P + b * K * 16, K, tiles + i * KC * 1024);
-                    else widen_u4_panel((const uint8_t *)P + b * (K / 2) * 16, Z + b * ngroups * 16, K, G,
-                                        tiles + i * KC * 1024);
-                }
-                for (int64_t a = a0; a < a1; a += 2) {
-                    const int two = a + 1 < a1;
-                    float *ac = acc + (a - a0) * 16 * 32;  /* 32 rows x 32 outputs */
-                    for (int64_t g = 0; g < ngroups; g++) {
-                        dot_group(x, K, a, two, tiles, tiles + KC * 1024, g * CG, (g + 1) * CG);
-                        _tile_stored(0, c[0], 64);
-                        _tile_stored(1, c[1], 64);
-                        if (two) {
-                            _tile_stored(2, c[2], 64);
-                            _tile_stored(3, c[3], 64);
-                        }
-                        for (int t = 0; t < (two ? 4 : 2); t++) {
-                            const int64_t b = 2 * bp + t % 2;
-                            const __m512 s = _mm512_loadu_ps(bits == 8 ? S + b * 16 : S + (b * ngroups + g) * 16);
-                            for (int r = 0; r < 16; r++) {
-                                float *o = ac + ((t / 2) * 16 + r) * 32 + (t % 2) * 16;
-                                const __m512 v = _mm512_load_ps(c[t][r]);
-                                _mm512_store_ps(o, g ? _mm512_fmadd_ps(v, s, _mm512_load_ps(o)) : _mm512_mul_ps(v, s));
-                            }
+                for (int64_t w = 0; w < K / W; w++) {
+                    for (int i = 0; i < 2; i++) {
+                        const int64_t b = 2 * bp + i;
+                        uint8_t *t = tiles + i * CW * 1024;
+                        if (bits == 8) {
+                            widen_s8((const int8_t *)P + b * K * 16, w * W, (w + 1) * W, t);
+                        } else {
+                            for (int64_t g = w * W / G; g < (w + 1) * W / G; g++)
+                                widen_u4((const uint8_t *)P + b * (K / 2) * 16, Z + (b * ngroups + g) * 16, g * G,
+                                         (g + 1) * G, table, t + (g * G - w * W) * 32);
                         }
                     }
-                    for (int r = 0; r < (two ? 32 : 16) && (a * 16 + r) < M; r++)
-                        for (int j = 0; j < 32; j++) {
-                            float v = ac[r * 32 + j];
-                            if (bias) v += bias[bp * 32 + j];
-                            y[(a * 16 + r) * N + bp * 32 + j] = f32_to_bf16(v);
+                    /* epilogue units within this widening: int4 groups; int8 one (its scale is the row's) */
+                    const int64_t E = bits == 4 ? G : W, CE = E / 32;
+                    for (int64_t a = a0; a < a1; a += 2) {
+                        const int two = a + 1 < a1;
+                        float *ac = acc + (a - a0) * 16 * 32;  /* 32 rows x 32 outputs */
+                        for (int64_t e = 0; e < W / E; e++) {
+                            const int64_t g = (w * W + e * E) / E;  /* unit index along K */
+                            const float *s[2];
+                            for (int i = 0; i < 2; i++)
+                                s[i] = bits == 8 ? S + (2 * bp + i) * 16 : S + ((2 * bp + i) * ngroups + g) * 16;
+                            dot_unit(x, K, a, two, tiles + e * CE * 1024, tiles + (CW + e * CE) * 1024, g * CE, CE);
+                            scale_into(c, two, s, ac, g == 0);
                         }
+                    }
                 }
+                for (int64_t r = 0; r < (a1 - a0) * 16 && a0 * 16 + r < M; r++)
+                    for (int j = 0; j < 32; j++) {
+                        float v = acc[r * 32 + j];
+                        if (bias) v += bias[bp * 32 + j];
+                        y[(a0 * 16 + r) * N + bp * 32 + j] = f32_to_bf16(v);
+                    }
             }
         }
         free(acc);
