@@ -16,6 +16,12 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 # row chunk then costs more than the dequantized weight's pass (2048-row gate_up of Qwen2.5-0.5B: 28.7 ms
 # against 27.5; 1536 rows 13.6 against 11.1; 1024 rows 8.7 against 8.3; 512 rows 4.6 against 5.0).
 INT4_MAX_ROWS = 1024
+# Where this GEMM is available, weight-only layers keep the few-row GEMVs only up to this many rows. Per
+# 4864 x 896 layer the GEMM costs ~180 us (int4) / ~300 (int8) at 1-16 rows, the GEMVs 90-120 / 190-220 at
+# 1 row, 240 / 320 at 4 and 420 / 440 at 8; steps of up to this many rows also keep the one-call decode step
+# (worker/cpu_decode_step.py). AWQ + int8 head, 0.5B shape, decode step: B = 5 39.1 -> 36.0 ms, B = 6
+# 44.7 -> 38.0, B = 8 55.1 -> 39.2 against a cap of 8; B <= 4 unchanged.
+GEMV_ROWS = 4
 
 
 @lru_cache(maxsize=1)

@@ -55,7 +55,7 @@ class AWQLinearMethod(LinearMethod):
             q = unpack_int4(layer.qweight.data).t()                          # [N, K]
             layer.panels = cpu_qgemv.pack_int4(q, layer.scales.data, unpack_int4(layer.qzeros.data), self.group_size)
             layer.amx = amx_rows_kernel(ctx.dtype, n, k, self.group_size)
-            layer.kernel_rows = cpu_qgemv.MAX_ROWS if layer.amx else kernel_rows(ctx.dtype, weight_only_quantized=True)
+            layer.kernel_rows = cpu_qgemm_amx.GEMV_ROWS if layer.amx else kernel_rows(ctx.dtype, weight_only_quantized=True)
         elif fast and int4pack_available():
             q = unpack_int4(layer.qweight.data).t().contiguous().to(torch.int32)
             s = layer.scales.data.float()                                     # [K/G, N]

@@ -63,7 +63,8 @@ def w8a8_linear_ref(x, qweight, scales, bias=None, qmax: int = 127):
 def amx_rows_kernel(dtype: torch.dtype, n: int, k: int, group_size: int | None = None) -> bool:
     """Whether a weight-only layer's bfloat16 steps above the GEMVs' rows take the AMX-BF16 GEMM
     (ops/cpu_qgemm_amx.c) instead of dequantizing the weight per call. It beats the few-row GEMVs from about
-    8 rows on (16 rows of a 4864 x 896 layer: 180 us against 800 for int4), so those then stop at 8."""
+    4 rows on (16 rows of a 4864 x 896 layer: 180 us against 800 for int4), so those then stop at
+    cpu_qgemm_amx.GEMV_ROWS."""
     return dtype == torch.bfloat16 and cpu_qgemm_amx.available() and cpu_qgemm_amx.supports(n, k, group_size)
 
 
@@ -109,7 +110,7 @@ class Int8LinearMethod(LinearMethod):
             codes = q.contiguous()
         layer.register_buffer("qweight", codes, persistent=False)
         layer.amx_bf16 = layer.gemv_panels and amx_rows_kernel(ctx.dtype, n, k)
-        layer.kernel_rows = cpu_qgemv.MAX_ROWS if layer.amx_bf16 else kernel_rows(ctx.dtype, weight_only_quantized=True)
+        layer.kernel_rows = cpu_qgemm_amx.GEMV_ROWS if layer.amx_bf16 else kernel_rows(ctx.dtype, weight_only_quantized=True)
         layer.qlinear = None
         if fast and self.activations and not amx and qlinear_available():
             # oneDNN's VNNI int8 GEMM on a weight reordered once; the row scales are applied after it
