@@ -27,7 +27,7 @@ void tm_gemv_bf16_vnni(const uint16_t *P, const uint16_t *x, const uint16_t *bia
                        int nthreads);
 void tm_qgemv_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t N,
                  int64_t K, int y_bf16, int nthreads);
-void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const void *x_in, const float *bias, void *y,
+void tm_qgemv_u4(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const void *x_in, const float *bias, void *y,
                  int64_t N, int64_t K, int64_t G, int y_bf16, int nthreads);
 void tm_gemm_rows_f32(const float *P, const float *x, const float *bias, float *y, int64_t M, int64_t N, int64_t K,
                       int nthreads);
@@ -35,7 +35,7 @@ void tm_gemm_rows_bf16(const uint16_t *P, const uint16_t *x, const uint16_t *bia
                        int64_t K, int nthreads);
 void tm_qgemm_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t M,
                  int64_t N, int64_t K, int y_bf16, int nthreads);
-void tm_qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, const uint16_t *x, const float *bias,
+void tm_qgemm_u4_bf16(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const uint16_t *x, const float *bias,
                       uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads);
 void tm_add_rmsnorm(const void *x, void *residual, const void *w, void *out, int64_t T, int64_t D, float eps,
                     int bf16, int nthreads);

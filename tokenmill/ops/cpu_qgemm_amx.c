@@ -59,10 +59,10 @@ static void widen_s8(const int8_t *blk, int64_t k0, int64_t k1, uint8_t *tiles) 
 
 /* int4 panel (dword lines), k in [k0, k1) inside one group with zero points z[16] -> B tiles of q - z;
  * table holds bf16(i - 16) for i = 0..31 */
-static void widen_u4(const uint8_t *blk, const float *z, int64_t k0, int64_t k1, __m512i table, uint8_t *tiles) {
+static void widen_u4(const uint8_t *blk, const uint8_t *z, int64_t k0, int64_t k1, __m512i table, uint8_t *tiles) {
     const __m512i mask = _mm512_set1_epi32(0x000F000F);
     /* 16 - z in both 16-bit halves of each row's lane */
-    const __m512i zi = _mm512_sub_epi32(_mm512_set1_epi32(16), _mm512_cvtps_epi32(_mm512_loadu_ps(z)));
+    const __m512i zi = _mm512_sub_epi32(_mm512_set1_epi32(16), _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)z)));
     const __m512i off = _mm512_or_si512(zi, _mm512_slli_epi32(zi, 16));
     for (int64_t k = k0; k < k1; k += 8) {
         const uint8_t *line = blk + (k / 2) * 16;
@@ -96,7 +96,7 @@ INLINE void dot_unit(const uint16_t *x, int64_t K, int64_t a, int two, const uin
 
 /* C tiles of row blocks a (, a + 1) x the panel pair -> ac [32 rows][32 outputs]: ac = c * s (first unit of k)
  * or ac += c * s, s[i] the 16 scales of panel i for this unit */
-INLINE void scale_into(float c[4][16][16], int two, const float *s[2], float *ac, int first) {
+INLINE void scale_into(float c[4][16][16], int two, const __m512 s[2], float *ac, int first) {
     _tile_stored(0, c[0], 64);
     _tile_stored(1, c[1], 64);
     if (two) {
@@ -104,7 +104,7 @@ INLINE void scale_into(float c[4][16][16], int two, const float *s[2], float *ac
         _tile_stored(3, c[3], 64);
     }
     for (int t = 0; t < (two ? 4 : 2); t++) {
-        const __m512 sc = _mm512_loadu_ps(s[t % 2]);
+        const __m512 sc = s[t % 2];
         for (int r = 0; r < 16; r++) {
             float *o = ac + ((t / 2) * 16 + r) * 32 + (t % 2) * 16;
             const __m512 v = _mm512_load_ps(c[t][r]);
@@ -114,13 +114,13 @@ INLINE void scale_into(float c[4][16][16], int two, const float *s[2], float *ac
 }
 
 /* bits 8 or 4. int8: P [N/16][K][16], S float32 [N], Z unused, G = K. int4: P dword lines [N/16][K/2][16],
- * S and Z float32 [N/16][K/G][16]. bias float32 [N] or NULL.
+ * S float16 and Z uint8 [N/16][K/G][16]. bias float32 [N] or NULL.
  *
  * Two loop orders. A chunk of at most 2 row blocks (decode batches): per panel pair, per unit of k (an int4
  * group; 128 k of int8 where K allows), the unit's B tiles (4 KiB for 128 k) are widened into L1 and
  * multiplied at once. More row blocks (prefill): the pair's whole K is widened into L2 once, then each row
  * block pair runs every group (int8: all of K in one accumulation) with its sums in L1. */
-void tm_qgemm_amx_bf16(int bits, const void *P, const float *S, const float *Z, const uint16_t *x,
+void tm_qgemm_amx_bf16(int bits, const void *P, const void *S, const uint8_t *Z, const uint16_t *x,
                        const float *bias, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
     const int64_t NB = N / 16, MB = (M + 15) / 16, KC = K / 32, ngroups = K / G;
     const int64_t U = bits == 4 ? G : (K % 128 == 0 ? 128 : K % 64 == 0 ? 64 : 32);  /* widening unit, small chunks */
@@ -164,9 +164,11 @@ void tm_qgemm_amx_bf16(int bits, const void *P, const float *S, const float *Z, 
                         float *ac = acc + (a - a0) * 16 * 32;  /* 32 rows x 32 outputs */
                         for (int64_t e = 0; e < W / E; e++) {
                             const int64_t g = (w * W + e * E) / E;  /* unit index along K */
-                            const float *s[2];
+                            __m512 s[2];
                             for (int i = 0; i < 2; i++)
-                                s[i] = bits == 8 ? S + (2 * bp + i) * 16 : S + ((2 * bp + i) * ngroups + g) * 16;
+                                s[i] = bits == 8 ? _mm512_loadu_ps((const float *)S + (2 * bp + i) * 16)
+                                                 : _mm512_cvtph_ps(_mm256_loadu_si256(
+                                                       (const __m256i *)((const uint16_t *)S + ((2 * bp + i) * ngroups + g) * 16)));
                             dot_unit(x, K, a, two, tiles + e * CE * 1024, tiles + (CW + e * CE) * 1024, g * CE, CE);
                             scale_into(c, two, s, ac, g == 0);
                         }
@@ -188,7 +190,7 @@ void tm_qgemm_amx_bf16(int bits, const void *P, const float *S, const float *Z, 
 
 int tm_qgemm_amx_available(void) { return amx_request(); }
 #else
-void tm_qgemm_amx_bf16(int bits, const void *P, const float *S, const float *Z, const uint16_t *x,
+void tm_qgemm_amx_bf16(int bits, const void *P, const void *S, const uint8_t *Z, const uint16_t *x,
                        const float *bias, uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
     (void)bits; (void)P; (void)S; (void)Z; (void)x; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)G;
     (void)nthreads;

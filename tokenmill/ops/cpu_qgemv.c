@@ -10,7 +10,7 @@
  * int4 with groups of G along K and zero points (AWQ: W[n,k] = (q[n,k] - z[g,n]) * s[g,n], g = k / G):
  *
  *     P[N/16][K/2][16] uint8       64-byte lines of 8 k x 16 rows, one of two layouts (U4_DWORD_LINES):
- *     S[N/16][K/G][16] float32     scales, Z the same for zero points
+ *     S[N/16][K/G][16] float16     scales (AWQ's own fp16 values), Z [N/16][K/G][16] uint8 zero points
  *     y[n] = sum_g s[g,n] * (sum_{k in g} x[k] q[n,k]  -  z[g,n] * sum_{k in g} x[k])
  *
  *   byte lines (portable build):  P[b][k2][r] = q[16b+r][2 k2] | q[16b+r][2 k2 + 1] << 4
@@ -29,6 +29,8 @@
  * (more rows than the GEMVs take) are one portable implementation for both, reading the build's layout. */
 #include <stdint.h>
 #include <stdlib.h>
+
+#include <immintrin.h>
 
 #include "bf16.h"
 #include "rows.h"
@@ -59,6 +61,14 @@ static inline void store16(void *out, int64_t idx, const float *v, int out_bf16)
     }
 }
 
+/* a group's 16 scales (fp16) and zero points (uint8) as float32 */
+static inline void group_sz(const uint16_t *S, const uint8_t *Z, int64_t off, float s[16], float z[16]) {
+    for (int r = 0; r < 16; r++) {
+        s[r] = _cvtsh_ss(S[off + r]);
+        z[r] = (float)Z[off + r];
+    }
+}
+
 static const float *widen(const void *x, int64_t K, int x_bf16, float **owned) {
     *owned = NULL;
     if (!x_bf16) return (const float *)x;
@@ -74,7 +84,12 @@ static const float *widen(const void *x, int64_t K, int x_bf16, float **owned) {
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define U4_DWORD_LINES 1
-#include <immintrin.h>
+
+/* 16 fp16 scales / 16 uint8 zero points -> float32 */
+static inline __m512 load_s16(const uint16_t *s) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s)); }
+static inline __m512 load_z8(const uint8_t *z) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)z)));
+}
 
 static inline void store_row(__m512 acc, const float *bias, int64_t n0, void *y, int y_bf16) {
     if (bias)
@@ -135,7 +150,7 @@ void tm_qgemv_s8(const int8_t *P, const float *scales, const void *x_in, const f
 /* bfloat16 x: each byte (two nibbles of one row) becomes a bfloat16 pair 128 + q, exact, by OR-ing the
  * nibbles into the mantissa of 128.0 (0x4300), and one vdpbf16ps takes 16 rows x 2 k. The sum then
  * holds x (128 + q), so the group correction subtracts (128 + z) sum(x). */
-static void qgemv_u4_bf16(const uint8_t *P, const float *S, const float *Z, const uint16_t *x, const float *bias,
+static void qgemv_u4_bf16(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const uint16_t *x, const float *bias,
                           void *y, int64_t N, int64_t K, int64_t G, int nthreads) {
     const int64_t ngroups = K / G;
     const uint32_t *xpairs = (const uint32_t *)x;
@@ -158,15 +173,15 @@ static void qgemv_u4_bf16(const uint8_t *P, const float *S, const float *Z, cons
             }
             __m512 dot = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
             const int64_t sz = (b * ngroups + g) * 16;
-            __m512 zz = _mm512_add_ps(_mm512_loadu_ps(Z + sz), _mm512_set1_ps(128.0f));
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(S + sz), _mm512_fnmadd_ps(zz, _mm512_set1_ps(xsum[g]), dot), acc);
+            __m512 zz = _mm512_add_ps(load_z8(Z + sz), _mm512_set1_ps(128.0f));
+            acc = _mm512_fmadd_ps(load_s16(S + sz), _mm512_fnmadd_ps(zz, _mm512_set1_ps(xsum[g]), dot), acc);
         }
         store_row(acc, bias, b * 16, y, 1);
     }
     free(xsum);
 }
 
-void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const void *x_in, const float *bias, void *y,
+void tm_qgemv_u4(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const void *x_in, const float *bias, void *y,
                  int64_t N, int64_t K, int64_t G, int y_bf16, int nthreads) {
     if (y_bf16) {
         qgemv_u4_bf16(P, S, Z, (const uint16_t *)x_in, bias, y, N, K, G, nthreads);
@@ -200,8 +215,8 @@ void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const void *x
             }
             __m512 dot = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
             const int64_t sz = (b * ngroups + g) * 16;
-            __m512 corrected = _mm512_fnmadd_ps(_mm512_loadu_ps(Z + sz), _mm512_set1_ps(xsum[g]), dot);
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(S + sz), corrected, acc);
+            __m512 corrected = _mm512_fnmadd_ps(load_z8(Z + sz), _mm512_set1_ps(xsum[g]), dot);
+            acc = _mm512_fmadd_ps(load_s16(S + sz), corrected, acc);
         }
         store_row(acc, bias, b * 16, y, y_bf16);
     }
@@ -231,7 +246,7 @@ static void qgemm_s8(const int8_t *P, const float *scales, const void *x_in, con
     free(owned);
 }
 
-static void qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, const uint16_t *x, const float *bias,
+static void qgemm_u4_bf16(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const uint16_t *x, const float *bias,
                           void *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
     const int64_t ngroups = K / G;
     float *xsum = group_sums(x, M, K, G, 1);
@@ -257,8 +272,8 @@ static void qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, cons
                 }
             }
             const int64_t sz = (b * ngroups + g) * 16;
-            const __m512 s = _mm512_loadu_ps(S + sz);
-            const __m512 zz = _mm512_add_ps(_mm512_loadu_ps(Z + sz), _mm512_set1_ps(128.0f));
+            const __m512 s = load_s16(S + sz);
+            const __m512 zz = _mm512_add_ps(load_z8(Z + sz), _mm512_set1_ps(128.0f));
             for (int64_t r = 0; r < M; r++)
                 acc[r] = _mm512_fmadd_ps(s, _mm512_fnmadd_ps(zz, _mm512_set1_ps(xsum[r * ngroups + g]),
                                                              _mm512_add_ps(d0[r], d1[r])), acc[r]);
@@ -510,7 +525,7 @@ static int qgemm_s8_bf16_int16(const int8_t *P, const float *scales, const uint1
 }
 
 /* M <= MAX_ROWS bfloat16 rows; 0 (nothing written) when a row holds a NaN or an infinity */
-static int qgemm_u4_bf16_int16(const uint8_t *P, const float *S, const float *Z, const uint16_t *x, const float *bias,
+static int qgemm_u4_bf16_int16(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const uint16_t *x, const float *bias,
                                uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
     const int64_t ngroups = K / G;
     int32_t *xe;
@@ -524,7 +539,8 @@ static int qgemm_u4_bf16_int16(const uint8_t *P, const float *S, const float *Z,
             __m256 y0[MAX_ROWS], y1[MAX_ROWS];
             for (int64_t m = 0; m < M; m++) y0[m] = y1[m] = _mm256_setzero_ps();
             for (int64_t g = 0; g < ngroups; g++) {
-                const float *s = S + (b * ngroups + g) * 16, *z = Z + (b * ngroups + g) * 16;
+                float s[16], z[16];
+                group_sz(S, Z, (b * ngroups + g) * 16, s, z);
                 const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
                 const __m256 z0 = _mm256_loadu_ps(z), z1 = _mm256_loadu_ps(z + 8);
                 for (int64_t m = 0; m < M; m += 2) {
@@ -567,7 +583,7 @@ void tm_qgemv_s8(const int8_t *P, const float *scales, const void *x_in, const f
     free(owned);
 }
 
-void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const void *x_in, const float *bias, void *y,
+void tm_qgemv_u4(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const void *x_in, const float *bias, void *y,
                  int64_t N, int64_t K, int64_t G, int y_bf16, int nthreads) {
 #ifdef INT16_ROWS
     if (y_bf16 && qgemm_u4_bf16_int16(P, S, Z, x_in, bias, y, 1, N, K, G, nthreads)) return;
@@ -583,7 +599,8 @@ void tm_qgemv_u4(const uint8_t *P, const float *S, const float *Z, const void *x
         for (int64_t g = 0; g < ngroups; g++) {
             float dot[16];
             u4_panel_dot(blk, x, g * G, (g + 1) * G, dot);
-            const float *s = S + (b * ngroups + g) * 16, *z = Z + (b * ngroups + g) * 16;
+            float s[16], z[16];
+                group_sz(S, Z, (b * ngroups + g) * 16, s, z);
             const float xs = xsum[g];
             #pragma omp simd
             for (int r = 0; r < 16; r++) acc[r] += s[r] * (dot[r] - z[r] * xs);
@@ -632,7 +649,7 @@ static void qgemm_s8(const int8_t *P, const float *scales, const void *x_in, con
     free(owned);
 }
 
-static void qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, const uint16_t *x_in, const float *bias,
+static void qgemm_u4_bf16(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const uint16_t *x_in, const float *bias,
                           void *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
 #ifdef INT16_ROWS
     if (qgemm_u4_bf16_int16(P, S, Z, x_in, bias, y, M, N, K, G, nthreads)) return;
@@ -658,7 +675,8 @@ static void qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, cons
                         d[m][r] += (lo[r] * x0 + hi[r] * x1) + (lo[16 + r] * x2 + hi[16 + r] * x3);
                 }
             }
-            const float *s = S + (b * ngroups + g) * 16, *z = Z + (b * ngroups + g) * 16;
+            float s[16], z[16];
+                group_sz(S, Z, (b * ngroups + g) * 16, s, z);
             for (int64_t m = 0; m < M; m++) {
                 const float xs = xsum[m * ngroups + g];
                 #pragma omp simd
@@ -683,7 +701,7 @@ void tm_qgemm_s8(const int8_t *P, const float *scales, const void *x_in, const f
     }
 }
 
-void tm_qgemm_u4_bf16(const uint8_t *P, const float *S, const float *Z, const uint16_t *x, const float *bias, void *y,
+void tm_qgemm_u4_bf16(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const uint16_t *x, const float *bias, void *y,
                       int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
     for (int64_t c = 0, n = row_chunks(M, MAX_ROWS); c < n; c++) {
         const int64_t lo = row_chunk_start(M, n, c), hi = row_chunk_start(M, n, c + 1);
@@ -710,7 +728,7 @@ void tm_dequant_s8(const int8_t *P, const float *scales, void *out, int64_t N, i
     }
 }
 
-void tm_dequant_u4(const uint8_t *P, const float *S, const float *Z, void *out, int64_t N, int64_t K, int64_t G,
+void tm_dequant_u4(const uint8_t *P, const uint16_t *S, const uint8_t *Z, void *out, int64_t N, int64_t K, int64_t G,
                    int out_bf16, int nthreads) {
     const int64_t ngroups = K / G;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -718,7 +736,8 @@ void tm_dequant_u4(const uint8_t *P, const float *S, const float *Z, void *out, 
         const uint8_t *blk = P + b * (K / 2) * 16;
         for (int64_t k2 = 0; k2 < K / 2; k2++) {
             const int64_t sz = (b * ngroups + (2 * k2) / G) * 16;
-            const float *s = S + sz, *z = Z + sz;
+            float s[16], z[16];
+            group_sz(S, Z, sz, s, z);
             float lo[16], hi[16];
 #if U4_DWORD_LINES
             /* k = 2 k2 is nibble p = j of each row's dword in its line, k + 1 nibble j + 4 (j = k2 % 4) */

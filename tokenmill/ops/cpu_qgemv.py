@@ -75,7 +75,8 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
 
 
 def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int):
-    """q [N, K] in 0..15, scales and zeros [K/G, N] -> (bytes [N/16, K/2, 16], S, Z [N/16, K/G, 16]).
+    """q [N, K] in 0..15, scales (float16 values) and zeros [K/G, N] -> (bytes [N/16, K/2, 16], S float16 and
+    Z uint8 [N/16, K/G, 16]): AWQ's own scales and zero points, 3 bytes per row and group.
     The bytes hold 64-byte lines of 8 k x 16 rows in the layout the build reads (ops/cpu_qgemv.c)."""
     n, k = q.shape
     if int4_layout() == 1:
@@ -89,9 +90,12 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_
         packed = (q2[..., 0] | (q2[..., 1] << 4)).transpose(1, 2).contiguous()
 
     def panels(t):
-        return t.float().t().reshape(n // 16, 16, k // group_size).transpose(1, 2).contiguous()
+        return t.t().reshape(n // 16, 16, k // group_size).transpose(1, 2).contiguous()
 
-    return packed, panels(scales), panels(zeros)
+    s16 = scales.to(torch.float16)
+    if not torch.equal(s16.float(), scales.float()):  # AWQ's scales are fp16; the kernels read them as such
+        raise ValueError("int4 scales must be float16 values")
+    return packed, panels(s16), panels(zeros.to(torch.uint8))
 
 
 MAX_ROWS = 8  # the multi-row kernels take up to this many rows per call
