@@ -134,7 +134,7 @@ def kernel_rows(dtype: torch.dtype, weight_only_quantized: bool = False) -> int:
     Weight-only quantized layers take them up to 32 rows everywhere, since their other path dequantizes the
     whole weight per call: at batch 32 (128 + 128 tokens) int8 + int8 head ran 48.3 s with 8 and 22.1 s with
     32, AWQ + int8 head 43.9 and 26.3 s (AMX machine, BENCHMARKS.md). Where the AMX-BF16 GEMM takes their
-    bfloat16 steps instead (quantization/int8.py amx_rows_kernel), they stop at 4."""
+    bfloat16 steps instead (quantization/int8.py choose_weight_only_kernels), they stop at 4."""
     if dtype == torch.bfloat16 and slow_bf16_gemm():
         return 64
     return 32 if weight_only_quantized else cpu_gemv.MAX_ROWS

@@ -36,9 +36,7 @@
 #include "stream.h"
 
 #define INLINE static inline __attribute__((always_inline))
-#ifndef ROW_CHUNK_BYTES
-#define ROW_CHUNK_BYTES (1024 * 1024)
-#endif
+#define ROW_CHUNK_BYTES (1024 * 1024)  /* x rows per chunk: about this many bytes (L2) */
 
 /* row pairs (w[k], w[k + 1]) of 16 outputs as 32 bf16, interleaved */
 INLINE __m512i interleave16(__m512 even, __m512 odd) {

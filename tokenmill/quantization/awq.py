@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers.linear import (LinearMethod, LoadContext, DecodeRowsKernel, UnquantizedLinearMethod, add_param,
-                                     kernel_rows, linear_in, matmul_dtype)
+                                     linear_in, matmul_dtype)
 from tokenmill.quantization.awq_format import dequantize_w4, unpack_int4
 from tokenmill.quantization.config import QuantizationConfig, awq_settings
-from tokenmill.quantization.int8 import Int8LinearMethod, amx_rows_kernel
+from tokenmill.quantization.int8 import Int8LinearMethod, choose_weight_only_kernels
 from tokenmill.ops import cpu_qgemm_amx, cpu_qgemv, triton_quant
 
 PACK = 8  # nibbles per int32
@@ -54,8 +54,7 @@ class AWQLinearMethod(LinearMethod):
         if fast and cpu_qgemv.available() and cpu_qgemv.supports(n, k, self.group_size):
             q = unpack_int4(layer.qweight.data).t()                          # [N, K]
             layer.panels = cpu_qgemv.pack_int4(q, layer.scales.data, unpack_int4(layer.qzeros.data), self.group_size)
-            layer.amx = amx_rows_kernel(ctx.dtype, n, k, self.group_size)
-            layer.kernel_rows = cpu_qgemm_amx.GEMV_ROWS if layer.amx else kernel_rows(ctx.dtype, weight_only_quantized=True)
+            choose_weight_only_kernels(layer, ctx.dtype, n, k, self.group_size)
         elif fast and int4pack_available():
             q = unpack_int4(layer.qweight.data).t().contiguous().to(torch.int32)
             s = layer.scales.data.float()                                     # [K/G, N]
@@ -80,7 +79,7 @@ class AWQLinearMethod(LinearMethod):
         if layer.panels is not None:
             if x.shape[0] <= layer.kernel_rows:
                 return cpu_qgemv.gemv_int4(x, *layer.panels, self.group_size, layer.bias_f32)
-            if layer.amx and x.dtype == torch.bfloat16 and x.shape[0] <= cpu_qgemm_amx.INT4_MAX_ROWS:
+            if layer.amx_gemm and x.dtype == torch.bfloat16 and x.shape[0] <= cpu_qgemm_amx.INT4_MAX_ROWS:
                 return cpu_qgemm_amx.gemm_int4(x, *layer.panels, self.group_size, layer.bias_f32)
             w = cpu_qgemv.dequant_int4(*layer.panels, self.group_size, matmul_dtype(x))
             return linear_in(x, w, layer.bias)

@@ -68,6 +68,14 @@ def amx_rows_kernel(dtype: torch.dtype, n: int, k: int, group_size: int | None =
     return dtype == torch.bfloat16 and cpu_qgemm_amx.available() and cpu_qgemm_amx.supports(n, k, group_size)
 
 
+def choose_weight_only_kernels(layer, dtype: torch.dtype, n: int, k: int, group_size: int | None = None,
+                               panels: bool = True) -> None:
+    """A weight-only layer's CPU kernels by rows: `layer.amx_gemm` (the AMX GEMM above the GEMVs) and
+    `layer.kernel_rows` (up to how many rows the GEMVs take). `panels`: whether the layer holds GEMV panels."""
+    layer.amx_gemm = panels and amx_rows_kernel(dtype, n, k, group_size)
+    layer.kernel_rows = cpu_qgemm_amx.GEMV_ROWS if layer.amx_gemm else kernel_rows(dtype, weight_only_quantized=True)
+
+
 def w8a16_linear_ref(x, qweight, scales, bias=None):
     """The pure-torch twin of the W8A16 product: the dequantized float weight, in float32."""
     w = qweight.float() * scales.float()[:, None]
@@ -109,8 +117,7 @@ class Int8LinearMethod(LinearMethod):
         else:
             codes = q.contiguous()
         layer.register_buffer("qweight", codes, persistent=False)
-        layer.amx_bf16 = layer.gemv_panels and amx_rows_kernel(ctx.dtype, n, k)
-        layer.kernel_rows = cpu_qgemm_amx.GEMV_ROWS if layer.amx_bf16 else kernel_rows(ctx.dtype, weight_only_quantized=True)
+        choose_weight_only_kernels(layer, ctx.dtype, n, k, panels=layer.gemv_panels)
         layer.qlinear = None
         if fast and self.activations and not amx and qlinear_available():
             # oneDNN's VNNI int8 GEMM on a weight reordered once; the row scales are applied after it
@@ -135,7 +142,7 @@ class Int8LinearMethod(LinearMethod):
             return triton_quant.int8_gemm(x, layer.qweight, layer.wscale, layer.bias)
         if layer.gemv_panels and x.shape[0] <= layer.kernel_rows:
             return cpu_qgemv.gemv_int8(x, layer.qweight, layer.wscale, layer.bias_f32)
-        if layer.gemv_panels and layer.amx_bf16 and x.dtype == torch.bfloat16:
+        if layer.amx_gemm and x.dtype == torch.bfloat16:
             return cpu_qgemm_amx.gemm_int8(x, layer.qweight, layer.wscale, layer.bias_f32)
         if layer.gemv_panels:
             return linear_in(x, cpu_qgemv.dequant_int8(layer.qweight, layer.wscale, matmul_dtype(x)), layer.bias)
