@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tokenmill.tune.search import objective_value
+from tokenmill.tune.search import best_trial, objective_value
 from tokenmill.tune.slo import parse_slos, per_request_slos, violation
 from tokenmill.tune.space import fixed_settings, normalize, searched, to_flags
 
@@ -76,6 +76,22 @@ def test_the_space_leaves_fixed_settings_alone():
         searched(["max_num_seqs", "foo"], {})
 
 
+def test_precision_is_searched_only_where_the_checkpoint_leaves_a_choice():
+    from types import SimpleNamespace
+
+    from tokenmill.tune.space import model_constraints
+
+    f32, bf16 = SimpleNamespace(dtype="float32"), SimpleNamespace(torch_dtype="bfloat16")
+    awq = SimpleNamespace(dtype="float16", quantization_config={"quant_method": "awq", "bits": 4})
+    assert searched(None, {}, model_constraints(f32))["dtype"] == [None, "bfloat16"]
+    assert searched(None, {}, model_constraints(f32))["quantization"] == [None, "int8", "w8a8"]
+    assert "dtype" not in searched(None, {}, model_constraints(bf16))  # bfloat16 is what auto gives
+    assert "quantization" in searched(None, {}, model_constraints(bf16))
+    space = searched(["quantization", "dtype", "max_num_seqs"], {}, model_constraints(awq))
+    assert list(space) == ["max_num_seqs"]  # an AWQ checkpoint keeps its format
+    assert to_flags({"dtype": "bfloat16", "quantization": "w8a8"}) == ["--dtype", "bfloat16", "--quantization", "w8a8"]
+
+
 def test_the_cli_reports_bad_input_clearly():
     r = subprocess.run([sys.executable, "-m", "tokenmill", "tune", "--slo", "ttft_p99=fast", "--max-trials", "1"],
                        capture_output=True, text=True, timeout=120)
@@ -90,7 +106,7 @@ def test_the_cli_reports_bad_input_clearly():
 
 def test_when_no_trial_meets_the_slo_the_closest_is_named(tmp_path):
     from tokenmill.tune.report import write_outputs
-    from tokenmill.tune.search import best_trial, closest_trial
+    from tokenmill.tune.search import closest_trial
     from tokenmill.tune.slo import misses
 
     slos = parse_slos("ttft_p99=100ms,tpot_p99=20ms")
@@ -111,3 +127,25 @@ def test_when_no_trial_meets_the_slo_the_closest_is_named(tmp_path):
     paths = write_outputs(str(tmp_path), doc, slos)
     assert "Closest (trial 1, misses ttft_p99=100ms: 150 ms" in open(paths["report"]).read()
     assert open(paths["command"]).read().splitlines()[-1] == "tokenmill serve --max-num-seqs 16"
+
+
+def test_the_search_measures_each_combination_once_and_ends_when_the_space_runs_out(monkeypatch):
+    import tokenmill.tune.search as search_mod
+
+    runs = []
+
+    def fake_trial(settings, base_flags, load, keep_going=lambda first: True):
+        runs.append(dict(settings))
+        goodput = 2.0 if settings.get("quantization") == "w8a8" else 1.0
+        result = {"request_goodput": goodput, "p99_ttft_ms": 100.0}
+        assert keep_going(result)  # every fake result meets the SLO, so no trial is pruned
+        return result
+
+    monkeypatch.setattr(search_mod, "run_trial", fake_trial)
+    slos = parse_slos("ttft_p99=500ms")
+    trials = search_mod.search({"quantization": [None, "int8", "w8a8"]}, [], None, slos, max_trials=6,
+                               budget_minutes=None, show_progress=False)
+    measured = sorted(str(r["quantization"]) for r in runs)
+    assert measured == ["None", "int8", "w8a8"]  # three combinations, each run once, then the search stops
+    assert [t["number"] for t in trials] == [0, 1, 2]
+    assert best_trial(trials)["settings"] == {"quantization": "w8a8"}

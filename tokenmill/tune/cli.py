@@ -34,7 +34,8 @@ def cmd_tune(args) -> int:
     from tokenmill.tune.report import serve_command, write_outputs
     from tokenmill.tune.search import best_trial, closest_trial, search
     from tokenmill.tune.slo import misses, parse_slos, per_request_slos, violation
-    from tokenmill.tune.space import fixed_settings, searched, to_flags
+    from tokenmill.models.loader import load_hf_config
+    from tokenmill.tune.space import fixed_settings, model_constraints, searched, to_flags
     from tokenmill.tune.trial import Workload, run_trial
 
     slos = parse_slos(args.slo)
@@ -42,7 +43,8 @@ def cmd_tune(args) -> int:
     _check_engine_flags(kwargs)
     fixed = fixed_settings(kwargs)
     fixed.pop("model", None)
-    space = searched(args.search.split(",") if args.search else None, fixed)
+    space = searched(args.search.split(",") if args.search else None, fixed,
+                     model_constraints(load_hf_config(args.model)))
     if args.max_trials < 1:
         raise ValueError("--max-trials must be >= 1")
     tokenizer = get_tokenizer(args.model)

@@ -4,6 +4,7 @@ earlier trials at that point, stops there (optuna's MedianPruner). The objective
 trial that meets every SLO; a trial that misses one scores below every trial that meets them all."""
 from __future__ import annotations
 
+import json
 import time
 
 from tqdm.auto import tqdm
@@ -25,16 +26,27 @@ def search(space: dict[str, list], base_flags: list[str], load: Workload, slos: 
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed),
+    # TPE samples at random for its first trials; on a budget of a few trials, model the results sooner
+    startup = max(2, min(10, max_trials // 3))
+    study = optuna.create_study(direction="maximize",
+                                sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup),
                                 pruner=optuna.pruners.MedianPruner(n_startup_trials=2))
     deadline = time.time() + budget_minutes * 60 if budget_minutes else None
-    trials = []
+    trials: list[dict] = []
+    measured: dict[str, tuple[float, bool]] = {}  # settings -> (value, pruned): a repeat is told, not re-run
     bar = tqdm(total=max_trials, desc="Tuning", unit="trial", disable=not show_progress)
-    for number in range(max_trials):
-        if deadline is not None and time.time() > deadline:
+    # TPE proposes combinations it has already seen (a small categorical space runs out); those cost no
+    # trial, and the asks are bounded so an exhausted space ends the search
+    for _ in range(20 * max_trials):
+        if len(trials) >= max_trials or (deadline is not None and time.time() > deadline):
             break
         t = study.ask()
         settings = normalize({name: t.suggest_categorical(name, choices) for name, choices in space.items()})
+        key = json.dumps(settings, sort_keys=True)
+        if key in measured:
+            value, pruned = measured[key]
+            study.tell(t, state=optuna.trial.TrialState.PRUNED) if pruned else study.tell(t, value)
+            continue
 
         def keep_going(first: dict) -> bool:
             t.report(objective_value(first, slos), step=0)
@@ -50,7 +62,8 @@ def search(space: dict[str, list], base_flags: list[str], load: Workload, slos: 
             study.tell(t, state=optuna.trial.TrialState.PRUNED)
         else:
             study.tell(t, value)
-        trials.append({"number": number, "settings": settings, "value": value, "seconds": time.time() - t0,
+        measured[key] = (value, bool(result.get("pruned")))
+        trials.append({"number": len(trials), "settings": settings, "value": value, "seconds": time.time() - t0,
                        "meets_slo": not result.get("failed") and violation(result, slos) <= 0,
                        "pruned": bool(result.get("pruned")), "failed": result.get("failed"),
                        "result": _summary(result, slos)})

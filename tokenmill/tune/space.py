@@ -16,13 +16,16 @@ SPACE: dict[str, list] = {
     "max_long_partial_prefills": [0, 1],
     "enable_prefix_caching": [True, False],
     "block_size": [16, 32],
-    "quantization": [None, "int8"],
+    # precision: both change the model's numbers (docs/quantization.md has each format's quality cost)
+    "quantization": [None, "int8", "w8a8"],
+    "dtype": [None, "bfloat16"],
     "speculative_config": [None, NGRAM],
     "kv_host_cache_gb": [0.0, 1.0],
 }
 
 
-def searched(names: list[str] | None, fixed: dict) -> dict[str, list]:
+def searched(names: list[str] | None, fixed: dict, model_settings: dict | None = None) -> dict[str, list]:
+    """The space to search. `model_settings` (from `model_constraints`) drops what the checkpoint rules out."""
     if names:
         unknown = [n for n in names if n not in SPACE]
         if unknown:
@@ -31,7 +34,24 @@ def searched(names: list[str] | None, fixed: dict) -> dict[str, list]:
     space = {n: SPACE[n] for n in chosen if n not in fixed}
     if "long_prefill_token_threshold" not in space and not fixed.get("long_prefill_token_threshold"):
         space.pop("max_long_partial_prefills", None)  # which prompts are long comes from the threshold
+    for name in (model_settings or {}).get("not_searchable", ()):
+        space.pop(name, None)
     return space
+
+
+def model_constraints(hf_config) -> dict:
+    """Settings this checkpoint makes moot: a quantized checkpoint keeps its own format (and dtype), and
+    bfloat16 is only a choice for a float32 checkpoint (float16 already runs as bfloat16 on CPUs)."""
+    from tokenmill.quantization.config import checkpoint_quantization
+
+    moot = []
+    if checkpoint_quantization(hf_config) is not None:
+        moot += ["quantization", "dtype"]
+    else:
+        dt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
+        if str(dt).replace("torch.", "") != "float32":
+            moot.append("dtype")
+    return {"not_searchable": moot}
 
 
 def fixed_settings(engine_kwargs: dict) -> dict:

@@ -1,0 +1,1 @@
+tokenmill serve --model tokenmill/assets/models/tiny-shakespeare --max-model-len 8192 --max-num-seqs 32 --max-num-batched-tokens 2048 --long-prefill-token-threshold 0 --enable-prefix-caching --speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}' --dtype bfloat16
