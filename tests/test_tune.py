@@ -10,7 +10,7 @@ import pytest
 
 from tokenmill.tune.search import best_trial, objective_value
 from tokenmill.tune.slo import parse_slos, per_request_slos, violation
-from tokenmill.tune.space import fixed_settings, normalize, searched, to_flags
+from tokenmill.tune.space import SPACE, fixed_settings, normalize, searched, to_flags
 
 
 def test_a_tiny_search_writes_its_outputs_and_its_winner_meets_the_slo(tmp_path):
@@ -76,57 +76,43 @@ def test_the_space_leaves_fixed_settings_alone():
         searched(["max_num_seqs", "foo"], {})
 
 
-def test_precision_is_searched_only_where_the_checkpoint_leaves_a_choice():
-    from types import SimpleNamespace
+def test_precision_and_parallelism_are_searched_only_where_checkpoint_and_machine_leave_a_choice():
+    import copy
 
-    from tokenmill.tune.space import model_constraints
+    from tokenmill.config import DEFAULT_MODEL
+    from tokenmill.models.loader import load_hf_config
+    from tokenmill.tune.space import constraints
 
-    f32, bf16 = SimpleNamespace(dtype="float32"), SimpleNamespace(torch_dtype="bfloat16")
-    awq = SimpleNamespace(dtype="float16", quantization_config={"quant_method": "awq", "bits": 4})
-    assert searched(None, {}, model_constraints(f32))["dtype"] == [None, "bfloat16"]
-    assert searched(None, {}, model_constraints(f32))["quantization"] == [None, "int8", "w8a8"]
-    assert "dtype" not in searched(None, {}, model_constraints(bf16))  # bfloat16 is what auto gives
-    assert "quantization" in searched(None, {}, model_constraints(bf16))
-    space = searched(["quantization", "dtype", "max_num_seqs"], {}, model_constraints(awq))
+    f32 = load_hf_config(DEFAULT_MODEL)  # float32; 4 heads, 2 KV heads, 6 layers
+    bf16, awq = copy.deepcopy(f32), copy.deepcopy(f32)
+    bf16.dtype = "bfloat16"
+    awq.dtype, awq.quantization_config = "float16", {"quant_method": "awq", "bits": 4, "group_size": 128}
+    space = searched(None, {}, constraints(f32, max_ranks=8))
+    assert space["dtype"] == [None, "bfloat16"] and space["quantization"] == [None, "int8", "w8a8"]
+    assert space["tensor_parallel_size"] == [1, 2, 4]  # 8 does not divide 4 attention heads
+    assert space["pipeline_parallel_size"] == [1, 2, 4]
+    assert searched(None, {}, constraints(f32, max_ranks=2))["tensor_parallel_size"] == [1, 2]
+    assert "tensor_parallel_size" not in searched(None, {}, constraints(f32, max_ranks=1))  # one choice is none
+    assert "dtype" not in searched(None, {}, constraints(bf16, 8))  # bfloat16 is what auto gives
+    assert "quantization" in searched(None, {}, constraints(bf16, 8))
+    space = searched(["quantization", "dtype", "max_num_seqs"], {}, constraints(awq, 8))
     assert list(space) == ["max_num_seqs"]  # an AWQ checkpoint keeps its format
     assert to_flags({"dtype": "bfloat16", "quantization": "w8a8"}) == ["--dtype", "bfloat16", "--quantization", "w8a8"]
+    # combinations the engine would refuse are turned into ones it runs
+    assert normalize({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, max_ranks=2)["pipeline_parallel_size"] == 1
+    assert normalize({"tensor_parallel_size": 2, "kv_host_cache_gb": 1.0})["kv_host_cache_gb"] == 0.0
+    assert normalize({"pipeline_parallel_size": 2, "speculative_config": "{}"})["speculative_config"] is None
+    # every searched value becomes flags that `tokenmill serve` parses back to the same engine setting
+    import argparse
 
+    from tokenmill.engine.arg_utils import add_engine_args, engine_kwargs
 
-def test_the_cli_reports_bad_input_clearly():
-    r = subprocess.run([sys.executable, "-m", "tokenmill", "tune", "--slo", "ttft_p99=fast", "--max-trials", "1"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "error: bad SLO 'ttft_p99=fast'" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "tokenmill", "tune", "--slo", "ttft_p99=1s", "--search", "warp_drive"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "unknown setting(s) to search: warp_drive" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "tokenmill", "tune", "--slo", "ttft_p99=1s", "--max-model-len", "99999"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "exceeds the model's limit" in r.stderr  # before any trial starts a server
-
-
-def test_when_no_trial_meets_the_slo_the_closest_is_named(tmp_path):
-    from tokenmill.tune.report import write_outputs
-    from tokenmill.tune.search import closest_trial
-    from tokenmill.tune.slo import misses
-
-    slos = parse_slos("ttft_p99=100ms,tpot_p99=20ms")
-
-    def trial(n, ttft, tpot, pruned=False):
-        result = {"p99_ttft_ms": ttft, "p99_tpot_ms": tpot, "request_goodput": 1.0, "output_throughput": 50.0}
-        return {"number": n, "settings": {"max_num_seqs": 8 * (n + 1)}, "value": objective_value(result, slos),
-                "meets_slo": violation(result, slos) <= 0, "pruned": pruned, "failed": 0, "result": result}
-
-    trials = [trial(0, 400, 10), trial(1, 150, 25), trial(2, 101, 10, pruned=True)]
-    assert best_trial(trials) is None
-    closest = closest_trial(trials)
-    assert closest["number"] == 1  # misses TTFT by 50 %; trial 0 by 300 %; trial 2 was stopped early
-    assert misses(closest["result"], slos) == ["ttft_p99=100ms: 150 ms", "tpot_p99=20ms: 25 ms"]
-    doc = {"slos": [str(s) for s in slos], "trials": trials, "best": None, "best_command": None,
-           "closest": closest, "closest_command": "tokenmill serve --max-num-seqs 16",
-           "closest_misses": misses(closest["result"], slos)}
-    paths = write_outputs(str(tmp_path), doc, slos)
-    assert "Closest (trial 1, misses ttft_p99=100ms: 150 ms" in open(paths["report"]).read()
-    assert open(paths["command"]).read().splitlines()[-1] == "tokenmill serve --max-num-seqs 16"
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for name, values in SPACE.items():
+        for value in values:
+            parsed = engine_kwargs(parser.parse_args(to_flags({name: value})))
+            assert value is None or parsed[name] == value, (name, value, parsed[name])
 
 
 def test_the_search_measures_each_combination_once_and_ends_when_the_space_runs_out(monkeypatch):

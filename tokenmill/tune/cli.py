@@ -35,7 +35,7 @@ def cmd_tune(args) -> int:
     from tokenmill.tune.search import best_trial, closest_trial, search
     from tokenmill.tune.slo import misses, parse_slos, per_request_slos, violation
     from tokenmill.models.loader import load_hf_config
-    from tokenmill.tune.space import fixed_settings, model_constraints, searched, to_flags
+    from tokenmill.tune.space import constraints, fixed_settings, searched, to_flags
     from tokenmill.tune.trial import Workload, run_trial
 
     slos = parse_slos(args.slo)
@@ -43,8 +43,8 @@ def cmd_tune(args) -> int:
     _check_engine_flags(kwargs)
     fixed = fixed_settings(kwargs)
     fixed.pop("model", None)
-    space = searched(args.search.split(",") if args.search else None, fixed,
-                     model_constraints(load_hf_config(args.model)))
+    limits = constraints(load_hf_config(args.model), _ranks_available(kwargs))
+    space = searched(args.search.split(",") if args.search else None, fixed, limits)
     if args.max_trials < 1:
         raise ValueError("--max-trials must be >= 1")
     tokenizer = get_tokenizer(args.model)
@@ -53,7 +53,7 @@ def cmd_tune(args) -> int:
     load = Workload(reqs, args.request_rate, args.max_concurrency, per_request_slos(slos), pcts, seed=args.seed)
     base = ["--model", args.model, *to_flags(fixed)]
     trials = search(space, base, load, slos, args.max_trials, args.budget_minutes, seed=args.seed,
-                    show_progress=not args.disable_tqdm)
+                    show_progress=not args.disable_tqdm, max_ranks=limits["max_ranks"])
     best = best_trial(trials)
     doc = {"slos": [str(s) for s in slos], "fixed": fixed, "space": space, "trials": trials,
            "best": best, "best_command": serve_command(args.model, to_flags(fixed), best["settings"]) if best else None}
@@ -84,6 +84,17 @@ def cmd_tune(args) -> int:
         print(f"no trial met every SLO{hint}; loosen the targets or the load", file=sys.stderr)
         return 1
     return 0
+
+
+def _ranks_available(kwargs: dict) -> int:
+    """Ranks one node can run for a trial: its GPUs on CUDA, its cores on a CPU (one rank per core)."""
+    import os
+
+    import torch
+
+    if kwargs.get("device", "auto") != "cpu" and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _check_engine_flags(kwargs: dict) -> None:

@@ -22,7 +22,8 @@ def objective_value(result: dict, slos: list[SLO]) -> float:
 
 
 def search(space: dict[str, list], base_flags: list[str], load: Workload, slos: list[SLO], max_trials: int,
-           budget_minutes: float | None, seed: int = 0, prune_ratio: float = 1.0, show_progress: bool = True) -> list[dict]:
+           budget_minutes: float | None, seed: int = 0, prune_ratio: float = 1.0, show_progress: bool = True,
+           max_ranks: int | None = None) -> list[dict]:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -41,7 +42,8 @@ def search(space: dict[str, list], base_flags: list[str], load: Workload, slos: 
         if len(trials) >= max_trials or (deadline is not None and time.time() > deadline):
             break
         t = study.ask()
-        settings = normalize({name: t.suggest_categorical(name, choices) for name, choices in space.items()})
+        settings = normalize({name: t.suggest_categorical(name, choices) for name, choices in space.items()},
+                             max_ranks)
         key = json.dumps(settings, sort_keys=True)
         if key in measured:
             value, pruned = measured[key]

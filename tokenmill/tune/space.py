@@ -21,11 +21,14 @@ SPACE: dict[str, list] = {
     "dtype": [None, "bfloat16"],
     "speculative_config": [None, NGRAM],
     "kv_host_cache_gb": [0.0, 1.0],
+    # parallelism: sizes the model splits over and the machine has ranks for (`constraints`)
+    "tensor_parallel_size": [1, 2, 4, 8],
+    "pipeline_parallel_size": [1, 2, 4],
 }
 
 
-def searched(names: list[str] | None, fixed: dict, model_settings: dict | None = None) -> dict[str, list]:
-    """The space to search. `model_settings` (from `model_constraints`) drops what the checkpoint rules out."""
+def searched(names: list[str] | None, fixed: dict, limits: dict | None = None) -> dict[str, list]:
+    """The space to search. `limits` (from `constraints`) drops what the checkpoint or the machine rules out."""
     if names:
         unknown = [n for n in names if n not in SPACE]
         if unknown:
@@ -34,14 +37,24 @@ def searched(names: list[str] | None, fixed: dict, model_settings: dict | None =
     space = {n: SPACE[n] for n in chosen if n not in fixed}
     if "long_prefill_token_threshold" not in space and not fixed.get("long_prefill_token_threshold"):
         space.pop("max_long_partial_prefills", None)  # which prompts are long comes from the threshold
-    for name in (model_settings or {}).get("not_searchable", ()):
+    limits = limits or {}
+    for name in limits.get("not_searchable", ()):
         space.pop(name, None)
+    for name, allowed in limits.get("choices", {}).items():
+        if name in space:
+            space[name] = [v for v in space[name] if v in allowed]
+            if len(space[name]) < 2:
+                del space[name]  # one choice is no choice
     return space
 
 
-def model_constraints(hf_config) -> dict:
-    """Settings this checkpoint makes moot: a quantized checkpoint keeps its own format (and dtype), and
-    bfloat16 is only a choice for a float32 checkpoint (float16 already runs as bfloat16 on CPUs)."""
+def constraints(hf_config, max_ranks: int) -> dict:
+    """What this checkpoint and machine leave to search: a quantized checkpoint keeps its own format (and
+    dtype); bfloat16 is only a choice for a float32 checkpoint (float16 already runs as bfloat16 on CPUs);
+    parallel sizes must split the model (heads, vocabulary, MLP, layers) and fit `max_ranks` (cores on a
+    CPU, GPUs on CUDA); multimodal models do not split yet."""
+    from tokenmill.config import ModelConfig
+    from tokenmill.distributed.layout import ParallelLayout, check_model_split
     from tokenmill.quantization.config import checkpoint_quantization
 
     moot = []
@@ -51,7 +64,20 @@ def model_constraints(hf_config) -> dict:
         dt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
         if str(dt).replace("torch.", "") != "float32":
             moot.append("dtype")
-    return {"not_searchable": moot}
+    mc = ModelConfig.from_hf(hf_config)
+
+    def splits(tp: int, pp: int) -> bool:
+        try:
+            check_model_split(ParallelLayout(tp, pp), mc)
+            return tp * pp <= max_ranks
+        except ValueError:
+            return False
+
+    choices = {"tensor_parallel_size": [t for t in SPACE["tensor_parallel_size"] if splits(t, 1)],
+               "pipeline_parallel_size": [p for p in SPACE["pipeline_parallel_size"] if splits(1, p)]}
+    if getattr(hf_config, "vision_config", None) is not None:
+        moot += ["tensor_parallel_size", "pipeline_parallel_size"]
+    return {"not_searchable": moot, "choices": choices, "max_ranks": max_ranks}
 
 
 def fixed_settings(engine_kwargs: dict) -> dict:
@@ -60,9 +86,17 @@ def fixed_settings(engine_kwargs: dict) -> dict:
     return {k: v for k, v in engine_kwargs.items() if k in defaults and v != defaults[k]}
 
 
-def normalize(settings: dict) -> dict:
-    """Drop combinations the engine would refuse: without chunked prefill the budget is the context."""
+def normalize(settings: dict, max_ranks: int | None = None) -> dict:
+    """Drop combinations the engine would refuse: without chunked prefill the budget is the context; tp x pp
+    beyond the machine's ranks; KV tiers with parallelism, speculation with a pipeline (not supported yet)."""
     s = dict(settings)
+    tp, pp = s.get("tensor_parallel_size") or 1, s.get("pipeline_parallel_size") or 1
+    if max_ranks and tp * pp > max_ranks:
+        s["pipeline_parallel_size"] = pp = max(1, max_ranks // tp)
+    if tp * pp > 1 and s.get("kv_host_cache_gb"):
+        s["kv_host_cache_gb"] = 0.0
+    if pp > 1 and s.get("speculative_config"):
+        s["speculative_config"] = None
     if s.get("enable_chunked_prefill") is False:
         s.pop("max_num_batched_tokens", None)
         s.pop("long_prefill_token_threshold", None)
