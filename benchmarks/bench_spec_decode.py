@@ -138,7 +138,7 @@ def main() -> None:
             print(f"[spec] load sweep, concurrency {conc}", flush=True)
             out["sweep"][conc] = _ab(f"c={conc}", dict(tiny, max_num_seqs=conc),
                                      {"off": None, "fixed k": dict(draft, adaptive=False), "adaptive": draft},
-                                     _requests("draft", max(32, 8 * conc), 128), 1)
+                                     _requests("draft", max(32, 8 * conc), 128), args.repeats)
     if "qwen" in only:
         print("[spec] Qwen2.5-0.5B shape, n-gram, batch 1", flush=True)
         qwen = dict(model=dummy_model_dir(QWEN25_05B), load_format="dummy", dtype="bfloat16", max_model_len=1024,

@@ -7,7 +7,7 @@ import torch
 from tests.conftest import make_llm, random_prompts
 from tokenmill import SamplingParams
 from tokenmill.sample.sampler import SampleRow, Sampler
-from tokenmill.spec_decode.adaptive import DraftPolicy
+from tokenmill.spec_decode.adaptive import DepthBandit, DraftPolicy
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.ngram import NgramProposer, ngram_propose
 from tokenmill.spec_decode.verify import DraftCheck, verify
@@ -253,11 +253,12 @@ def _simulate(step_seconds, accept: float, steps: int = 300, batch: int = 4) -> 
     rids = [f"r{i}" for i in range(batch)]
     plan = {rid: 0 for rid in rids}
     for _ in range(steps):
-        verifying, plan = plan, policy.plan(rids)  # this step verifies last step's plan
-        depth = max(verifying.values())
-        depths.append(max(plan.values()))
+        verifying, plan = plan, policy.plan(rids)  # this step verifies last step's plan ({}: no drafts)
+        depth = max(verifying.values(), default=0)
+        depths.append(max(plan.values(), default=0))
         emitted = 0
-        for rid, k in verifying.items():
+        for rid in rids:
+            k = verifying.get(rid, 0)
             acc = 0
             while acc < k and rng.random() < accept:
                 acc += 1
@@ -295,12 +296,33 @@ def test_draft_policy_skips_depths_that_acceptance_says_cannot_pay():
     assert 4 in _simulate(lambda k: 0.010 + 0.0002 * k, accept=0.8)
 
 
+def test_bandit_settles_hopeless_depths_in_one_try_and_backs_off_looking_at_them():
+    """Where a verification costs 4x a plain step (it left the fast decode path), each look at depth > 0 costs
+    three steps: one try settles such a depth, and the looks back at it grow apart (128, 256, ... steps);
+    when drafts start to pay, a look notices and the bandit moves."""
+    bandit = DepthBandit(k_max=4)
+    rate = {0: 1000.0, 1: 250.0, 2: 240.0, 3: 230.0, 4: 220.0}  # tokens / s at each depth
+    played = []
+    for _ in range(2000):
+        k = bandit.choose(16)
+        played.append(k)
+        bandit.observe(16, k, int(rate[k] / 100), 0.01)
+    nonzero = sum(1 for k in played if k)
+    assert 3 <= nonzero <= 8  # the first tries of 1 and 4, then a look at 1 at steps ~128, 384, 896, 1920
+    assert all(k == 0 for k in played[200:380])
+    rate[1] = 3000.0  # drafts now pay three times over
+    for _ in range(3000):
+        k = bandit.choose(16)
+        bandit.observe(16, k, int(rate[k] / 100), 0.01)
+    assert bandit.choose(16) >= 1
+
+
 def test_draft_policy_charges_a_step_its_whole_cycle_but_not_idle_time():
     """A step's cost runs from its start to the next step's start (scheduling and output handling
     included); a gap longer than the step itself is idle time and is left out."""
     policy = DraftPolicy(k_max=4)
     policy.step_started(0.0)
-    depth = policy.plan(["a"])["a"]  # step 1 plans the drafts step 2 verifies
+    depth = policy.plan(["a"]).get("a", 0)  # step 1 plans the drafts step 2 verifies
     policy.step_ran(1, True, 0.0002, started=0.0, ended=0.001)
     policy.step_started(0.0015)  # nothing verified in step 1: nothing to credit
     assert policy.bandit.rate(1, depth) is None

@@ -405,8 +405,9 @@ class Scheduler:
             return {}
         plan = self.spec.plan([rid for rid, n in scheduled.items() if self._samples(self.requests[rid], n)])
         if self.spec_lookahead:  # a draft model may not write past the slots reserved for it (_lookahead)
-            for rid in plan:
-                plan[rid] = min(plan[rid], self._lookahead(self.requests[rid], 0, sampling=True))
+            for rid, k in plan.items():
+                if k:
+                    plan[rid] = min(k, self._lookahead(self.requests[rid], 0, sampling=True))
         return plan
 
     def _samples(self, req: Request, n: int) -> bool:

@@ -54,18 +54,34 @@ class DepthBandit:
     k_max drafts do (n-gram drafts on a small model), k_max is still found, where a climb from 0 stopped."""
 
     def __init__(self, k_max: int, min_trials: int = 3, explore_every: int = 32, decay: float = 0.9,
-                 margin: float = 1.05, seed: int = 0):
+                 margin: float = 1.05, hopeless: float = 2.0, max_explore_every: int = 2048, seed: int = 0):
         self.k_max, self.min_trials, self.explore_every, self.decay = k_max, min_trials, explore_every, decay
         self.margin = margin  # a challenger must beat the incumbent depth by this factor: single steps are noisy
+        # a depth at under 1/hopeless of another's rate is settled by one try, and looking at it again waits
+        # twice as long each time it is still that far behind (up to max_explore_every steps of its bucket):
+        # a verification step that falls off the fast decode path costs several plain steps, and probing
+        # from depth 0 costs a draft model its catch-up, so hopeless looks are what a loaded server pays for
+        self.hopeless, self.max_explore_every = hopeless, max_explore_every
         self._first = sorted({0, min(1, k_max), k_max})  # the depths every bucket tries first
         self._rate: dict[tuple[int, int], float] = {}
         self._trials: dict[tuple[int, int], int] = {}
         self._best: dict[int, int] = {}
-        self._choices = 0
+        self._choices: dict[int, int] = {}  # per bucket
+        self._next_look: dict[int, int] = {}  # bucket -> its choice count at which to look at a neighbour
+        self._look_every: dict[int, int] = {}
+        self._pending: dict[int, tuple[int, int]] = {}  # bucket -> (depth, choice count) of a first try in flight
+        self._looking: dict[int, int] = {}  # bucket -> the depth of a look in flight
         self._rng = random.Random(seed)
 
+    def _far_behind(self, bucket: int, k: int, than: int) -> bool:
+        r, other = self._rate.get((bucket, k)), self._rate.get((bucket, than))
+        return r is not None and other is not None and r * self.hopeless < other
+
     def _tried(self, bucket: int, k: int) -> bool:
-        return self._trials.get((bucket, k), 0) >= self.min_trials
+        n = self._trials.get((bucket, k), 0)
+        if n >= self.min_trials:
+            return True
+        return n >= 1 and k > 0 and self._tried(bucket, 0) and self._far_behind(bucket, k, 0)
 
     def _beyond_reach(self, bucket: int, k: int, acceptance: float | None) -> bool:
         """Whether depth k cannot beat depth 0, judged from depth 1: a step's cost does not fall as k grows, and
@@ -79,9 +95,14 @@ class DepthBandit:
 
     def choose(self, bucket: int, acceptance: float | None = None) -> int:
         """`acceptance`: the measured per-draft acceptance so far (None until there is enough of it)."""
-        self._choices += 1
+        count = self._choices[bucket] = self._choices.get(bucket, 0) + 1
+        pending = self._pending.get(bucket)
+        if pending is not None and count - pending[1] <= 3:
+            return 0  # a first try of drafts is still to be credited (a step later): wait for its result
         for k in self._first:
             if not self._tried(bucket, k) and not self._beyond_reach(bucket, k, acceptance):
+                if k > 0:
+                    self._pending[bucket] = (k, count)
                 return k
 
         def rate(k: int) -> float:
@@ -99,13 +120,36 @@ class DepthBandit:
             best = self._best[bucket] = challenger
         # track drift: look at a neighbour now and then; from depth 0 less often, since leaving it costs a
         # draft model the catch-up over every token since it last ran
-        if self._choices % (self.explore_every * (4 if best == 0 else 1)) == 0:
-            return max(0, min(self.k_max, best + self._rng.choice((-1, 1))))
-        return best
+        if count < self._next_look.setdefault(bucket, count - 1 + self._base_look_every(best)):
+            return best
+        steps = [d for d in (-1, 1) if 0 <= best + d <= self.k_max]
+        look = best + self._rng.choice(steps) if steps else best
+        self._looking[bucket] = look
+        self._next_look[bucket] = count + self._look_every.get(bucket, self._base_look_every(best))  # until it lands
+        return look
+
+    def _base_look_every(self, best: int) -> int:
+        return self.explore_every * (4 if best == 0 else 1)
+
+    def _landed_look(self, bucket: int, k: int, rate: float) -> None:
+        """A look's result replaces its depth's estimate (which may be thousands of steps old) and sets when to
+        look next: twice as late while the depth stays far behind, back to the base interval otherwise."""
+        del self._looking[bucket]
+        self._rate[(bucket, k)] = rate
+        self._trials[(bucket, k)] = self._trials.get((bucket, k), 0) + 1
+        best = self._best.get(bucket, 0)
+        base = self._base_look_every(best)
+        every = self._look_every.get(bucket, base)
+        every = min(2 * every, self.max_explore_every) if self._far_behind(bucket, k, best) else base
+        self._look_every[bucket], self._next_look[bucket] = every, self._choices.get(bucket, 0) + every
 
     def observe(self, bucket: int, k: int, tokens: int, seconds: float) -> None:
         if seconds <= 0:
             return
+        if self._pending.get(bucket, (None,))[0] == k:
+            del self._pending[bucket]
+        if self._looking.get(bucket) == k:
+            return self._landed_look(bucket, k, tokens / seconds)
         key, rate = (bucket, k), tokens / seconds
         n = self._trials.get(key, 0)
         self._rate[key] = rate if n == 0 else self.decay * self._rate[key] + (1 - self.decay) * rate
@@ -179,6 +223,8 @@ class DraftPolicy:
         acceptance = s.acceptance_rate if s.num_draft_tokens >= self.min_acceptance_drafts else None
         depth = self.bandit.choose(bucket, acceptance)
         self._verifying, self._planned = self._planned, (bucket, depth)
+        if depth == 0:
+            return {}  # no request drafts (a request's own probes only happen below a nonzero depth)
         return {rid: self._useful_depth(rid, depth) for rid in rids}
 
     # The engine reports each step's whole cycle: from its start to the next step's start, which takes in
