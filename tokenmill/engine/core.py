@@ -172,7 +172,7 @@ class EngineCore:
         if spec is not None:  # the draft policy learns from real step times
             decode_only = all(s.num_sampled_positions == s.num_new_tokens for s in sched.seqs)
             spec.step_ran(sum(len(t) for t in result.sampled_token_ids.values()), decode_only,
-                          result.propose_seconds, started, time.perf_counter())
+                          result.propose_seconds, started, time.perf_counter(), result.switch_seconds)
         return outputs
 
     def _executor(self):

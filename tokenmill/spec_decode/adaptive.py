@@ -57,7 +57,7 @@ class DepthBandit:
                  margin: float = 1.05, hopeless: float = 2.0, max_explore_every: int = 2048, seed: int = 0):
         self.k_max, self.min_trials, self.explore_every, self.decay = k_max, min_trials, explore_every, decay
         self.margin = margin  # a challenger must beat the incumbent depth by this factor: single steps are noisy
-        # a depth at under 1/hopeless of another's rate is settled by one try, and looking at it again waits
+        # a depth at under 1/hopeless of another's rate is settled by one try (one that paid no switch), and looking at it again waits
         # twice as long each time it is still that far behind (up to max_explore_every steps of its bucket):
         # a verification step that falls off the fast decode path costs several plain steps, and probing
         # from depth 0 costs a draft model its catch-up, so hopeless looks are what a loaded server pays for
@@ -71,6 +71,7 @@ class DepthBandit:
         self._look_every: dict[int, int] = {}
         self._pending: dict[int, tuple[int, int]] = {}  # bucket -> (depth, choice count) of a first try in flight
         self._looking: dict[int, int] = {}  # bucket -> the depth of a look in flight
+        self._clean: set[tuple[int, int]] = set()  # (bucket, depth)s with a try that paid no switch
         self._rng = random.Random(seed)
 
     def _far_behind(self, bucket: int, k: int, than: int) -> bool:
@@ -81,7 +82,8 @@ class DepthBandit:
         n = self._trials.get((bucket, k), 0)
         if n >= self.min_trials:
             return True
-        return n >= 1 and k > 0 and self._tried(bucket, 0) and self._far_behind(bucket, k, 0)
+        return (n >= 1 and k > 0 and (bucket, k) in self._clean and self._tried(bucket, 0)
+                and self._far_behind(bucket, k, 0))
 
     def _beyond_reach(self, bucket: int, k: int, acceptance: float | None) -> bool:
         """Whether depth k cannot beat depth 0, judged from depth 1: a step's cost does not fall as k grows, and
@@ -143,14 +145,28 @@ class DepthBandit:
         every = min(2 * every, self.max_explore_every) if self._far_behind(bucket, k, best) else base
         self._look_every[bucket], self._next_look[bucket] = every, self._choices.get(bucket, 0) + every
 
-    def observe(self, bucket: int, k: int, tokens: int, seconds: float) -> None:
-        if seconds <= 0:
-            return
+    def lost(self, bucket: int, k: int) -> None:
+        """A step at depth k that teaches nothing (it carried prefill chunks): a first try or a look that it
+        was is not waited for; the try comes again, the look at its next time."""
         if self._pending.get(bucket, (None,))[0] == k:
             del self._pending[bucket]
         if self._looking.get(bucket) == k:
-            return self._landed_look(bucket, k, tokens / seconds)
+            del self._looking[bucket]
+
+    def observe(self, bucket: int, k: int, tokens: int, seconds: float, switch_seconds: float = 0.0) -> None:
+        """`switch_seconds`: the part of `seconds` that switched a draft model back on after depth 0 (its
+        catch-up over every token since it last ran). It is charged (a bandit that leaves 0 for a depth that
+        is no better pays it again each time: leaving it out made the shipped pair flap between 0 and 1 at 16
+        requests, 0.8x of off), but a try that paid it does not settle a depth as hopeless on its own."""
+        if seconds <= 0:
+            return
         key, rate = (bucket, k), tokens / seconds
+        if switch_seconds <= 0:
+            self._clean.add(key)
+        if self._pending.get(bucket, (None,))[0] == k:
+            del self._pending[bucket]
+        if self._looking.get(bucket) == k:
+            return self._landed_look(bucket, k, rate)
         n = self._trials.get(key, 0)
         self._rate[key] = rate if n == 0 else self.decay * self._rate[key] + (1 - self.decay) * rate
         self._trials[key] = n + 1
@@ -168,13 +184,15 @@ class DraftPolicy:
         self.bandit = DepthBandit(k_max)
         self.stats = SpecStats(accepted_per_pos=[0] * k_max)
         self._acc: dict[str, list[float]] = {}  # request -> [decayed accepted, decayed trials]
+        self._judged = [0, 0]  # all requests: drafts accepted, drafts judged (accepted or the rejection)
         self._idle: dict[str, int] = {}  # request -> steps planned at depth 0 in a row
         # (bucket, K) planned last step: the drafts this step verifies. The step that plans K does not
         # run those drafts yet, so crediting it to K would blur the depths.
         self._verifying: tuple[int, int] | None = None
         self._planned: tuple[int, int] | None = None  # (bucket, K) planned this step
         self._propose_s = 0.0  # the proposer's time for the drafts this step verifies
-        self._last_step: tuple | None = None  # (emitted, decode_only, propose_s, started, ended): credited at the next start
+        self._switch_s = 0.0  # the part of it that switched drafts back on after depth 0
+        self._last_step: tuple | None = None  # (emitted, decode_only, propose_s, started, ended, switch_s): credited at the next start
 
     # -- per request --------------------------------------------------------------------------------------
     def acceptance(self, rid: str) -> float:
@@ -191,6 +209,8 @@ class DraftPolicy:
             s.accepted_per_pos[i] += 1
         acc = self._acc.setdefault(rid, [2 * self.prior, 2.0])
         trials = accepted + (1 if accepted < drafted else 0)  # each acceptance, and the rejection if any
+        self._judged[0] += accepted
+        self._judged[1] += trials
         acc[0] = self.decay * acc[0] + accepted
         acc[1] = self.decay * acc[1] + trials
 
@@ -219,8 +239,10 @@ class DraftPolicy:
         if not self.adaptive:
             return {rid: self.k_max for rid in rids}
         bucket = bucket_of(len(rids))
-        s = self.stats
-        acceptance = s.acceptance_rate if s.num_draft_tokens >= self.min_acceptance_drafts else None
+        # per-draft acceptance a: drafts after the first rejection were never judged, so accepted / drafted
+        # (the reported acceptance rate) understates a, and with it how far deeper depths could reach
+        accepted, judged = self._judged
+        acceptance = accepted / judged if judged >= self.min_acceptance_drafts else None
         depth = self.bandit.choose(bucket, acceptance)
         self._verifying, self._planned = self._planned, (bucket, depth)
         if depth == 0:
@@ -235,20 +257,27 @@ class DraftPolicy:
         last, self._last_step = self._last_step, None
         if last is None:
             return
-        emitted, decode_only, propose_s, started, ended = last
+        emitted, decode_only, propose_s, started, ended, switch_s = last
         busy = ended - started
         cycle = now - started if now - ended <= busy else busy  # a gap longer than the step is idle time
-        self.observe_step(emitted, cycle - propose_s, decode_only, propose_s)
+        self.observe_step(emitted, cycle - propose_s, decode_only, propose_s, switch_s)
 
     def step_ran(self, emitted: int, decode_only: bool, propose_seconds: float, started: float,
-                 ended: float) -> None:
-        """A step that ran from `started` to `ended` (its outputs handed back): credited at the next start."""
-        self._last_step = (emitted, decode_only, propose_seconds, started, ended)
+                 ended: float, switch_seconds: float = 0.0) -> None:
+        """A step that ran from `started` to `ended` (its outputs handed back): credited at the next start.
+        `switch_seconds`: the part of the proposing spent catching a draft model up over long stale runs;
+        right after a step at depth 0 that is the cost of switching drafts back on (see DepthBandit)."""
+        switch = switch_seconds if self._verifying is None or self._verifying[1] == 0 else 0.0
+        self._last_step = (emitted, decode_only, propose_seconds, started, ended, switch)
 
-    def observe_step(self, emitted: int, seconds: float, decode_only: bool, propose_seconds: float) -> None:
+    def observe_step(self, emitted: int, seconds: float, decode_only: bool, propose_seconds: float,
+                     switch_seconds: float = 0.0) -> None:
         """One step ran: `emitted` tokens in `seconds` (its own proposing excluded, which belongs to the
         drafts it verifies next). Only decode-only steps teach the bandit: prefill chunks blur the rate."""
-        if self._verifying is not None and decode_only:
+        if self._verifying is not None:
             bucket, depth = self._verifying
-            self.bandit.observe(bucket, depth, emitted, seconds + self._propose_s)
-        self._propose_s = propose_seconds
+            if decode_only:
+                self.bandit.observe(bucket, depth, emitted, seconds + self._propose_s, self._switch_s)
+            else:
+                self.bandit.lost(bucket, depth)
+        self._propose_s, self._switch_s = propose_seconds, switch_seconds

@@ -19,6 +19,8 @@ exactly (verify.py).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tokenmill.sample.sampler import argmax_rows
@@ -35,6 +37,10 @@ class DraftModelProposer:
         self.backend = backend
         self.decode_step = None  # worker/cpu_decode_step.py for the draft's single-token steps (set by the builder)
         self._synced: dict[str, int] = {}  # request -> positions whose draft KV is valid
+        # the last proposal's time spent catching up over tokens drafted at depth 0 (longer than a verified
+        # run): the one-time cost of switching drafts back on, which the draft policy leaves out of its
+        # per-depth rates so that a look from depth 0 measures the depth, not the switch
+        self.switch_seconds = 0.0
 
     def release(self, request_ids) -> None:
         """Finished or preempted (its blocks are gone): its draft KV starts again from position 0."""
@@ -49,7 +55,11 @@ class DraftModelProposer:
             return {}
         pos = {rid: len(st.prompt_token_ids) + len(st.output_token_ids) - 1 for rid, st, _ in active}
         catch_up = [self._catch_up(rid, st, self._synced.get(rid, 0), pos[rid]) for rid, st, _ in active]
+        t0 = time.perf_counter()
         first = self._run(runner, catch_up)
+        rows = [s.num_new_tokens for s in catch_up]
+        long_rows = sum(n - 1 for n in rows if n > CATCH_UP_DECODE_ROWS)  # beyond each one's own last token
+        self.switch_seconds = (time.perf_counter() - t0) * long_rows / sum(rows)
         drafts = {rid: [t] for (rid, _, _), t in zip(active, first)}
         for rid, _, _ in active:
             self._synced[rid] = pos[rid] + 1

@@ -34,6 +34,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # to verify at the next step
     propose_seconds: float = 0.0  # time the proposer took this step (charged to its drafts by the draft policy)
+    switch_seconds: float = 0.0  # the part of it spent catching a draft model up over long stale runs
     # per request: logprob rows for the prompt tokens this chunk predicted (positions start+1 ..)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
@@ -246,6 +247,7 @@ class ModelRunner:
             t0 = time.perf_counter()
             out.draft_token_ids.update(self.proposer.propose_batch(self, items))
             out.propose_seconds = time.perf_counter() - t0
+            out.switch_seconds = getattr(self.proposer, "switch_seconds", 0.0)
 
     def _prompt_logprobs(self, seq: ScheduledRequest, state: RequestState, hidden: torch.Tensor) -> list[TokenLogprobs]:
         """Position p's logits score prompt token p + 1; only positions inside the prompt count."""
