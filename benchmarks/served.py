@@ -1,37 +1,16 @@
 """`tokenmill serve` as a subprocess for the server benchmarks (soak, stall probe): start it on a free
-loopback port, wait for /health, find the engine core's pid, read both processes' RSS, stop it.
-(`free_port` and `stop` serve the tests' server fixture too.)"""
+loopback port, wait for /health, find the engine core's pid, read both processes' RSS, stop it
+(tokenmill.entrypoints.server_process has the parts tune and the tests share)."""
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
+from tokenmill.entrypoints.server_process import free_port, stop, wait_until_up
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def stop(proc: subprocess.Popen, timeout: float = 60) -> int:
-    """SIGTERM (the server drains), SIGKILL if it is still there after `timeout`; the exit code."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
 
 
 def rss_mib(pid: int) -> float:
@@ -56,19 +35,9 @@ class Served:
         self.core_pid: int | None = None
 
     def wait_ready(self, timeout: float = 300) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
-                    self.core_pid = int(children[0])
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise TimeoutError(f"server not ready after {timeout}s")
+        wait_until_up(self.proc, self.url + "/health", timeout)
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        self.core_pid = int(children[0])
 
     def rss(self) -> dict:
         return {"api_mib": rss_mib(self.proc.pid), "core_mib": rss_mib(self.core_pid)}

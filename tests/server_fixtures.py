@@ -5,14 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from served import free_port, stop  # noqa: E402  (shared with the server benchmarks)
+from tokenmill.entrypoints.server_process import free_port, stop, wait_until_up
 
 CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + "
                  "message['content'] + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}"
@@ -78,7 +76,7 @@ class ServerProcess:
                                      env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
 
     def wait_ready(self, timeout: float = 180) -> None:
-        wait_until_up(self.proc, self.url + "/health", self.logs, timeout)
+        wait_until_up(self.proc, self.url + "/health", timeout, self.logs)
 
     def logs(self) -> str:
         self._log.flush()
@@ -107,18 +105,3 @@ def core_pid(server) -> int:
 
 def engine_stats(server) -> dict:
     return httpx.get(server.url + "/debug/engine_stats", headers=server.headers, timeout=30).json()
-
-
-def wait_until_up(proc, url: str, logs, timeout: float) -> None:
-    """Poll `url` until it answers 200; fail fast, with the server's log, if the process exits."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{logs()}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"server not ready after {timeout}s:\n{logs()}")

@@ -17,7 +17,7 @@ from tokenmill.bench.datasets import RandomDataset, get_tokenizer, sample_reques
 from tokenmill.bench.report import render_report
 from tokenmill.bench.serve_client import run_benchmark
 from tokenmill.config import DEFAULT_MODEL
-from server_fixtures import wait_until_up
+from tokenmill.entrypoints.server_process import wait_until_up
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ class _Server:
         self.proc = subprocess.Popen([sys.executable, "-m", *args, "--host", "127.0.0.1", "--port", str(self.port)],
                                      stdout=open(log, "w"), stderr=subprocess.STDOUT)
         try:
-            wait_until_up(self.proc, self.url + "/v1/models", lambda: log.read_text()[-3000:], 90)
+            wait_until_up(self.proc, self.url + "/v1/models", 90, lambda: log.read_text()[-3000:])
         except (RuntimeError, TimeoutError):
             self.stop()
             raise

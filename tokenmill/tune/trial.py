@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
-
-import httpx
 
 from tokenmill.bench.metrics import compute_metrics, results_from_json
 from tokenmill.bench.serve_client import run_benchmark
+from tokenmill.entrypoints.server_process import free_port, stop, wait_until_up
 from tokenmill.tune.space import to_flags
 
 
@@ -30,12 +27,6 @@ class Workload:
     seed: int = 0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_trial(settings: dict, base_flags: list[str], load: Workload, keep_going=lambda first: True,
               startup_timeout_s: float = 600) -> dict:
     """The trial's bench result (with `pruned` / `failed` set when it stopped early)."""
@@ -46,9 +37,10 @@ def run_trial(settings: dict, base_flags: list[str], load: Workload, keep_going=
            "--uvicorn-log-level", "warning", *base_flags, *to_flags(settings)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     try:
-        why = _wait_ready(proc, f"http://127.0.0.1:{port}/health", startup_timeout_s)
-        if why:
-            return {"failed": f"{why}: {_tail(log.name)}"}
+        try:
+            wait_until_up(proc, f"http://127.0.0.1:{port}/health", startup_timeout_s, lambda: _tail(log.name))
+        except (RuntimeError, TimeoutError) as e:
+            return {"failed": str(e)}
         half = max(1, len(load.requests) // 2)
         first = _bench(port, load.requests[:half], load, warmups=1)
         if not keep_going(first) or half == len(load.requests):
@@ -56,28 +48,9 @@ def run_trial(settings: dict, base_flags: list[str], load: Workload, keep_going=
         second = _bench(port, load.requests[half:], load, warmups=0)
         return _merge(first, second, load)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
         log.close()
         os.unlink(log.name)
-
-
-def _wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> str | None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            return f"the server exited with {proc.returncode}"
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return None
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    return f"the server was not ready after {timeout_s:.0f} s"
 
 
 def _tail(path: str) -> str:
