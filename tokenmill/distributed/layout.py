@@ -94,13 +94,17 @@ def check_model_split(layout: ParallelLayout, model_config) -> None:
         raise ValueError(f"pipeline_parallel_size={pp} is larger than the model's {mc.num_layers} layers")
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def check_cpu_cores(ranks_on_node: int, allow_oversubscription: bool) -> None:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     if ranks_on_node > cores and not allow_oversubscription:
         raise ValueError(f"{ranks_on_node} CPU ranks on this node but only {cores} cores: each rank needs a core "
                          f"(allow_cpu_oversubscription=True runs them anyway, slowly)")
 
 
 def threads_per_rank(ranks_on_node: int) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // ranks_on_node)
+    return max(1, usable_cores() // ranks_on_node)

@@ -37,9 +37,8 @@ class DraftModelProposer:
         self.backend = backend
         self.decode_step = None  # worker/cpu_decode_step.py for the draft's single-token steps (set by the builder)
         self._synced: dict[str, int] = {}  # request -> positions whose draft KV is valid
-        # the last proposal's time spent catching up over tokens drafted at depth 0 (longer than a verified
-        # run): the one-time cost of switching drafts back on, which the draft policy leaves out of its
-        # per-depth rates so that a look from depth 0 measures the depth, not the switch
+        # the last proposal's time spent catching up over runs longer than a verified one (tokens skipped at
+        # depth 0): the cost of switching drafts back on, which the draft policy tracks apart (adaptive.py)
         self.switch_seconds = 0.0
 
     def release(self, request_ids) -> None:

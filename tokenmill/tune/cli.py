@@ -29,12 +29,16 @@ def add_tune_parser(sub) -> None:
 
 
 def cmd_tune(args) -> int:
-    from tokenmill.bench.datasets import dataset_from_args, get_tokenizer, sample_requests
+    from tokenmill.bench.datasets import (
+        dataset_from_args,
+        get_tokenizer,
+        sample_requests,
+    )
     from tokenmill.engine.arg_utils import engine_kwargs
+    from tokenmill.models.loader import load_hf_config
     from tokenmill.tune.report import serve_command, write_outputs
     from tokenmill.tune.search import best_trial, closest_trial, search
     from tokenmill.tune.slo import misses, parse_slos, per_request_slos, violation
-    from tokenmill.models.loader import load_hf_config
     from tokenmill.tune.space import constraints, fixed_settings, searched, to_flags
     from tokenmill.tune.trial import Workload, run_trial
 
@@ -88,13 +92,13 @@ def cmd_tune(args) -> int:
 
 def _ranks_available(kwargs: dict) -> int:
     """Ranks one node can run for a trial: its GPUs on CUDA, its cores on a CPU (one rank per core)."""
-    import os
-
     import torch
+
+    from tokenmill.distributed.layout import usable_cores
 
     if kwargs.get("device", "auto") != "cpu" and torch.cuda.is_available():
         return torch.cuda.device_count()
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return usable_cores()
 
 
 def _check_engine_flags(kwargs: dict) -> None:
