@@ -9,7 +9,7 @@ from tokenmill.quantization.int8 import w8a16_linear_ref
 pytestmark = pytest.mark.skipif(not cpu_qgemv.available(), reason="needs gcc and an x86-64 CPU with AVX2 + FMA")
 
 
-@pytest.mark.parametrize("n, k", [(16, 8), (48, 100), (1024, 896)])
+@pytest.mark.parametrize("n, k", [(16, 8), (48, 100), (32, 98), (1024, 896)])  # 98: a last line of one k pair
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_int8_gemv_matches_twin(n, k, dtype, with_bias):
@@ -55,7 +55,7 @@ def test_int4_gemv_of_bfloat16_rows_matches_its_integer_twin(rows):
     x = (torch.randn(rows, k, generator=g) * torch.exp2(torch.randint(-20, 4, (rows, k), generator=g).float()))
     x = x.bfloat16()
     y = cpu_qgemv.gemv_int4(x, *panels, group).double()
-    twin = (cpu_qgemv.int16_twin(x, group) if cpu_qgemv.int16_rows() else x.double()) @ w.t()
+    twin = (cpu_qgemv.int16_twin(x, group) if cpu_qgemv.int16_rows(4) else x.double()) @ w.t()
     torch.testing.assert_close(y, twin, atol=1e-5, rtol=2 ** -8)
     group_max = x.double().abs().view(rows, -1, group).amax(-1).repeat_interleave(group, -1)
     exact = x.double() @ w.t()
@@ -67,7 +67,7 @@ def test_int4_gemv_of_bfloat16_rows_matches_its_integer_twin(rows):
 
 @pytest.mark.parametrize("rows", [1, 3])
 def test_int8_gemv_of_bfloat16_rows_matches_its_integer_twin(rows):
-    """The int8 kernels' integer path (AVX2, bfloat16 rows): x in blocks of INT8_BLOCK scaled to 15 bits, the
+    """The int8 kernels' integer path (AVX-512 VNNI and AVX2, bfloat16 rows): x in blocks of INT8_BLOCK scaled to 15 bits, the
     product rounded once to bfloat16, also where it cancels; a NaN row stays NaN and spares the others."""
     n, k = 48, 4 * cpu_qgemv.INT8_BLOCK
     g = torch.Generator().manual_seed(11)
@@ -77,7 +77,7 @@ def test_int8_gemv_of_bfloat16_rows_matches_its_integer_twin(rows):
     x = (torch.randn(rows, k, generator=g) * torch.exp2(torch.randint(-20, 4, (rows, k), generator=g).float()))
     x = x.bfloat16()
     y = cpu_qgemv.gemv_int8(x, cpu_qgemv.pack_int8(q), s).double()
-    twin = (cpu_qgemv.int16_twin(x, cpu_qgemv.INT8_BLOCK) if cpu_qgemv.int16_rows() else x.double()) @ w.t()
+    twin = (cpu_qgemv.int16_twin(x, cpu_qgemv.INT8_BLOCK) if cpu_qgemv.int16_rows(8) else x.double()) @ w.t()
     torch.testing.assert_close(y, twin, atol=1e-5, rtol=2 ** -8)
     x[0, 5] = float("nan")
     y = cpu_qgemv.gemv_int8(x, cpu_qgemv.pack_int8(q), s)
@@ -87,6 +87,7 @@ def test_int8_gemv_of_bfloat16_rows_matches_its_integer_twin(rows):
 def test_unsupported_shapes_are_declined():
     assert not cpu_qgemv.supports(40, 64)  # rows come in panels of 16
     assert not cpu_qgemv.supports(32, 100, 64)  # K must split into whole groups
+    assert not cpu_qgemv.supports(32, 99)  # int8 k-pair lines hold whole pairs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -2,9 +2,17 @@
  * Decoding one row is bound by reading the weights, so each layout is read as one sequential stream
  * of 16-row panels and widened to float32 in registers.
  *
- * int8, symmetric per output row (W[n,k] = q[n,k] * s[n]):
+ * int8, symmetric per output row (W[n,k] = q[n,k] * s[n]), 16-row panels in one of two layouts
+ * (S8_PAIR_LINES; ops/cpu_qgemv.py pack_int8 asks the build which, tm_qgemv_s8_layout):
  *
- *     P[N/16][K][16] int8          P[b][k][r] = q[16 b + r][k]       (16 bytes per k)
+ *   k lines (portable build):    P[N/16][K][16] int8       P[b][k][r] = q[16 b + r][k]       (16 bytes per k)
+ *   pair lines (AVX-512 build):  P[N/16][K/2][16][2] int8  P[b][k2][r][j] = q[16 b + r][2 k2 + j]
+ *
+ *       one 64-byte line, k = 4c .. 4c + 3:   bytes  0-31: (q[r][4c], q[r][4c+1])     r = 0..15
+ *                                             bytes 32-63: (q[r][4c+2], q[r][4c+3])   r = 0..15
+ *
+ *     so 32 bytes sign-extended to words are 16 dword lanes, one row's k pair each: one vpdpwssd
+ *     against the broadcast pair (x[k], x[k+1]) as int16 (below) takes 16 rows x 2 k.
  *     y[n] = s[n] * sum_k x[k] q[n,k]
  *
  * int4 with groups of G along K and zero points (AWQ: W[n,k] = (q[n,k] - z[g,n]) * s[g,n], g = k / G):
@@ -24,11 +32,22 @@
  * x is float32, or bfloat16 widened once per call into a float32 copy.
  *
  * Two paths, same functions: AVX-512 intrinsics (the int4 kernels for bfloat16 x use AVX512-BF16 dot
- * products), and portable C that gcc vectorizes over the 16 rows of a panel (AVX2 here): int8 / nibbles
- * widened to float32 lane-wise, float32 FMAs, bfloat16 x widened to float32 first. The dequantizing passes
- * (more rows than the GEMVs take) are one portable implementation for both, reading the build's layout. */
+ * products, the int8 ones VNNI int16 dot products), and portable C that gcc vectorizes over the 16 rows of a
+ * panel (AVX2 here): int8 / nibbles widened to float32 lane-wise, float32 FMAs, bfloat16 x widened to float32
+ * first, or integer dot products for bfloat16 x on AVX2. The dequantizing passes (more rows than the GEMVs
+ * take) are one portable implementation for both, reading the build's layouts.
+ *
+ * Integer rows (`rows_to_int16`): bfloat16 x multiplied in int16 (the int8 kernels on AVX-512 and AVX2, the
+ * int4 ones on AVX2). Per group g of K (an AWQ group; S8_BLOCK k for int8), x is scaled by a power of two,
+ * xi[k] = x[k] * 2^(14 - e_g) with max|x| < 2^e_g, and rounded to int16: exact for every element within 2^7
+ * of the group's largest (a bfloat16 has 8 significant bits), rounded below that, so the dot products keep
+ * float32's precision relative to the group (ops/cpu_qgemv.py int16_twin). Each group's int32 sum is
+ * scaled back by 2^(e_g - 14) in float32. */
 #include <stdint.h>
 #include <stdlib.h>
+
+#include <math.h>
+#include <string.h>
 
 #include <immintrin.h>
 
@@ -78,12 +97,64 @@ static const float *widen(const void *x, int64_t K, int x_bf16, float **owned) {
     return f;
 }
 
+/* One row of bfloat16 x -> int16 per group of G (the header's integer rows): xe [K/4][8] int32, each holding
+ * a pair (xi[k], xi[k + 1]), low word first: chunk c = k / 4 is (pair 4c) x 4, then (pair 4c + 2) x 4; xs[g]
+ * = 2^(e_g - 14), xsum[g] = sum of the group's xi. 0 when x holds a NaN or an infinity. */
+static int x_to_int16(const uint16_t *x, int64_t K, int64_t G, int32_t *xe, float *xs, float *xsum) {
+    for (int64_t g = 0; g < K / G; g++) {
+        const uint16_t *xg = x + g * G;
+        float amax = 0.f, probe = 0.f;  /* probe turns NaN on a NaN or an infinity (fmaxf skips NaNs) */
+        for (int64_t k = 0; k < G; k++) {
+            const float v = bf16_to_f32(xg[k]);
+            amax = fmaxf(amax, fabsf(v));
+            probe += v * 0.f;
+        }
+        if (probe != 0.f) return 0;  /* the float path carries them through */
+        int e;
+        frexpf(amax, &e);
+        const float inv = ldexpf(1.f, 14 - e);
+        int16_t xi[G];
+        int32_t sum = 0;
+        for (int64_t k = 0; k < G; k++) {
+            const float v = bf16_to_f32(xg[k]) * inv;
+            xi[k] = (int16_t)(v + copysignf(0.5f, v));  /* round half away from zero */
+            sum += xi[k];
+        }
+        xs[g] = ldexpf(1.f, e - 14);
+        xsum[g] = (float)sum;
+        for (int64_t c = 0; c < G / 4; c++) {
+            int32_t lo, hi;  /* (xi[k], xi[k + 1]) as one int32: the low word first */
+            const uint16_t p0[2] = {(uint16_t)xi[4 * c], (uint16_t)xi[4 * c + 1]};
+            const uint16_t p1[2] = {(uint16_t)xi[4 * c + 2], (uint16_t)xi[4 * c + 3]};
+            memcpy(&lo, p0, 4);
+            memcpy(&hi, p1, 4);
+            int32_t *dst = xe + (g * G / 4 + c) * 8;
+            for (int j = 0; j < 4; j++) { dst[j] = lo; dst[4 + j] = hi; }
+        }
+    }
+    return 1;
+}
+
+/* x rows [M][K] (bfloat16) -> xe [M][K/4][8], xs and xsum [M][K/G]; 0 when a row holds a NaN or an infinity */
+static int rows_to_int16(const uint16_t *x, int64_t M, int64_t K, int64_t G, int32_t **xe, float **xs) {
+    const int64_t ngroups = K / G;
+    *xe = aligned_alloc(32, M * (K / 4) * 8 * sizeof(int32_t));
+    *xs = malloc(2 * M * ngroups * sizeof(float));
+    int ok = 1;
+    for (int64_t m = 0; m < M && ok; m++)
+        ok = x_to_int16(x + m * K, K, G, *xe + m * (K / 4) * 8, *xs + m * ngroups, *xs + M * ngroups + m * ngroups);
+    return ok;
+}
+
+#define S8_BLOCK 64  /* int8 integer rows: x scaled per this many k (ops/cpu_qgemv.py INT8_BLOCK) */
+
 /* Several rows (M <= 8) at once: each weight line is read and widened once for all rows, so small
  * decode batches cost little more than one row. x [M, K] and y [M, N] are row-major. */
 #define MAX_ROWS 8
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #define U4_DWORD_LINES 1
+#define S8_PAIR_LINES 1
 
 /* 16 fp16 scales / 16 uint8 zero points -> float32 */
 static inline __m512 load_s16(const uint16_t *s) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s)); }
@@ -116,35 +187,129 @@ static inline void line_to_bf16_pairs(const void *line, __m512i w[4]) {
     w[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(d, 12), mask, one28, 0xEA);
 }
 
-void tm_qgemv_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t N,
-                 int64_t K, int y_bf16, int nthreads) {
-    float *owned;
-    const float *x = widen(x_in, K, y_bf16, &owned);
+/* The int8 pair-line kernels below take rows two at a time through helpers inlined with a constant row
+ * count (1 or 2), so that their accumulators stay in registers. */
+#define PAIR_INLINE static inline __attribute__((always_inline))
+
+/* int8 pair lines, float32 x rows x0 (and x1 when two), k in [0, K), K even. 16 bytes widened to float32 are
+ * 8 rows x one k pair, against the broadcast pair (x[k], x[k + 1]); lane 2i of lo (hi) holds row i's (8 + i's)
+ * even-k sum, lane 2i + 1 its odd-k sum. k pairs 4c and 4c + 2 go to separate accumulators so that one row's
+ * FMA chains overlap. */
+PAIR_INLINE void s8_pairs_f32(const int8_t *blk, const float *x0, const float *x1, const int two, int64_t K,
+                              __m512 lo[2], __m512 hi[2]) {
+    __m512 a[2][4];
+    for (int m = 0; m < 2; m++)
+        for (int j = 0; j < 4; j++) a[m][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 4) {  /* one line: pairs k (accumulators 0, 1) and k + 2 (2, 3) */
+        const int8_t *line = blk + k * 16;
+        STREAM_PREFETCH(line);
+        for (int h = 0; h < 2 && k + 2 * h < K; h++) {  /* K % 4 == 2: the last line holds one pair */
+            const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(line + 32 * h))));
+            const __m512 w1 =
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(line + 32 * h + 16))));
+            for (int m = 0; m < 1 + two; m++) {
+                double pair;  /* (x[k'], x[k' + 1]) as one 64-bit broadcast */
+                memcpy(&pair, (m ? x1 : x0) + k + 2 * h, 8);
+                const __m512 xv = _mm512_castpd_ps(_mm512_set1_pd(pair));
+                a[m][2 * h] = _mm512_fmadd_ps(w0, xv, a[m][2 * h]);
+                a[m][2 * h + 1] = _mm512_fmadd_ps(w1, xv, a[m][2 * h + 1]);
+            }
+        }
+    }
+    for (int m = 0; m < 1 + two; m++) {
+        lo[m] = _mm512_add_ps(a[m][0], a[m][2]);
+        hi[m] = _mm512_add_ps(a[m][1], a[m][3]);
+    }
+}
+
+static void qgemm_s8_f32(const int8_t *P, const float *scales, const float *x, const float *bias, void *y, int64_t M,
+                         int64_t N, int64_t K, int y_bf16, int nthreads) {
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < N / 16; b++) {
-        const int8_t *blk = P + b * K * 16;
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-        int64_t k = 0;
-        for (; k + 4 <= K; k += 4) {  /* one 64-byte line: four k of 16 rows */
-            const __m128i *line = (const __m128i *)(blk + k * 16);
-            STREAM_PREFETCH(line);
-            __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(line)));
-            __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(line + 1)));
-            __m512 w2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(line + 2)));
-            __m512 w3 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(line + 3)));
-            a0 = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[k + 0]), a0);
-            a1 = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[k + 1]), a1);
-            a2 = _mm512_fmadd_ps(w2, _mm512_set1_ps(x[k + 2]), a2);
-            a3 = _mm512_fmadd_ps(w3, _mm512_set1_ps(x[k + 3]), a3);
+        const __m512 s = _mm512_loadu_ps(scales + b * 16);
+        for (int64_t m = 0; m < M; m += 2) {
+            __m512 lo[2], hi[2];
+            const float *x0 = x + m * K;
+            if (m + 1 < M) s8_pairs_f32(P + b * K * 16, x0, x0 + K, 1, K, lo, hi);
+            else s8_pairs_f32(P + b * K * 16, x0, NULL, 0, K, lo, hi);
+            for (int64_t i = m; i < M && i < m + 2; i++) {  /* even + odd lanes: rows 0-15 in order */
+                const __m512 acc = _mm512_add_ps(_mm512_permutex2var_ps(lo[i - m], even, hi[i - m]),
+                                                 _mm512_permutex2var_ps(lo[i - m], odd, hi[i - m]));
+                store_row(_mm512_mul_ps(acc, s), bias, b * 16,
+                          y_bf16 ? (void *)((uint16_t *)y + i * N) : (void *)((float *)y + i * N), y_bf16);
+            }
         }
-        for (; k < K; k++) {
-            __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + k * 16))));
-            a0 = _mm512_fmadd_ps(w, _mm512_set1_ps(x[k]), a0);
-        }
-        __m512 acc = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
-        store_row(_mm512_mul_ps(acc, _mm512_loadu_ps(scales + b * 16)), bias, b * 16, y, y_bf16);
     }
+}
+
+/* int8 pair lines against int16 x rows (rows_to_int16's xe, x0 and x1 when two), k in [k0, k1) (one block):
+ * per 64-byte line two vpmovsxbw and, per row, two vpdpwssd (pair 4c into d0, 4c + 2 into d1). One lane sums
+ * at most S8_BLOCK / 4 * 2 * 128 * 2^14 < 2^27 per block. */
+PAIR_INLINE void s8_pairs_int16(const int8_t *blk, const int32_t *xe0, const int32_t *xe1, const int two, int64_t k0,
+                                int64_t k1, __m512 dot[2]) {
+    __m512i d0[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, d1[2] = {d0[0], d0[0]};
+    for (int64_t k = k0; k < k1; k += 4) {
+        const int8_t *line = blk + k * 16;
+        STREAM_PREFETCH(line);
+        const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)line));
+        const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(line + 32)));
+        for (int m = 0; m < 1 + two; m++) {
+            const int32_t *xc = (m ? xe1 : xe0) + (k / 4) * 8;  /* pair 4c at [0], 4c + 2 at [4] */
+            d0[m] = _mm512_dpwssd_epi32(d0[m], w0, _mm512_set1_epi32(xc[0]));
+            d1[m] = _mm512_dpwssd_epi32(d1[m], w1, _mm512_set1_epi32(xc[4]));
+        }
+    }
+    for (int m = 0; m < 1 + two; m++) dot[m] = _mm512_cvtepi32_ps(_mm512_add_epi32(d0[m], d1[m]));
+}
+
+/* bfloat16 x as int16 (blocks of S8_BLOCK), M <= MAX_ROWS rows; 0 (nothing written) when a row holds a NaN or
+ * an infinity, or K is not a multiple of S8_BLOCK */
+static int qgemm_s8_int16(const int8_t *P, const float *scales, const uint16_t *x, const float *bias, uint16_t *y,
+                          int64_t M, int64_t N, int64_t K, int nthreads) {
+    if (K % S8_BLOCK) return 0;
+    const int64_t nblocks = K / S8_BLOCK;
+    int32_t *xe;
+    float *xs;
+    const int ok = rows_to_int16(x, M, K, S8_BLOCK, &xe, &xs);
+    if (ok) {
+        #pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t b = 0; b < N / 16; b++) {
+            const int8_t *blk = P + b * K * 16;
+            __m512 acc[MAX_ROWS];
+            for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+            for (int64_t g = 0; g < nblocks; g++)
+                for (int64_t m = 0; m < M; m += 2) {
+                    __m512 dot[2];
+                    const int32_t *xe0 = xe + m * (K / 4) * 8;
+                    const int64_t k0 = g * S8_BLOCK, k1 = k0 + S8_BLOCK;
+                    if (m + 1 < M) s8_pairs_int16(blk, xe0, xe0 + (K / 4) * 8, 1, k0, k1, dot);
+                    else s8_pairs_int16(blk, xe0, NULL, 0, k0, k1, dot);
+                    for (int64_t i = m; i < M && i < m + 2; i++)
+                        acc[i] = _mm512_fmadd_ps(dot[i - m], _mm512_set1_ps(xs[i * nblocks + g]), acc[i]);
+                }
+            const __m512 s = _mm512_loadu_ps(scales + b * 16);
+            for (int64_t m = 0; m < M; m++) store_row(_mm512_mul_ps(acc[m], s), bias, b * 16, y + m * N, 1);
+        }
+    }
+    free(xe);
+    free(xs);
+    return ok;
+}
+
+static void qgemm_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t M,
+                     int64_t N, int64_t K, int y_bf16, int nthreads) {
+    if (y_bf16 && qgemm_s8_int16(P, scales, x_in, bias, y, M, N, K, nthreads)) return;
+    float *owned;
+    const float *x = widen(x_in, M * K, y_bf16, &owned);
+    qgemm_s8_f32(P, scales, x, bias, y, M, N, K, y_bf16, nthreads);
     free(owned);
+}
+
+void tm_qgemv_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t N,
+                 int64_t K, int y_bf16, int nthreads) {
+    qgemm_s8(P, scales, x_in, bias, y, 1, N, K, y_bf16, nthreads);
 }
 
 /* bfloat16 x: each byte (two nibbles of one row) becomes a bfloat16 pair 128 + q, exact, by OR-ing the
@@ -224,28 +389,6 @@ void tm_qgemv_u4(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const vo
     free(owned);
 }
 
-static void qgemm_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t M,
-                     int64_t N, int64_t K, int y_bf16, int nthreads) {
-    float *owned;
-    const float *x = widen(x_in, M * K, y_bf16, &owned);
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t b = 0; b < N / 16; b++) {
-        const int8_t *blk = P + b * K * 16;
-        __m512 acc[MAX_ROWS];
-        for (int64_t r = 0; r < M; r++) acc[r] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < K; k++) {
-            if (!(k & 3)) STREAM_PREFETCH(blk + k * 16);  /* a line holds four k */
-            __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + k * 16))));
-            for (int64_t r = 0; r < M; r++) acc[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r * K + k]), acc[r]);
-        }
-        const __m512 s = _mm512_loadu_ps(scales + b * 16);
-        for (int64_t r = 0; r < M; r++)
-            store_row(_mm512_mul_ps(acc[r], s), bias, b * 16,
-                      y_bf16 ? (void *)((uint16_t *)y + r * N) : (void *)((float *)y + r * N), y_bf16);
-    }
-    free(owned);
-}
-
 static void qgemm_u4_bf16(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const uint16_t *x, const float *bias,
                           void *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
     const int64_t ngroups = K / G;
@@ -284,6 +427,7 @@ static void qgemm_u4_bf16(const uint8_t *P, const uint16_t *S, const uint8_t *Z,
 }
 #else
 #define U4_DWORD_LINES 0
+#define S8_PAIR_LINES 0
 /* Portable path. Weights are widened 32 bytes (two panel lines) at a time into small float arrays: a loop
  * over 32 bytes is one 256-bit load and 256-bit conversions, while over a 16-byte line gcc picks 128-bit
  * vectors for the whole loop. The arrays stay in registers; the FMAs then run over the 16 rows of a panel. */
@@ -354,14 +498,9 @@ static inline void u4_panel_dot(const uint8_t *blk, const float *x, int64_t k0, 
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define INT16_ROWS 1  /* bfloat16 rows of the int4 / int8 kernels take the integer path below */
-#include <immintrin.h>
-#include <math.h>
 
-/* AVX2, bfloat16 x, one row: integer dot products instead of widening every nibble to float32 (which made
- * the float loop compute-bound at a third of the memory's speed). Per group g, x is scaled by a power of
- * two, xi[k] = x[k] * 2^(14 - e_g) with max|x| < 2^e_g, and rounded to int16: exact for every element within
- * 2^7 of the group's largest (a bfloat16 has 8 significant bits), rounded below that, so the dot products
- * keep float32's precision relative to the group. Then per 16-row panel and group, in int32:
+/* AVX2, bfloat16 x: integer dot products (`rows_to_int16`) instead of widening every nibble to float32 (which
+ * made the float loop compute-bound at a third of the memory's speed). Per 16-row panel and group, in int32:
  *
  *     dot[r] = sum_k xi[k] q[r,k]              (vpmaddwd: (q[r,k], q[r,k+1]) . (xi[k], xi[k+1]))
  *     y[r]  += s[g,r] 2^(e_g - 14) (dot[r] - z[g,r] sum_k xi[k])
@@ -373,41 +512,6 @@ static inline void u4_panel_dot(const uint8_t *blk, const float *x, int64_t k0, 
  *     words     rows 0-3 | 4-7 | 8-11 | 12-15, each lane against xe[c] = (xi pair of its line) x 4
  *
  * Bounds: |xi| <= 2^14, so one lane sums at most G/4 * 2 * 15 * 2^14 < 2^24 per group. */
-static int x_to_int16(const uint16_t *x, int64_t K, int64_t G, int32_t *xe, float *xs, float *xsum) {
-    for (int64_t g = 0; g < K / G; g++) {
-        const uint16_t *xg = x + g * G;
-        float amax = 0.f, probe = 0.f;  /* probe turns NaN on a NaN or an infinity (fmaxf skips NaNs) */
-        for (int64_t k = 0; k < G; k++) {
-            const float v = bf16_to_f32(xg[k]);
-            amax = fmaxf(amax, fabsf(v));
-            probe += v * 0.f;
-        }
-        if (probe != 0.f) return 0;  /* the float path carries them through */
-        int e;
-        frexpf(amax, &e);
-        const float inv = ldexpf(1.f, 14 - e);
-        int16_t xi[G];
-        int32_t sum = 0;
-        for (int64_t k = 0; k < G; k++) {
-            const float v = bf16_to_f32(xg[k]) * inv;
-            xi[k] = (int16_t)(v + copysignf(0.5f, v));  /* round half away from zero */
-            sum += xi[k];
-        }
-        xs[g] = ldexpf(1.f, e - 14);
-        xsum[g] = (float)sum;
-        for (int64_t c = 0; c < G / 4; c++) {
-            int32_t lo, hi;  /* (xi[k], xi[k + 1]) as one int32: the low word first */
-            const uint16_t p0[2] = {(uint16_t)xi[4 * c], (uint16_t)xi[4 * c + 1]};
-            const uint16_t p1[2] = {(uint16_t)xi[4 * c + 2], (uint16_t)xi[4 * c + 3]};
-            memcpy(&lo, p0, 4);
-            memcpy(&hi, p1, 4);
-            int32_t *dst = xe + (g * G / 4 + c) * 8;
-            for (int j = 0; j < 4; j++) { dst[j] = lo; dst[4 + j] = hi; }
-        }
-    }
-    return 1;
-}
-
 /* sum_k xi[k] q[r,k] over chunks [c0, c1) of a panel for one row (xe0) or two (xe0, xe1: `two`, a constant
  * where this is inlined): each chunk's weights are widened once for both rows. d0/d1: rows 0-7, 8-15. */
 static inline __attribute__((always_inline)) void u4_int16_dots(const uint8_t *blk, int64_t c0, int64_t c1,
@@ -438,7 +542,6 @@ static inline __attribute__((always_inline)) void u4_int16_dots(const uint8_t *b
  * two lines k, k + 1 sign-extended to words and interleaved give each row's (q[r,k], q[r,k+1]) in one
  * 32-bit lane (rows 0-3 and 8-11 | 4-7 and 12-15), against the broadcast pair (xi[k], xi[k+1]).
  * |q| <= 128, so a lane sums at most S8_BLOCK / 2 * 2 * 128 * 2^14 < 2^29 per block. */
-#define S8_BLOCK 64
 
 static inline __attribute__((always_inline)) void s8_int16_dots(const int8_t *blk, int64_t k0, int64_t k1,
                                                                  const int32_t *xe0, const int32_t *xe1, const int two,
@@ -472,17 +575,6 @@ static inline void store_panel_rows(const __m256 *y0, const __m256 *y1, int64_t 
         _mm256_storeu_ps(acc + 8, y1[m]);
         store16_row(acc, bias, n0, y + m * N, 1);
     }
-}
-
-/* x rows [M][K] (bfloat16) -> xe [M][K/4][8], xs and xsum [M][K/G]; 0 when a row holds a NaN or an infinity */
-static int rows_to_int16(const uint16_t *x, int64_t M, int64_t K, int64_t G, int32_t **xe, float **xs) {
-    const int64_t ngroups = K / G;
-    *xe = aligned_alloc(32, M * (K / 4) * 8 * sizeof(int32_t));
-    *xs = malloc(2 * M * ngroups * sizeof(float));
-    int ok = 1;
-    for (int64_t m = 0; m < M && ok; m++)
-        ok = x_to_int16(x + m * K, K, G, *xe + m * (K / 4) * 8, *xs + m * ngroups, *xs + M * ngroups + m * ngroups);
-    return ok;
 }
 
 static int qgemm_s8_bf16_int16(const int8_t *P, const float *scales, const uint16_t *x, const float *bias,
@@ -721,8 +813,14 @@ void tm_dequant_s8(const int8_t *P, const float *scales, void *out, int64_t N, i
         const float *s = scales + b * 16;
         for (int64_t k = 0; k < K; k++) {
             float w[16];
+#if S8_PAIR_LINES
+            const int8_t *pair = blk + (k / 2) * 32 + (k & 1);  /* row r's code at pair[2 r] */
+            #pragma omp simd
+            for (int r = 0; r < 16; r++) w[r] = (float)pair[2 * r] * s[r];
+#else
             #pragma omp simd
             for (int r = 0; r < 16; r++) w[r] = (float)blk[k * 16 + r] * s[r];
+#endif
             store16(out, k * N + b * 16, w, out_bf16);
         }
     }
@@ -765,10 +863,15 @@ void tm_dequant_u4(const uint8_t *P, const uint16_t *S, const uint8_t *Z, void *
 /* which int4 panel layout this build reads (ops/cpu_qgemv.py pack_int4): 1 for dword lines */
 int tm_qgemv_u4_layout(void) { return U4_DWORD_LINES; }
 
-/* whether bfloat16 rows of the int4 and int8 kernels take the integer path (ops/cpu_qgemv.py int16_rows) */
+/* which int8 panel layout this build reads (ops/cpu_qgemv.py pack_int8): 1 for pair lines */
+int tm_qgemv_s8_layout(void) { return S8_PAIR_LINES; }
+
+/* which kernels multiply bfloat16 rows in integers (ops/cpu_qgemv.py int16_rows): bit 0 int8, bit 1 int4 */
 int tm_qgemv_int16_rows(void) {
-#ifdef INT16_ROWS
+#if S8_PAIR_LINES
     return 1;
+#elif defined(INT16_ROWS)
+    return 3;
 #else
     return 0;
 #endif

@@ -1,7 +1,8 @@
 """Batch-1 GEMVs over int8 and int4 weights (ops/cpu_qgemv.c), for decoding with quantized weights.
 
-Layouts (see the C file): int8 [N/16, K, 16]; int4 [N/16, K/2, 16] bytes holding two k each, with
-per-group scales and zero points [N/16, K/G, 16] in float32. The pure-torch twins are the
+Layouts (see the C file): int8 [N/16, K, 16] bytes, 16-row panels of k lines or (AVX-512) k-pair lines; int4
+[N/16, K/2, 16] bytes holding two k each, with per-group scales (float16) and zero points (uint8)
+[N/16, K/G, 16]. The pure-torch twins are the
 dequantizing references in quantization/int8.py and quantization/awq_format.py; `int4_reference`
 here computes from this module's own layout, for tests of the packing.
 """
@@ -31,7 +32,7 @@ def _library():
     lib.tm_dequant_s8.argtypes = [_P, _P, _P, _I, _I, ctypes.c_int, ctypes.c_int]
     lib.tm_dequant_u4.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int]
     lib.tm_qgemv_s8.restype = lib.tm_qgemv_u4.restype = lib.tm_dequant_s8.restype = lib.tm_dequant_u4.restype = None
-    lib.tm_qgemv_int16_rows.restype = lib.tm_qgemv_u4_layout.restype = ctypes.c_int
+    lib.tm_qgemv_int16_rows.restype = lib.tm_qgemv_u4_layout.restype = lib.tm_qgemv_s8_layout.restype = ctypes.c_int
     return lib
 
 
@@ -39,10 +40,11 @@ def available() -> bool:
     return _library() is not None
 
 
-def int16_rows() -> bool:
-    """Whether the int4 and int8 kernels multiply bfloat16 rows in integers (the AVX2 build): see `int16_twin`.
-    int4 scales x per AWQ group; int8 per block of INT8_BLOCK along K (when K is a multiple of it)."""
-    return bool(_library().tm_qgemv_int16_rows())
+def int16_rows(bits: int) -> bool:
+    """Whether the `bits` (8 or 4) kernels multiply bfloat16 rows in integers: see `int16_twin`. int8 does on
+    AVX-512 (VNNI) and AVX2 builds, scaling x per block of INT8_BLOCK along K (when K is a multiple of it);
+    int4 on AVX2 builds, per AWQ group (AVX-512 multiplies bfloat16 exactly)."""
+    return bool(_library().tm_qgemv_int16_rows() & (1 if bits == 8 else 2))
 
 
 INT8_BLOCK = 64  # S8_BLOCK in the C file
@@ -60,7 +62,9 @@ def int16_twin(x: torch.Tensor, group_size: int) -> torch.Tensor:
 def supports(n: int, k: int, group_size: int | None = None) -> bool:
     if n % 16:
         return False
-    return group_size is None or (k % group_size == 0 and group_size % 16 == 0)
+    if group_size is None:  # int8: k-pair lines hold whole pairs
+        return k % 2 == 0
+    return k % group_size == 0 and group_size % 16 == 0
 
 
 def int4_layout() -> int:
@@ -68,9 +72,17 @@ def int4_layout() -> int:
     return _library().tm_qgemv_u4_layout() if _library() is not None else 0
 
 
+def int8_layout() -> int:
+    """The int8 panel layout this build reads: 1 for k-pair lines (AVX-512), 0 for k lines."""
+    return _library().tm_qgemv_s8_layout() if _library() is not None else 0
+
+
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
-    """int8 [N, K] -> [N/16, K, 16]."""
+    """int8 [N, K] -> bytes [N/16, K, 16] in the layout the build reads (ops/cpu_qgemv.c):
+    k lines P[b][k][r] = q[16 b + r][k], or k-pair lines P[b][k/2][r][k % 2] (K even)."""
     n, k = q.shape
+    if int8_layout() == 1:
+        return q.view(n // 16, 16, k // 2, 2).transpose(1, 2).reshape(n // 16, k, 16).contiguous()
     return q.view(n // 16, 16, k).transpose(1, 2).contiguous()
 
 
