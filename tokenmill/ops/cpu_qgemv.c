@@ -31,14 +31,15 @@
  *
  * x is float32, or bfloat16 widened once per call into a float32 copy.
  *
- * Two paths, same functions: AVX-512 intrinsics (the int4 kernels for bfloat16 x use AVX512-BF16 dot
- * products, the int8 ones VNNI int16 dot products), and portable C that gcc vectorizes over the 16 rows of a
+ * Two paths, same functions: AVX-512 intrinsics (bfloat16 x through VNNI integer dot products, int8 x int16
+ * with vpdpwssd and int4 nibbles x bytes with vpdpbusd; the int4 fallback for rows the integer path declines
+ * makes exact AVX512-BF16 pairs), and portable C that gcc vectorizes over the 16 rows of a
  * panel (AVX2 here): int8 / nibbles widened to float32 lane-wise, float32 FMAs, bfloat16 x widened to float32
  * first, or integer dot products for bfloat16 x on AVX2. The dequantizing passes (more rows than the GEMVs
  * take) are one portable implementation for both, reading the build's layouts.
  *
- * Integer rows (`rows_to_int16`): bfloat16 x multiplied in int16 (the int8 kernels on AVX-512 and AVX2, the
- * int4 ones on AVX2). Per group g of K (an AWQ group; S8_BLOCK k for int8), x is scaled by a power of two,
+ * Integer rows (`rows_to_int16`): bfloat16 x multiplied in int16 by the int8 and int4 kernels on AVX-512 and
+ * AVX2. Per group g of K (an AWQ group; S8_BLOCK k for int8), x is scaled by a power of two,
  * xi[k] = x[k] * 2^(14 - e_g) with max|x| < 2^e_g, and rounded to int16: exact for every element within 2^7
  * of the group's largest (a bfloat16 has 8 significant bits), rounded below that, so the dot products keep
  * float32's precision relative to the group (ops/cpu_qgemv.py int16_twin). Each group's int32 sum is
@@ -97,10 +98,44 @@ static const float *widen(const void *x, int64_t K, int x_bf16, float **owned) {
     return f;
 }
 
-/* One row of bfloat16 x -> int16 per group of G (the header's integer rows): xe [K/4][8] int32, each holding
- * a pair (xi[k], xi[k + 1]), low word first: chunk c = k / 4 is (pair 4c) x 4, then (pair 4c + 2) x 4; xs[g]
- * = 2^(e_g - 14), xsum[g] = sum of the group's xi. 0 when x holds a NaN or an infinity. */
-static int x_to_int16(const uint16_t *x, int64_t K, int64_t G, int32_t *xe, float *xs, float *xsum) {
+/* How `rows_to_int16` lays out each row's int16 x for the kernels that read it:
+ *
+ *   XI_PAIRS (int8 kernels; AVX2 int4): xe [K/4][8] int32, each a pair (xi[k], xi[k + 1]), low word first:
+ *            chunk c = k / 4 is (pair 4c) x 4, then (pair 4c + 2) x 4
+ *   XI_BYTES (AVX-512 int4, vpdpbusd): xi = 256 xh + xl with xl in [-128, 127], xh in [-64, 64], as signed
+ *            bytes in the nibble order of a dword line (xe [K/8][4] int32 per line of 8 k at k0):
+ *                [0] xh at k0 + (0, 4, 1, 5)   [1] xh at k0 + (2, 6, 3, 7)   [2], [3] the same of xl
+ *            (the low nibbles of a line's bytes hold k0 + 0, 4, 1, 5, the high ones k0 + 2, 6, 3, 7) */
+enum { XI_PAIRS, XI_BYTES };
+
+static void pack_xi(const int16_t *xi, int64_t G, int layout, int32_t *dst) {
+    if (layout == XI_PAIRS) {
+        for (int64_t c = 0; c < G / 4; c++) {
+            int32_t lo, hi;  /* (xi[k], xi[k + 1]) as one int32: the low word first */
+            const uint16_t p0[2] = {(uint16_t)xi[4 * c], (uint16_t)xi[4 * c + 1]};
+            const uint16_t p1[2] = {(uint16_t)xi[4 * c + 2], (uint16_t)xi[4 * c + 3]};
+            memcpy(&lo, p0, 4);
+            memcpy(&hi, p1, 4);
+            for (int j = 0; j < 4; j++) { dst[c * 8 + j] = lo; dst[c * 8 + 4 + j] = hi; }
+        }
+        return;
+    }
+    static const int order[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+    for (int64_t l = 0; l < G / 8; l++) {
+        int8_t b[16];  /* xh low-nibble order, xh high, xl low, xl high */
+        for (int j = 0; j < 8; j++) {
+            const int v = xi[l * 8 + order[j]];
+            const int xl = ((v + 128) & 255) - 128;
+            b[j] = (int8_t)((v - xl) / 256);
+            b[8 + j] = (int8_t)xl;
+        }
+        memcpy(dst + l * 4, b, 16);
+    }
+}
+
+/* One row of bfloat16 x -> int16 per group of G (the header's integer rows), packed by `layout`; xs[g] =
+ * 2^(e_g - 14), xsum[g] = sum of the group's xi. 0 when x holds a NaN or an infinity. */
+static int x_to_int16(const uint16_t *x, int64_t K, int64_t G, int layout, int32_t *xe, float *xs, float *xsum) {
     for (int64_t g = 0; g < K / G; g++) {
         const uint16_t *xg = x + g * G;
         float amax = 0.f, probe = 0.f;  /* probe turns NaN on a NaN or an infinity (fmaxf skips NaNs) */
@@ -122,27 +157,20 @@ static int x_to_int16(const uint16_t *x, int64_t K, int64_t G, int32_t *xe, floa
         }
         xs[g] = ldexpf(1.f, e - 14);
         xsum[g] = (float)sum;
-        for (int64_t c = 0; c < G / 4; c++) {
-            int32_t lo, hi;  /* (xi[k], xi[k + 1]) as one int32: the low word first */
-            const uint16_t p0[2] = {(uint16_t)xi[4 * c], (uint16_t)xi[4 * c + 1]};
-            const uint16_t p1[2] = {(uint16_t)xi[4 * c + 2], (uint16_t)xi[4 * c + 3]};
-            memcpy(&lo, p0, 4);
-            memcpy(&hi, p1, 4);
-            int32_t *dst = xe + (g * G / 4 + c) * 8;
-            for (int j = 0; j < 4; j++) { dst[j] = lo; dst[4 + j] = hi; }
-        }
+        pack_xi(xi, G, layout, xe + (layout == XI_PAIRS ? g * G * 2 : g * G / 2));
     }
     return 1;
 }
 
-/* x rows [M][K] (bfloat16) -> xe [M][K/4][8], xs and xsum [M][K/G]; 0 when a row holds a NaN or an infinity */
-static int rows_to_int16(const uint16_t *x, int64_t M, int64_t K, int64_t G, int32_t **xe, float **xs) {
+/* x rows [M][K] (bfloat16) -> xe (row m at m * 2K int32), xs and xsum [M][K/G]; 0 when a row holds a NaN or an
+ * infinity */
+static int rows_to_int16(const uint16_t *x, int64_t M, int64_t K, int64_t G, int layout, int32_t **xe, float **xs) {
     const int64_t ngroups = K / G;
-    *xe = aligned_alloc(32, M * (K / 4) * 8 * sizeof(int32_t));
+    *xe = aligned_alloc(64, M * K * 2 * sizeof(int32_t));
     *xs = malloc(2 * M * ngroups * sizeof(float));
     int ok = 1;
     for (int64_t m = 0; m < M && ok; m++)
-        ok = x_to_int16(x + m * K, K, G, *xe + m * (K / 4) * 8, *xs + m * ngroups, *xs + M * ngroups + m * ngroups);
+        ok = x_to_int16(x + m * K, K, G, layout, *xe + m * K * 2, *xs + m * ngroups, *xs + M * ngroups + m * ngroups);
     return ok;
 }
 
@@ -187,15 +215,15 @@ static inline void line_to_bf16_pairs(const void *line, __m512i w[4]) {
     w[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(d, 12), mask, one28, 0xEA);
 }
 
-/* The int8 pair-line kernels below take rows two at a time through helpers inlined with a constant row
+/* The integer and int8 kernels below take rows two at a time through helpers inlined with a constant row
  * count (1 or 2), so that their accumulators stay in registers. */
-#define PAIR_INLINE static inline __attribute__((always_inline))
+#define ROWS_INLINE static inline __attribute__((always_inline))
 
 /* int8 pair lines, float32 x rows x0 (and x1 when two), k in [0, K), K even. 16 bytes widened to float32 are
  * 8 rows x one k pair, against the broadcast pair (x[k], x[k + 1]); lane 2i of lo (hi) holds row i's (8 + i's)
  * even-k sum, lane 2i + 1 its odd-k sum. k pairs 4c and 4c + 2 go to separate accumulators so that one row's
  * FMA chains overlap. */
-PAIR_INLINE void s8_pairs_f32(const int8_t *blk, const float *x0, const float *x1, const int two, int64_t K,
+ROWS_INLINE void s8_pairs_f32(const int8_t *blk, const float *x0, const float *x1, const int two, int64_t K,
                               __m512 lo[2], __m512 hi[2]) {
     __m512 a[2][4];
     for (int m = 0; m < 2; m++)
@@ -247,7 +275,7 @@ static void qgemm_s8_f32(const int8_t *P, const float *scales, const float *x, c
 /* int8 pair lines against int16 x rows (rows_to_int16's xe, x0 and x1 when two), k in [k0, k1) (one block):
  * per 64-byte line two vpmovsxbw and, per row, two vpdpwssd (pair 4c into d0, 4c + 2 into d1). One lane sums
  * at most S8_BLOCK / 4 * 2 * 128 * 2^14 < 2^27 per block. */
-PAIR_INLINE void s8_pairs_int16(const int8_t *blk, const int32_t *xe0, const int32_t *xe1, const int two, int64_t k0,
+ROWS_INLINE void s8_pairs_int16(const int8_t *blk, const int32_t *xe0, const int32_t *xe1, const int two, int64_t k0,
                                 int64_t k1, __m512 dot[2]) {
     __m512i d0[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, d1[2] = {d0[0], d0[0]};
     for (int64_t k = k0; k < k1; k += 4) {
@@ -272,7 +300,7 @@ static int qgemm_s8_int16(const int8_t *P, const float *scales, const uint16_t *
     const int64_t nblocks = K / S8_BLOCK;
     int32_t *xe;
     float *xs;
-    const int ok = rows_to_int16(x, M, K, S8_BLOCK, &xe, &xs);
+    const int ok = rows_to_int16(x, M, K, S8_BLOCK, XI_PAIRS, &xe, &xs);
     if (ok) {
         #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int64_t b = 0; b < N / 16; b++) {
@@ -312,8 +340,84 @@ void tm_qgemv_s8(const int8_t *P, const float *scales, const void *x_in, const f
     qgemm_s8(P, scales, x_in, bias, y, 1, N, K, y_bf16, nthreads);
 }
 
-/* bfloat16 x: each byte (two nibbles of one row) becomes a bfloat16 pair 128 + q, exact, by OR-ing the
- * nibbles into the mantissa of 128.0 (0x4300), and one vdpbf16ps takes 16 rows x 2 k. The sum then
+/* int4 dword lines against int16 x rows in XI_BYTES (x0, and x1 when two), k in [k0, k1) (one group, G % 16 == 0):
+ * per line, the low and the high nibbles of each byte masked out are 16 rows x 4 k as unsigned bytes, and each
+ * meets the high and the low byte of xi in one vpdpbusd (u8 x s8, 4 products per row lane), 7 vector ops per
+ * 64-byte line where the exact bfloat16 pairs below take 11. Two lines per step, so that 8 chains of
+ * accumulators per row overlap. dot = 256 sum(q xh) + sum(q xl) = sum_k q[r,k] xi[k], exact in int32: per group
+ * at most G * 15 * 64 * 256 + G * 15 * 128 < 2^25 for G = 128. */
+ROWS_INLINE void u4_vnni_dots(const uint8_t *blk, const int32_t *xq0, const int32_t *xq1, const int two, int64_t k0,
+                              int64_t k1, __m512i dot[2]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512i h[2][4], l[2][4];
+    for (int m = 0; m < 2; m++)
+        for (int j = 0; j < 4; j++) h[m][j] = l[m][j] = _mm512_setzero_si512();
+    for (int64_t k = k0; k < k1; k += 16) {
+        const uint8_t *line = blk + (k / 2) * 16;
+        STREAM_PREFETCH(line);
+        STREAM_PREFETCH(line + 64);
+        const __m512i d = _mm512_loadu_si512(line), e = _mm512_loadu_si512(line + 64);
+        const __m512i w[4] = {_mm512_and_si512(d, m4), _mm512_and_si512(_mm512_srli_epi32(d, 4), m4),
+                              _mm512_and_si512(e, m4), _mm512_and_si512(_mm512_srli_epi32(e, 4), m4)};
+        for (int m = 0; m < 1 + two; m++) {
+            const int32_t *q = (m ? xq1 : xq0) + (k / 8) * 4;  /* line k: q[0..3], line k + 8: q[4..7] */
+            for (int j = 0; j < 4; j++) {
+                const int at = (j / 2) * 4 + (j % 2);  /* xh of this nibble half; its xl two further */
+                h[m][j] = _mm512_dpbusd_epi32(h[m][j], w[j], _mm512_set1_epi32(q[at]));
+                l[m][j] = _mm512_dpbusd_epi32(l[m][j], w[j], _mm512_set1_epi32(q[at + 2]));
+            }
+        }
+    }
+    for (int m = 0; m < 1 + two; m++) {
+        const __m512i hh = _mm512_add_epi32(_mm512_add_epi32(h[m][0], h[m][1]), _mm512_add_epi32(h[m][2], h[m][3]));
+        const __m512i ll = _mm512_add_epi32(_mm512_add_epi32(l[m][0], l[m][1]), _mm512_add_epi32(l[m][2], l[m][3]));
+        dot[m] = _mm512_add_epi32(_mm512_slli_epi32(hh, 8), ll);
+    }
+}
+
+/* bfloat16 rows as int16 (XI_BYTES, per AWQ group), M <= MAX_ROWS; y += s 2^(e_g - 14) (dot - z sum(xi)) per
+ * group. 0 (nothing written) when a row holds a NaN or an infinity, or G is not a multiple of 16. */
+static int qgemm_u4_vnni(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const uint16_t *x, const float *bias,
+                         uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
+    if (G % 16) return 0;
+    const int64_t ngroups = K / G;
+    int32_t *xq;
+    float *xs;
+    const int ok = rows_to_int16(x, M, K, G, XI_BYTES, &xq, &xs);
+    if (ok) {
+        const float *xsum = xs + M * ngroups;
+        #pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t b = 0; b < N / 16; b++) {
+            const uint8_t *blk = P + b * (K / 2) * 16;
+            __m512 acc[MAX_ROWS];
+            for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+            for (int64_t g = 0; g < ngroups; g++) {
+                const int64_t sz = (b * ngroups + g) * 16;
+                const __m512 sg = load_s16(S + sz), zg = load_z8(Z + sz);
+                for (int64_t m = 0; m < M; m += 2) {
+                    __m512i dot[2];
+                    const int32_t *xq0 = xq + m * K * 2;
+                    if (m + 1 < M) u4_vnni_dots(blk, xq0, xq0 + K * 2, 1, g * G, (g + 1) * G, dot);
+                    else u4_vnni_dots(blk, xq0, NULL, 0, g * G, (g + 1) * G, dot);
+                    for (int64_t i = m; i < M && i < m + 2; i++) {
+                        const __m512 corrected = _mm512_fnmadd_ps(zg, _mm512_set1_ps(xsum[i * ngroups + g]),
+                                                                  _mm512_cvtepi32_ps(dot[i - m]));
+                        acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(sg, _mm512_set1_ps(xs[i * ngroups + g])), corrected,
+                                                 acc[i]);
+                    }
+                }
+            }
+            for (int64_t m = 0; m < M; m++) store_row(acc[m], bias, b * 16, y + m * N, 1);
+        }
+    }
+    free(xq);
+    free(xs);
+    return ok;
+}
+
+/* bfloat16 x holding a NaN or an infinity (the integer path declines it): each byte (two nibbles of one row)
+ * becomes a bfloat16 pair 128 + q, exact, by OR-ing the nibbles into the mantissa of 128.0 (0x4300), and one
+ * vdpbf16ps takes 16 rows x 2 k. The sum then
  * holds x (128 + q), so the group correction subtracts (128 + z) sum(x). */
 static void qgemv_u4_bf16(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const uint16_t *x, const float *bias,
                           void *y, int64_t N, int64_t K, int64_t G, int nthreads) {
@@ -349,7 +453,8 @@ static void qgemv_u4_bf16(const uint8_t *P, const uint16_t *S, const uint8_t *Z,
 void tm_qgemv_u4(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const void *x_in, const float *bias, void *y,
                  int64_t N, int64_t K, int64_t G, int y_bf16, int nthreads) {
     if (y_bf16) {
-        qgemv_u4_bf16(P, S, Z, (const uint16_t *)x_in, bias, y, N, K, G, nthreads);
+        if (!qgemm_u4_vnni(P, S, Z, x_in, bias, y, 1, N, K, G, nthreads))
+            qgemv_u4_bf16(P, S, Z, (const uint16_t *)x_in, bias, y, N, K, G, nthreads);
         return;
     }
     float *owned;
@@ -391,6 +496,7 @@ void tm_qgemv_u4(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const vo
 
 static void qgemm_u4_bf16(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const uint16_t *x, const float *bias,
                           void *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
+    if (qgemm_u4_vnni(P, S, Z, x, bias, y, M, N, K, G, nthreads)) return;
     const int64_t ngroups = K / G;
     float *xsum = group_sums(x, M, K, G, 1);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -583,7 +689,7 @@ static int qgemm_s8_bf16_int16(const int8_t *P, const float *scales, const uint1
     const int64_t nblocks = K / S8_BLOCK;
     int32_t *xe;
     float *xs;
-    const int ok = rows_to_int16(x, M, K, S8_BLOCK, &xe, &xs);
+    const int ok = rows_to_int16(x, M, K, S8_BLOCK, XI_PAIRS, &xe, &xs);
     if (ok) {  /* symmetric codes: no zero-point term */
         #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int64_t b = 0; b < N / 16; b++) {
@@ -622,7 +728,7 @@ static int qgemm_u4_bf16_int16(const uint8_t *P, const uint16_t *S, const uint8_
     const int64_t ngroups = K / G;
     int32_t *xe;
     float *xs;
-    const int ok = rows_to_int16(x, M, K, G, &xe, &xs);
+    const int ok = rows_to_int16(x, M, K, G, XI_PAIRS, &xe, &xs);
     if (ok) {
         const float *xsum = xs + M * ngroups;
         #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -868,9 +974,7 @@ int tm_qgemv_s8_layout(void) { return S8_PAIR_LINES; }
 
 /* which kernels multiply bfloat16 rows in integers (ops/cpu_qgemv.py int16_rows): bit 0 int8, bit 1 int4 */
 int tm_qgemv_int16_rows(void) {
-#if S8_PAIR_LINES
-    return 1;
-#elif defined(INT16_ROWS)
+#if S8_PAIR_LINES || defined(INT16_ROWS)
     return 3;
 #else
     return 0;

@@ -41,9 +41,9 @@ def available() -> bool:
 
 
 def int16_rows(bits: int) -> bool:
-    """Whether the `bits` (8 or 4) kernels multiply bfloat16 rows in integers: see `int16_twin`. int8 does on
-    AVX-512 (VNNI) and AVX2 builds, scaling x per block of INT8_BLOCK along K (when K is a multiple of it);
-    int4 on AVX2 builds, per AWQ group (AVX-512 multiplies bfloat16 exactly)."""
+    """Whether the `bits` (8 or 4) kernels multiply bfloat16 rows in integers (AVX-512 VNNI and AVX2 builds):
+    see `int16_twin`. int8 scales x per block of INT8_BLOCK along K (when K is a multiple of it), int4 per AWQ
+    group."""
     return bool(_library().tm_qgemv_int16_rows() & (1 if bits == 8 else 2))
 
 
