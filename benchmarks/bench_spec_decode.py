@@ -8,11 +8,13 @@ Workloads (each engine configuration in its own process):
           the continuation quotes the document (several quotes per document, as questions about one
           document would; its KV is reused through the prefix cache)
   sweep   concurrency 1 .. 32 (max_num_seqs, all requests queued at once; 8 x concurrency requests, at
-          least 32, of 128 tokens each): off, fixed k, adaptive
+          least 32, of 128 tokens each): off, fixed k, adaptive; each timed run after one warm-up request
+          (cold), or with --sweep-warmup wave after a wave of `concurrency` requests (steady state)
   qwen    the Qwen2.5-0.5B shape with dummy weights, repetitive prompts (n-gram), batch 1: what
           verification costs at a realistic size
 
-    python benchmarks/bench_spec_decode.py [--only draft,ngram,sweep,qwen] [--out benchmarks/results/spec_decode.json]
+    python benchmarks/bench_spec_decode.py [--only draft,ngram,sweep,qwen] [--sweep-warmup one|wave]
+        [--sweep-configs off,adaptive] [--repeats N] [--out benchmarks/results/spec_decode.json]
 """
 from __future__ import annotations
 
@@ -74,12 +76,12 @@ def _worker(job: dict) -> dict:
 
     reqs = [SampleRequest(r["prompt"], 0, r["output_len"]) for r in job["requests"]]
     res = run_offline(reqs, job["engine"], request_rate=float("inf"), seed=0, ignore_eos=True, disable_tqdm=True,
-                      sampling={"temperature": 0.0}, num_warmups=1)
+                      sampling={"temperature": 0.0}, num_warmups=job.get("warmups", 1))
     return {k: res.get(k) for k in KEEP}
 
 
-def _run(label: str, engine: dict, requests: list[dict]) -> dict:
-    res = run_job(__file__, {"engine": engine, "requests": requests})
+def _run(label: str, engine: dict, requests: list[dict], warmups: int = 1) -> dict:
+    res = run_job(__file__, {"engine": engine, "requests": requests, "warmups": warmups})
     spec = res.get("spec_decode") or {}
     print(f"  {label:<36} {res['output_throughput']:8.1f} tok/s  TPOT {res['median_tpot_ms']:7.2f} ms  "
           f"TTFT {res['median_ttft_ms']:8.1f} ms  accept {spec.get('acceptance_rate', 0):.2f}  "
@@ -87,13 +89,14 @@ def _run(label: str, engine: dict, requests: list[dict]) -> dict:
     return res
 
 
-def _ab(label: str, base: dict, specs: dict[str, dict | None], requests: list[dict], repeats: int) -> dict:
+def _ab(label: str, base: dict, specs: dict[str, dict | None], requests: list[dict], repeats: int,
+        warmups: int = 1) -> dict:
     """Each configuration `repeats` times, interleaved; ratios are against 'off' of the same round."""
     runs: dict[str, list[dict]] = {name: [] for name in specs}
     for _ in range(repeats):
         for name, spec in specs.items():
             engine = dict(base, **({"speculative_config": spec} if spec else {}))
-            runs[name].append(_run(f"{label}: {name}", engine, requests))
+            runs[name].append(_run(f"{label}: {name}", engine, requests, warmups))
     ratios = {}
     for name in specs:
         if name == "off":
@@ -112,6 +115,9 @@ def main() -> None:
     ap.add_argument("--only", default="draft,ngram,sweep,qwen")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--sweep-configs", default="off,fixed k,adaptive", help="comma-separated; 'off' is needed")
+    ap.add_argument("--sweep-warmup", choices=("wave", "one"), default="one",
+                    help="before each timed sweep run: one wave of `concurrency` requests (steady state) or one request (cold)")
     ap.add_argument("--out", default="benchmarks/results/spec_decode.json")
     args = ap.parse_args()
     if args.worker:
@@ -136,9 +142,15 @@ def main() -> None:
         out["sweep"] = {}
         for conc in (1, 4, 16, 32):
             print(f"[spec] load sweep, concurrency {conc}", flush=True)
-            out["sweep"][conc] = _ab(f"c={conc}", dict(tiny, max_num_seqs=conc),
-                                     {"off": None, "fixed k": dict(draft, adaptive=False), "adaptive": draft},
-                                     _requests("draft", max(32, 8 * conc), 128), args.repeats)
+            # warm-up: one wave of `conc` requests at once (--sweep-warmup wave: every configuration starts
+            # the timed run in steady state, its depth choices for this load already tried, as a serving
+            # process is after its first seconds at a load) or a single request (cold: the first tries of
+            # each depth at this load fall inside the timed run)
+            warmups = conc if args.sweep_warmup == "wave" else 1
+            configs = {"off": None, "fixed k": dict(draft, adaptive=False), "adaptive": draft}
+            configs = {name: spec for name, spec in configs.items() if name in args.sweep_configs.split(",")}
+            out["sweep"][conc] = _ab(f"c={conc}", dict(tiny, max_num_seqs=conc), configs,
+                                     _requests("draft", max(32, 8 * conc), 128), args.repeats, warmups)
     if "qwen" in only:
         print("[spec] Qwen2.5-0.5B shape, n-gram, batch 1", flush=True)
         qwen = dict(model=dummy_model_dir(QWEN25_05B), load_format="dummy", dtype="bfloat16", max_model_len=1024,
