@@ -36,6 +36,7 @@ SETTINGS = {
     "spin forever (OMP_WAIT_POLICY=ACTIVE)": {"OMP_WAIT_POLICY": "ACTIVE"},
     "sleep at once (OMP_WAIT_POLICY=PASSIVE)": {"OMP_WAIT_POLICY": "PASSIVE"},
     "GOMP_SPINCOUNT=100000": {"GOMP_SPINCOUNT": "100000"},
+    "GOMP_SPINCOUNT=30000": {"GOMP_SPINCOUNT": "30000"},
     "tokenmill default": {},  # cpu_threads.OPENMP_DEFAULTS
     "1 thread": {"OMP_NUM_THREADS": "1"},
 }
