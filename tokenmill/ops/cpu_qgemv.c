@@ -29,7 +29,8 @@
  *                                 so the pair (8L + 2j, 8L + 2j + 1) sits at bits 4j and 16 + 4j
  *   ops/cpu_qgemv.py pack_int4 asks the build which (tm_qgemv_u4_layout).
  *
- * x is float32, or bfloat16 widened once per call into a float32 copy.
+ * x is float32, or bfloat16: rounded to int16 per group for the integer paths (below), else widened once per
+ * call into a float32 copy.
  *
  * Two paths, same functions: AVX-512 intrinsics (bfloat16 x through VNNI integer dot products, int8 x int16
  * with vpdpwssd and int4 nibbles x bytes with vpdpbusd; the int4 fallback for rows the integer path declines
@@ -310,9 +311,9 @@ static int qgemm_s8_int16(const int8_t *P, const float *scales, const uint16_t *
             for (int64_t g = 0; g < nblocks; g++)
                 for (int64_t m = 0; m < M; m += 2) {
                     __m512 dot[2];
-                    const int32_t *xe0 = xe + m * (K / 4) * 8;
+                    const int32_t *xe0 = xe + m * K * 2;
                     const int64_t k0 = g * S8_BLOCK, k1 = k0 + S8_BLOCK;
-                    if (m + 1 < M) s8_pairs_int16(blk, xe0, xe0 + (K / 4) * 8, 1, k0, k1, dot);
+                    if (m + 1 < M) s8_pairs_int16(blk, xe0, xe0 + K * 2, 1, k0, k1, dot);
                     else s8_pairs_int16(blk, xe0, NULL, 0, k0, k1, dot);
                     for (int64_t i = m; i < M && i < m + 2; i++)
                         acc[i] = _mm512_fmadd_ps(dot[i - m], _mm512_set1_ps(xs[i * nblocks + g]), acc[i]);
@@ -415,37 +416,44 @@ static int qgemm_u4_vnni(const uint8_t *P, const uint16_t *S, const uint8_t *Z, 
     return ok;
 }
 
-/* bfloat16 x holding a NaN or an infinity (the integer path declines it): each byte (two nibbles of one row)
- * becomes a bfloat16 pair 128 + q, exact, by OR-ing the nibbles into the mantissa of 128.0 (0x4300), and one
- * vdpbf16ps takes 16 rows x 2 k. The sum then
- * holds x (128 + q), so the group correction subtracts (128 + z) sum(x). */
-static void qgemv_u4_bf16(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const uint16_t *x, const float *bias,
-                          void *y, int64_t N, int64_t K, int64_t G, int nthreads) {
+/* bfloat16 rows, M <= MAX_ROWS: the integer path, or where it declines (a row holding a NaN or an infinity)
+ * exact bf16 pairs: each byte (two nibbles of one row) becomes a bfloat16 pair 128 + q by OR-ing the nibbles
+ * into the mantissa of 128.0 (0x4300), and one vdpbf16ps takes 16 rows x 2 k. The sum then holds x (128 + q),
+ * so the group correction subtracts (128 + z) sum(x). */
+static void qgemm_u4_bf16(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const uint16_t *x, const float *bias,
+                          void *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
+    if (qgemm_u4_vnni(P, S, Z, x, bias, y, M, N, K, G, nthreads)) return;
     const int64_t ngroups = K / G;
-    const uint32_t *xpairs = (const uint32_t *)x;
-    float *xsum = group_sums(x, 1, K, G, 1);  /* shared by every row */
+    float *xsum = group_sums(x, M, K, G, 1);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < N / 16; b++) {
         const uint8_t *blk = P + b * (K / 2) * 16;
-        __m512 acc = _mm512_setzero_ps();
+        __m512 acc[MAX_ROWS];
+        for (int64_t r = 0; r < M; r++) acc[r] = _mm512_setzero_ps();
         for (int64_t g = 0; g < ngroups; g++) {
-            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-            for (int64_t k = g * G; k < (g + 1) * G; k += 8) {  /* one 64-byte line: 8 k of 16 rows */
+            __m512 d0[MAX_ROWS], d1[MAX_ROWS];
+            for (int64_t r = 0; r < M; r++) d0[r] = d1[r] = _mm512_setzero_ps();
+            for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
                 const uint8_t *line = blk + (k / 2) * 16;
                 STREAM_PREFETCH(line);
                 __m512i w[4];
                 line_to_bf16_pairs(line, w);
-                a0 = _mm512_dpbf16_ps(a0, (__m512bh)w[0], (__m512bh)_mm512_set1_epi32(xpairs[k / 2 + 0]));
-                a1 = _mm512_dpbf16_ps(a1, (__m512bh)w[1], (__m512bh)_mm512_set1_epi32(xpairs[k / 2 + 1]));
-                a2 = _mm512_dpbf16_ps(a2, (__m512bh)w[2], (__m512bh)_mm512_set1_epi32(xpairs[k / 2 + 2]));
-                a3 = _mm512_dpbf16_ps(a3, (__m512bh)w[3], (__m512bh)_mm512_set1_epi32(xpairs[k / 2 + 3]));
+                for (int64_t r = 0; r < M; r++) {
+                    const uint32_t *xp = (const uint32_t *)(x + r * K) + k / 2;
+                    d0[r] = _mm512_dpbf16_ps(d0[r], (__m512bh)w[0], (__m512bh)_mm512_set1_epi32(xp[0]));
+                    d1[r] = _mm512_dpbf16_ps(d1[r], (__m512bh)w[1], (__m512bh)_mm512_set1_epi32(xp[1]));
+                    d0[r] = _mm512_dpbf16_ps(d0[r], (__m512bh)w[2], (__m512bh)_mm512_set1_epi32(xp[2]));
+                    d1[r] = _mm512_dpbf16_ps(d1[r], (__m512bh)w[3], (__m512bh)_mm512_set1_epi32(xp[3]));
+                }
             }
-            __m512 dot = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
             const int64_t sz = (b * ngroups + g) * 16;
-            __m512 zz = _mm512_add_ps(load_z8(Z + sz), _mm512_set1_ps(128.0f));
-            acc = _mm512_fmadd_ps(load_s16(S + sz), _mm512_fnmadd_ps(zz, _mm512_set1_ps(xsum[g]), dot), acc);
+            const __m512 s = load_s16(S + sz);
+            const __m512 zz = _mm512_add_ps(load_z8(Z + sz), _mm512_set1_ps(128.0f));
+            for (int64_t r = 0; r < M; r++)
+                acc[r] = _mm512_fmadd_ps(s, _mm512_fnmadd_ps(zz, _mm512_set1_ps(xsum[r * ngroups + g]),
+                                                             _mm512_add_ps(d0[r], d1[r])), acc[r]);
         }
-        store_row(acc, bias, b * 16, y, 1);
+        for (int64_t r = 0; r < M; r++) store_row(acc[r], bias, b * 16, (uint16_t *)y + r * N, 1);
     }
     free(xsum);
 }
@@ -453,8 +461,7 @@ static void qgemv_u4_bf16(const uint8_t *P, const uint16_t *S, const uint8_t *Z,
 void tm_qgemv_u4(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const void *x_in, const float *bias, void *y,
                  int64_t N, int64_t K, int64_t G, int y_bf16, int nthreads) {
     if (y_bf16) {
-        if (!qgemm_u4_vnni(P, S, Z, x_in, bias, y, 1, N, K, G, nthreads))
-            qgemv_u4_bf16(P, S, Z, (const uint16_t *)x_in, bias, y, N, K, G, nthreads);
+        qgemm_u4_bf16(P, S, Z, x_in, bias, y, 1, N, K, G, nthreads);
         return;
     }
     float *owned;
@@ -494,43 +501,6 @@ void tm_qgemv_u4(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const vo
     free(owned);
 }
 
-static void qgemm_u4_bf16(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const uint16_t *x, const float *bias,
-                          void *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
-    if (qgemm_u4_vnni(P, S, Z, x, bias, y, M, N, K, G, nthreads)) return;
-    const int64_t ngroups = K / G;
-    float *xsum = group_sums(x, M, K, G, 1);
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t b = 0; b < N / 16; b++) {
-        const uint8_t *blk = P + b * (K / 2) * 16;
-        __m512 acc[MAX_ROWS];
-        for (int64_t r = 0; r < M; r++) acc[r] = _mm512_setzero_ps();
-        for (int64_t g = 0; g < ngroups; g++) {
-            __m512 d0[MAX_ROWS], d1[MAX_ROWS];
-            for (int64_t r = 0; r < M; r++) d0[r] = d1[r] = _mm512_setzero_ps();
-            for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
-                const uint8_t *line = blk + (k / 2) * 16;
-                STREAM_PREFETCH(line);
-                __m512i w[4];
-                line_to_bf16_pairs(line, w);
-                for (int64_t r = 0; r < M; r++) {
-                    const uint32_t *xp = (const uint32_t *)(x + r * K) + k / 2;
-                    d0[r] = _mm512_dpbf16_ps(d0[r], (__m512bh)w[0], (__m512bh)_mm512_set1_epi32(xp[0]));
-                    d1[r] = _mm512_dpbf16_ps(d1[r], (__m512bh)w[1], (__m512bh)_mm512_set1_epi32(xp[1]));
-                    d0[r] = _mm512_dpbf16_ps(d0[r], (__m512bh)w[2], (__m512bh)_mm512_set1_epi32(xp[2]));
-                    d1[r] = _mm512_dpbf16_ps(d1[r], (__m512bh)w[3], (__m512bh)_mm512_set1_epi32(xp[3]));
-                }
-            }
-            const int64_t sz = (b * ngroups + g) * 16;
-            const __m512 s = load_s16(S + sz);
-            const __m512 zz = _mm512_add_ps(load_z8(Z + sz), _mm512_set1_ps(128.0f));
-            for (int64_t r = 0; r < M; r++)
-                acc[r] = _mm512_fmadd_ps(s, _mm512_fnmadd_ps(zz, _mm512_set1_ps(xsum[r * ngroups + g]),
-                                                             _mm512_add_ps(d0[r], d1[r])), acc[r]);
-        }
-        for (int64_t r = 0; r < M; r++) store_row(acc[r], bias, b * 16, (uint16_t *)y + r * N, 1);
-    }
-    free(xsum);
-}
 #else
 #define U4_DWORD_LINES 0
 #define S8_PAIR_LINES 0
@@ -699,9 +669,9 @@ static int qgemm_s8_bf16_int16(const int8_t *P, const float *scales, const uint1
             for (int64_t g = 0; g < nblocks; g++)
                 for (int64_t m = 0; m < M; m += 2) {
                     __m256 d0[2], d1[2];
-                    const int32_t *xe0 = xe + m * (K / 4) * 8;
+                    const int32_t *xe0 = xe + m * K * 2;
                     const int64_t k0 = g * S8_BLOCK, k1 = k0 + S8_BLOCK;
-                    if (m + 1 < M) s8_int16_dots(blk, k0, k1, xe0, xe0 + (K / 4) * 8, 1, d0, d1);
+                    if (m + 1 < M) s8_int16_dots(blk, k0, k1, xe0, xe0 + K * 2, 1, d0, d1);
                     else s8_int16_dots(blk, k0, k1, xe0, NULL, 0, d0, d1);
                     for (int64_t i = m; i < M && i < m + 2; i++) {
                         const __m256 xsg = _mm256_set1_ps(xs[i * nblocks + g]);
@@ -743,8 +713,8 @@ static int qgemm_u4_bf16_int16(const uint8_t *P, const uint16_t *S, const uint8_
                 const __m256 z0 = _mm256_loadu_ps(z), z1 = _mm256_loadu_ps(z + 8);
                 for (int64_t m = 0; m < M; m += 2) {
                     __m256 d0[2], d1[2];
-                    const int32_t *xe0 = xe + m * (K / 4) * 8;
-                    if (m + 1 < M) u4_int16_dots(blk, g * G / 4, (g + 1) * G / 4, xe0, xe0 + (K / 4) * 8, 1, d0, d1);
+                    const int32_t *xe0 = xe + m * K * 2;
+                    if (m + 1 < M) u4_int16_dots(blk, g * G / 4, (g + 1) * G / 4, xe0, xe0 + K * 2, 1, d0, d1);
                     else u4_int16_dots(blk, g * G / 4, (g + 1) * G / 4, xe0, NULL, 0, d0, d1);
                     for (int64_t i = m; i < M && i < m + 2; i++) {  /* y += s 2^(e - 14) (dot - z sum(xi)) */
                         const __m256 xsg = _mm256_set1_ps(xs[i * ngroups + g]);
@@ -972,10 +942,10 @@ int tm_qgemv_u4_layout(void) { return U4_DWORD_LINES; }
 /* which int8 panel layout this build reads (ops/cpu_qgemv.py pack_int8): 1 for pair lines */
 int tm_qgemv_s8_layout(void) { return S8_PAIR_LINES; }
 
-/* which kernels multiply bfloat16 rows in integers (ops/cpu_qgemv.py int16_rows): bit 0 int8, bit 1 int4 */
+/* whether the int8 and int4 kernels multiply bfloat16 rows in integers (ops/cpu_qgemv.py int16_rows) */
 int tm_qgemv_int16_rows(void) {
 #if S8_PAIR_LINES || defined(INT16_ROWS)
-    return 3;
+    return 1;
 #else
     return 0;
 #endif

@@ -40,11 +40,11 @@ def available() -> bool:
     return _library() is not None
 
 
-def int16_rows(bits: int) -> bool:
-    """Whether the `bits` (8 or 4) kernels multiply bfloat16 rows in integers (AVX-512 VNNI and AVX2 builds):
+def int16_rows() -> bool:
+    """Whether the int8 and int4 kernels multiply bfloat16 rows in integers (AVX-512 VNNI and AVX2 builds):
     see `int16_twin`. int8 scales x per block of INT8_BLOCK along K (when K is a multiple of it), int4 per AWQ
     group."""
-    return bool(_library().tm_qgemv_int16_rows() & (1 if bits == 8 else 2))
+    return bool(_library().tm_qgemv_int16_rows())
 
 
 INT8_BLOCK = 64  # S8_BLOCK in the C file
