@@ -263,3 +263,41 @@ def test_bfloat16_weight_only_steps_above_four_rows_take_amx_at_least_as_exact(s
     assert followed[0] >= followed[1], followed
     err_amx, err_plain = (amx_lp - ref_lp).abs(), (plain_lp - ref_lp).abs()
     assert err_amx.mean() <= 1.25 * err_plain.mean() + 1e-3 and err_amx.max() < 0.25, (err_amx, err_plain)
+
+
+def test_bfloat16_awq_prefill_takes_the_int4_kernels_in_chunks_without_a_fast_bf16_gemm(shipped_awq, monkeypatch):
+    """Where torch has no fast bf16 GEMM (AVX2), AWQ layers take prefill chunks of up to INT4_AVX2_KERNEL_ROWS rows
+    through the int4 kernels, 8 rows per weight pass, instead of dequantizing the weight to float32 per call. Forced
+    here on any CPU (the kernels exist everywhere): the long prompts must reach the kernels with more than 64 rows,
+    and the engine must follow the float32 engine (the same quantized weights, float32 math) as far as the
+    dequantizing path does, with prompt logprobs as close."""
+    from tokenmill.layers import linear as linear_module
+    from tokenmill.ops import cpu_qgemv
+
+    monkeypatch.setattr(linear_module, "slow_bf16_gemm", lambda: True)
+    monkeypatch.setattr(int8_module, "amx_rows_kernel", lambda *a, **k: False)
+    prompts = random_prompts([70 + 9 * i for i in range(6)] + [3, 11], seed=23, vocab=4096)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
+    calls = []
+    real = cpu_qgemv.gemv_int4
+    monkeypatch.setattr(cpu_qgemv, "gemv_int4", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
+
+    def run(dtype):
+        outs = make_llm(shipped_awq, dtype=dtype, max_num_seqs=8, max_num_batched_tokens=256).generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        logprobs = torch.cat([torch.tensor([o.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))])
+                              for o, p in zip(outs, prompts)])
+        return [o.outputs[0].token_ids for o in outs], logprobs
+
+    ref_tokens, ref_lp = run("float32")
+    calls.clear()
+    kernel_tokens, kernel_lp = run("bfloat16")
+    assert max(calls) > 64, sorted(set(calls))
+    monkeypatch.setattr(linear_module, "INT4_AVX2_KERNEL_ROWS", 64)
+    calls.clear()
+    dequant_tokens, dequant_lp = run("bfloat16")
+    assert all(c <= 64 for c in calls), calls
+    followed = [sum(map(common_prefix, tokens, ref_tokens)) for tokens in (kernel_tokens, dequant_tokens)]
+    assert followed[0] >= followed[1] - 2, followed
+    err_kernel, err_dequant = (kernel_lp - ref_lp).abs(), (dequant_lp - ref_lp).abs()
+    assert err_kernel.mean() <= 1.25 * err_dequant.mean() + 1e-3 and err_kernel.max() < 0.25, (err_kernel, err_dequant)

@@ -86,10 +86,17 @@ def slow_bf16_gemm() -> bool:
 
 
 def linear_in(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b computed in w's dtype (from `matmul_dtype`), returned in x's."""
-    if w.dtype == x.dtype:
-        return F.linear(x, w, None if bias is None else bias.to(w.dtype))
-    return F.linear(x.to(w.dtype), w, None if bias is None else bias.to(w.dtype)).to(x.dtype)
+    """x W^T + b computed in w's dtype (from `matmul_dtype`), returned in x's. A float32 weight made for this call
+    (widened or dequantized) goes to oneDNN's GEMM where it can, unpacked: `F.linear` takes MKL's sgemm, which on
+    an AVX2 AMD EPYC ran 52-64 GFLOP/s at prefill sizes against oneDNN's 100-110 (BENCHMARKS.md, "On a second
+    AVX2 CPU")."""
+    b = None if bias is None else bias.to(w.dtype)
+    xw = x if w.dtype == x.dtype else x.to(w.dtype)
+    if w.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and onednn_linear_available():
+        y = onednn_linear(xw.contiguous(), w, b)
+    else:
+        y = F.linear(xw, w, b)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -127,16 +134,22 @@ class DecodeRowsKernel:
     max_rows: int = cpu_gemv.MAX_ROWS
 
 
-def kernel_rows(dtype: torch.dtype, weight_only_quantized: bool = False) -> int:
+INT4_AVX2_KERNEL_ROWS = 512
+
+
+def kernel_rows(dtype: torch.dtype, weight_only_quantized: bool = False, int4: bool = False) -> int:
     """Up to how many rows a CPU linear takes the few-row C kernels, each chunk of 8 rows reading the weights
     once. Where torch has no fast bf16 GEMM (AVX2), bfloat16 layers take them up to 64 rows: at Qwen2.5-0.5B's
     MLP shape 4.0 ms against 6.1 ms for the weight widened to float32 per call (BENCHMARKS.md, issue 14).
     Weight-only quantized layers take them up to 32 rows everywhere, since their other path dequantizes the
     whole weight per call: at batch 32 (128 + 128 tokens) int8 + int8 head ran 48.3 s with 8 and 22.1 s with
     32, AWQ + int8 head 43.9 and 26.3 s (AMX machine, BENCHMARKS.md). Where the AMX-BF16 GEMM takes their
-    bfloat16 steps instead (quantization/int8.py choose_weight_only_kernels), they stop at 4."""
+    bfloat16 steps instead (quantization/int8.py choose_weight_only_kernels), they stop at 4. Without a fast bf16
+    GEMM, int4 (AWQ) layers take them up to INT4_AVX2_KERNEL_ROWS: dequantizing writes 8x the int4 bytes as
+    float32 per call, and at 128 rows a Qwen2.5-0.5B layer's four int4 linears took 38 ms in chunks against 61 ms
+    dequantized (AVX2 EPYC; BENCHMARKS.md, "On a second AVX2 CPU")."""
     if dtype == torch.bfloat16 and slow_bf16_gemm():
-        return 64
+        return INT4_AVX2_KERNEL_ROWS if int4 else 64
     return 32 if weight_only_quantized else cpu_gemv.MAX_ROWS
 
 

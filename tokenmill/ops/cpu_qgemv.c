@@ -596,6 +596,7 @@ static inline __attribute__((always_inline)) void u4_int16_dots(const uint8_t *b
     const __m256i m0f = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
     __m256i a[2][4] = {{zero, zero, zero, zero}, {zero, zero, zero, zero}};
     for (int64_t c = c0; c < c1; c++) {
+        if (!(c & 1)) STREAM_PREFETCH(blk + c * 32);  /* one per 64-byte line */
         const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + c * 32));
         const __m256i lo = _mm256_and_si256(v, m0f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m0f);
         const __m256i p0 = _mm256_unpacklo_epi8(lo, hi), p1 = _mm256_unpackhi_epi8(lo, hi);
@@ -625,6 +626,7 @@ static inline __attribute__((always_inline)) void s8_int16_dots(const int8_t *bl
     const __m256i zero = _mm256_setzero_si256();
     __m256i a[2][2] = {{zero, zero}, {zero, zero}};
     for (int64_t k = k0; k < k1; k += 2) {
+        if (!(k & 3)) STREAM_PREFETCH(blk + k * 16);  /* one per 64-byte line (k0 is a multiple of 4) */
         const __m256i l0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + k * 16)));
         const __m256i l1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + (k + 1) * 16)));
         const __m256i lo = _mm256_unpacklo_epi16(l0, l1), hi = _mm256_unpackhi_epi16(l0, l1);

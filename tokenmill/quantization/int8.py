@@ -73,7 +73,9 @@ def choose_weight_only_kernels(layer, dtype: torch.dtype, n: int, k: int, group_
     """A weight-only layer's CPU kernels by rows: `layer.amx_gemm` (the AMX GEMM above the GEMVs) and
     `layer.kernel_rows` (up to how many rows the GEMVs take). `panels`: whether the layer holds GEMV panels."""
     layer.amx_gemm = panels and amx_rows_kernel(dtype, n, k, group_size)
-    layer.kernel_rows = cpu_qgemm_amx.GEMV_ROWS if layer.amx_gemm else kernel_rows(dtype, weight_only_quantized=True)
+    int4 = group_size is not None
+    layer.kernel_rows = (cpu_qgemm_amx.GEMV_ROWS if layer.amx_gemm
+                         else kernel_rows(dtype, weight_only_quantized=True, int4=int4))
 
 
 def w8a16_linear_ref(x, qweight, scales, bias=None):
