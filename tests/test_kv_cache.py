@@ -48,6 +48,7 @@ def test_prefix_hit_shares_blocks_and_counts_refs():
     assert [x.block_id for x in hit] == kv.block_ids("a")[:2]
     b.num_computed_tokens = 8
     assert kv.allocate_slots(b, 3, hit)
+    kv.count_prefix_lookup(b, hit)
     assert all(x.ref_cnt == 2 for x in hit)
     kv.check_invariants()
     kv.free(a)

@@ -53,6 +53,19 @@ def test_prefix_cache_hits_give_same_tokens(llama_dir):
     assert stats.prefix_cache_hits >= 32 * 3 and 0 < stats.prefix_cache_hit_rate < 1
 
 
+def test_prefix_cache_stats_count_each_prompt_once_however_long_it_waits(llama_dir):
+    """Long prompts held back by max_long_partial_prefills are looked up every step they wait; the stats count
+    the lookup that admits each one, so queries are the prompts' tokens and hits what admission found."""
+    shared = random_prompts([48], seed=13)[0]
+    prompts = [shared + t for t in random_prompts([20, 24, 28], seed=14)]
+    llm = make_llm(llama_dir, max_num_batched_tokens=40, long_prefill_token_threshold=12, max_long_partial_prefills=1)
+    _run(llm, prompts[:1])
+    _run(llm, prompts[1:])
+    stats = llm.llm_engine.get_stats()
+    assert stats.prefix_cache_queries == sum(map(len, prompts))
+    assert stats.prefix_cache_hits == 2 * 48  # the shared 48 tokens (three 16-token blocks) for each later prompt
+
+
 def test_prefix_cache_hit_in_chunked_prefill_with_decodes(llama_dir, reference):
     prompts, ref = reference
     llm = make_llm(llama_dir, max_num_batched_tokens=7)

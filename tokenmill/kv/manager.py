@@ -75,9 +75,10 @@ class KVCacheManager:
         extend_block_hashes(req.block_hashes, req.token_ids, num_tokens, self.block_size, req.block_extra_keys)
         return req.block_hashes
 
-    def find_cached_prefix(self, req: Request, count_stats: bool = True) -> list[KVBlock]:
+    def find_cached_prefix(self, req: Request) -> list[KVBlock]:
         """Longest run of cached full blocks at the start of the request. At least one token is left
-        to compute, because sampling needs the last position's logits."""
+        to compute, because sampling needs the last position's logits. Counts nothing: a waiting request is
+        looked up again every step it is not admitted (`count_prefix_lookup` counts the one that admits it)."""
         if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
             return []
         max_blocks = (req.num_tokens - 1) // self.block_size
@@ -87,10 +88,13 @@ class KVCacheManager:
             if b is None:
                 break
             hit.append(b)
-        if count_stats:
+        return hit
+
+    def count_prefix_lookup(self, req: Request, hit: list[KVBlock]) -> None:
+        """The prefix-cache stats of one admission (or tier load start): `req`'s tokens, `hit` found cached."""
+        if self.enable_caching and req.sampling_params.prompt_logprobs is None:
             self.stats.queries += req.num_tokens
             self.stats.hits += len(hit) * self.block_size
-        return hit
 
     def find_tier_prefix(self, req: Request, num_pool_blocks: int) -> list[int]:
         """After `num_pool_blocks` pool hits: the tier of each following block the tiers hold (same limit

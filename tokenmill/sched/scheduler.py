@@ -272,12 +272,12 @@ class Scheduler:
             if leader is not None and not leader.is_finished and leader.num_computed_tokens < leader.num_prompt_tokens:
                 continue  # n > 1: wait until the leader's prompt blocks are cached, then share them
             fresh = req.num_computed_tokens == 0
-            # a request back from a tier load was counted in the prefix stats when its load started
-            cached = self.kv.find_cached_prefix(req, count_stats=not req.kv_loaded) if fresh else []
+            cached = self.kv.find_cached_prefix(req) if fresh else []
             if fresh and not req.kv_loaded and not req.kv_load_failed:
                 started = self._start_tier_load(req, cached)
                 if started is not None:
                     if started:
+                        self.kv.count_prefix_lookup(req, cached)
                         continue
                     break
             num_cached = len(cached) * self.kv.block_size
@@ -307,6 +307,8 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 break
             self.waiting.remove(req)
+            if fresh and not req.kv_loaded:  # one back from a tier load was counted when its load started
+                self.kv.count_prefix_lookup(req, cached)
             req.kv_loaded = False
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
