@@ -18,12 +18,13 @@ QWEN25_05B = dict(architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_
 
 
 def dummy_model_dir(shape: dict = QWEN25_05B, name: str = "qwen2.5-0.5b-dummy") -> str:
-    """A config-only model directory; tokenmill builds random weights for it (load_format='dummy')."""
+    """A config-only model directory; tokenmill builds random weights for it (load_format='dummy'). Its dtype is
+    bfloat16, as the published Qwen2.5 checkpoints', so dtype="auto" picks what a user of the real model gets."""
     from transformers import Qwen2Config
 
     path = os.path.join(tempfile.gettempdir(), "tokenmill-bench", name)
     if not os.path.isfile(os.path.join(path, "config.json")):
-        Qwen2Config(**{k: v for k, v in shape.items()}).save_pretrained(path)
+        Qwen2Config(**{"torch_dtype": "bfloat16", **shape}).save_pretrained(path)
     return path
 
 
