@@ -71,3 +71,19 @@ def test_graph_includes_function_level_imports():
 def test_package_has_no_import_cycles():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_cpu_engine_never_loads_triton():
+    """A CPU run loads no Triton: importing it costs startup time, and once loaded, triton's nanobind bindings
+    print pages of leak reports at exit (tokenmill generate ended with them). The kernels import it on first use."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom tokenmill import LLM, SamplingParams\nfrom tokenmill.config import DEFAULT_MODEL\n"
+            "llm = LLM(DEFAULT_MODEL, max_model_len=128)\n"
+            "print(len(llm.generate(['ROMEO:'], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids))\n"
+            "print('triton' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["4", "False"], out.stdout
+    assert "nanobind" not in out.stderr

@@ -46,10 +46,7 @@ from functools import lru_cache
 
 import torch
 
-try:
-    import triton
-except ImportError:  # the CPU engine runs without triton
-    triton = None
+from tokenmill.ops import triton_lazy as triton  # cdiv, next_power_of_2; triton loads with the kernels
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -63,7 +60,7 @@ MAX_SCRATCH_FLOATS = 1 << 24  # 64 MB of fp32 partial outputs at most, whatever 
 
 def available() -> bool:
     """True when triton is importable (on CPU the kernels then still need TRITON_INTERPRET=1)."""
-    return triton is not None
+    return triton.installed()
 
 
 @lru_cache(maxsize=1)

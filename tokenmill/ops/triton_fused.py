@@ -25,10 +25,7 @@ from functools import lru_cache
 
 import torch
 
-try:
-    import triton
-except ImportError:  # the CPU engine runs without triton
-    triton = None
+from tokenmill.ops import triton_lazy as triton  # cdiv, next_power_of_2; triton loads with the kernels
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DISABLE_ENV = "TOKENMILL_DISABLE_TRITON_FUSED"
@@ -39,7 +36,7 @@ _ROTARY_TILE = 2048  # heads x half-head elements per rotary program
 
 def available() -> bool:
     """True when triton is importable and the ops are not turned off by TOKENMILL_DISABLE_TRITON_FUSED."""
-    return triton is not None and not os.environ.get(DISABLE_ENV)
+    return triton.installed() and not os.environ.get(DISABLE_ENV)
 
 
 def usable(*tensors: torch.Tensor) -> bool:

@@ -26,10 +26,7 @@ import torch
 
 from tokenmill.quantization.awq_format import SUPPORTED_GROUP_SIZES, dequantize_w4, dequantize_w8
 
-try:
-    import triton
-except ImportError:  # the CPU engine runs without triton
-    triton = None
+from tokenmill.ops import triton_lazy as triton  # cdiv, next_power_of_2; triton loads with the kernels
 
 SMALL_M = 8
 VARIANTS = ("gemm", "gemv")
@@ -42,7 +39,7 @@ _MIN_TILES_PER_SPLIT = 4
 def available() -> bool:
     """True when triton is importable and TOKENMILL_DISABLE_TRITON_QUANT is unset (on CPU the kernels then
     still need TRITON_INTERPRET=1). The quantized linear methods take these kernels on CUDA when this holds."""
-    return triton is not None and not os.environ.get("TOKENMILL_DISABLE_TRITON_QUANT")
+    return triton.installed() and not os.environ.get("TOKENMILL_DISABLE_TRITON_QUANT")
 
 
 @lru_cache(maxsize=1)
