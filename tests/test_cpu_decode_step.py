@@ -84,7 +84,7 @@ def test_decode_batches_up_to_eight_rows_are_bit_identical(dirs, dtype):
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_bfloat16_batches_over_eight_rows_where_the_kernels_take_them(dirs, quantization):
-    """bfloat16 linears on CPUs without a fast bf16 GEMM (AVX2) take the few-row kernels up to 64 rows, in
+    """bfloat16 linears on CPUs without a fast bf16 GEMM (AVX2) take the few-row kernels beyond 8 rows (the C step up to 64), in
     chunks of 8: 12-row decode steps then run in one C call, still bit-identical; elsewhere op by op."""
     prompts = random_prompts([6, 2, 9, 4, 3, 7, 5, 8, 1, 2, 6, 3])
     kw = dict(dtype="bfloat16", max_num_seqs=12, quantization=quantization)

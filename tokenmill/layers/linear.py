@@ -135,21 +135,26 @@ class DecodeRowsKernel:
 
 
 INT4_AVX2_KERNEL_ROWS = 512
+BF16_AVX2_KERNEL_ROWS = 128
 
 
 def kernel_rows(dtype: torch.dtype, weight_only_quantized: bool = False, int4: bool = False) -> int:
     """Up to how many rows a CPU linear takes the few-row C kernels, each chunk of 8 rows reading the weights
-    once. Where torch has no fast bf16 GEMM (AVX2), bfloat16 layers take them up to 64 rows: at Qwen2.5-0.5B's
-    MLP shape 4.0 ms against 6.1 ms for the weight widened to float32 per call (BENCHMARKS.md, issue 14).
+    once. Where torch has no fast bf16 GEMM (AVX2), bfloat16 layers take them up to BF16_AVX2_KERNEL_ROWS: at
+    Qwen2.5-0.5B's MLP shape 4.0 ms against 6.1 ms for the weight widened to float32 per call at 64 rows, and a
+    whole layer 36-37 ms against 44-46 ms (widened, then oneDNN) at 128 rows; they tie at 256 (BENCHMARKS.md, issue 14).
     Weight-only quantized layers take them up to 32 rows everywhere, since their other path dequantizes the
     whole weight per call: at batch 32 (128 + 128 tokens) int8 + int8 head ran 48.3 s with 8 and 22.1 s with
     32, AWQ + int8 head 43.9 and 26.3 s (AMX machine, BENCHMARKS.md). Where the AMX-BF16 GEMM takes their
     bfloat16 steps instead (quantization/int8.py choose_weight_only_kernels), they stop at 4. Without a fast bf16
     GEMM, int4 (AWQ) layers take them up to INT4_AVX2_KERNEL_ROWS: dequantizing writes 8x the int4 bytes as
     float32 per call, and at 128 rows a Qwen2.5-0.5B layer's four int4 linears took 38 ms in chunks against 61 ms
-    dequantized (AVX2 EPYC; BENCHMARKS.md, "On a second AVX2 CPU")."""
+    dequantized (AVX2 EPYC; BENCHMARKS.md, "On a second AVX2 CPU"). int8 stays at 64 there: at 128 rows its chunks
+    tie with dequantizing."""
     if dtype == torch.bfloat16 and slow_bf16_gemm():
-        return INT4_AVX2_KERNEL_ROWS if int4 else 64
+        if int4:
+            return INT4_AVX2_KERNEL_ROWS
+        return 64 if weight_only_quantized else BF16_AVX2_KERNEL_ROWS
     return 32 if weight_only_quantized else cpu_gemv.MAX_ROWS
 
 
