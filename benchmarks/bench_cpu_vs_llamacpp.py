@@ -34,7 +34,10 @@ def llamacpp(kind: str, batches: str, npp: int, ntg: int) -> dict:
     for _ in range(3):
         proc = subprocess.run([sys.executable, ANCHOR, "bench", DEFAULT_MODEL, "--types", kind, "--batches", batches,
                                "--npp", str(npp), "--ntg", str(ntg)], capture_output=True, text=True)
-        got = json.loads(proc.stdout.strip().splitlines()[-1]).get(kind)
+        lines = proc.stdout.strip().splitlines()
+        if proc.returncode or not lines:  # a failed build or conversion (e.g. a converter import missing)
+            raise RuntimeError(f"llama.cpp anchor failed ({proc.returncode}): {proc.stderr.strip()[-800:]}")
+        got = json.loads(lines[-1]).get(kind)
         if got:
             return {b: row["e2e_out_tok_s"] for b, row in got.items()}
     return {}
