@@ -8,6 +8,8 @@ rounds; best and median of the rounds, and both as ratios against llama.cpp bf16
 configuration is a dtype, with ":eager" for enforce_eager (no one-call C decode step: the per-op path).
 
     python benchmarks/bench_cpu_vs_llamacpp.py --out benchmarks/results/cpu_vs_llamacpp.json
+
+llama.cpp's converter needs sentencepiece for the shipped tokenizer: `pip install -e '.[bench]'`.
 """
 from __future__ import annotations
 
