@@ -75,11 +75,15 @@ class KVCacheManager:
         extend_block_hashes(req.block_hashes, req.token_ids, num_tokens, self.block_size, req.block_extra_keys)
         return req.block_hashes
 
+    def _cacheable(self, req: Request) -> bool:
+        """Whether `req` looks up the prefix cache (prompt logprobs need every prompt position computed)."""
+        return self.enable_caching and req.sampling_params.prompt_logprobs is None
+
     def find_cached_prefix(self, req: Request) -> list[KVBlock]:
         """Longest run of cached full blocks at the start of the request. At least one token is left
         to compute, because sampling needs the last position's logits. Counts nothing: a waiting request is
         looked up again every step it is not admitted (`count_prefix_lookup` counts the one that admits it)."""
-        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
+        if not self._cacheable(req):
             return []
         max_blocks = (req.num_tokens - 1) // self.block_size
         hit = []
@@ -92,7 +96,7 @@ class KVCacheManager:
 
     def count_prefix_lookup(self, req: Request, hit: list[KVBlock]) -> None:
         """The prefix-cache stats of one admission (or tier load start): `req`'s tokens, `hit` found cached."""
-        if self.enable_caching and req.sampling_params.prompt_logprobs is None:
+        if self._cacheable(req):
             self.stats.queries += req.num_tokens
             self.stats.hits += len(hit) * self.block_size
 

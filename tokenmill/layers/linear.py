@@ -53,16 +53,13 @@ def padded_rows(m: int) -> int:
     return -(-m // step) * step
 
 
+@functools.cache
 def onednn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether oneDNN can pack weights of `dtype` here: its bf16 path needs AVX512 (or AVX-NE-CONVERT), so an
-    AVX2-only CPU takes F.linear for bfloat16 instead of failing at load."""
+    AVX2-only CPU takes F.linear for bfloat16 instead of failing at load. Decided once per dtype (`linear_in` asks
+    on every call)."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return False
-    return _onednn_packs(dtype)
-
-
-@functools.cache
-def _onednn_packs(dtype: torch.dtype) -> bool:
     try:
         torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
         return True
@@ -88,8 +85,7 @@ def slow_bf16_gemm() -> bool:
 def linear_in(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T + b computed in w's dtype (from `matmul_dtype`), returned in x's. A float32 weight made for this call
     (widened or dequantized) goes to oneDNN's GEMM where it can, unpacked: `F.linear` takes MKL's sgemm, which on
-    an AVX2 AMD EPYC ran 52-64 GFLOP/s at prefill sizes against oneDNN's 100-110 (BENCHMARKS.md, "On a second
-    AVX2 CPU")."""
+    an AVX2 AMD EPYC was 1.6-1.8x slower for a layer at 128 rows (BENCHMARKS.md, "On a second AVX2 CPU")."""
     b = None if bias is None else bias.to(w.dtype)
     xw = x if w.dtype == x.dtype else x.to(w.dtype)
     if w.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and onednn_linear_available():
