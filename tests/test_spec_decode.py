@@ -7,7 +7,8 @@ import torch
 from tests.conftest import make_llm, random_prompts
 from tokenmill import SamplingParams
 from tokenmill.sample.sampler import SampleRow, Sampler
-from tokenmill.spec_decode.adaptive import DepthBandit, DraftPolicy
+from tokenmill.spec_decode.adaptive import DraftPolicy
+from tokenmill.spec_decode.bandit import DepthBandit
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.ngram import NgramProposer, ngram_propose
 from tokenmill.spec_decode.verify import DraftCheck, verify
@@ -265,7 +266,7 @@ def _simulate(step_seconds, accept: float, steps: int = 300, batch: int = 4) -> 
             if k:
                 policy.record(rid, k, acc)
             emitted += acc + 1
-        policy.observe_step(emitted, step_seconds(depth), True, 0.0)
+        policy.observe_step(emitted, step_seconds(depth), 0, 0.0)
     return depths
 
 
@@ -323,19 +324,91 @@ def test_draft_policy_charges_a_step_its_whole_cycle_but_not_idle_time():
     policy = DraftPolicy(k_max=4)
     policy.step_started(0.0)
     depth = policy.plan(["a"]).get("a", 0)  # step 1 plans the drafts step 2 verifies
-    policy.step_ran(1, True, 0.0002, started=0.0, ended=0.001)
+    policy.step_ran(1, 0, 0.0002, started=0.0, ended=0.001)
     policy.step_started(0.0015)  # nothing verified in step 1: nothing to credit
     assert policy.bandit.rate(1, depth) is None
     policy.plan(["a"])
-    policy.step_ran(3, True, 0.0001, started=0.0015, ended=0.0025)
+    policy.step_ran(3, 0, 0.0001, started=0.0015, ended=0.0025)
     policy.step_started(0.003)  # cycle 1.5 ms, less its own proposing, plus step 1's proposing
     assert policy.bandit.rate(1, depth) == pytest.approx(3 / (0.0015 - 0.0001 + 0.0002))
     policy.plan(["a"])
-    assert policy._verifying == (1, depth)  # the first tries all go to depth 0
-    policy.step_ran(2, True, 0.0, started=0.003, ended=0.004)
+    assert policy._verifying == (1, depth, False)  # the first tries all go to depth 0
+    policy.step_ran(2, 0, 0.0, started=0.003, ended=0.004)
     policy.step_started(1.0)  # the engine sat idle: only the step's own 1 ms (plus step 2's proposing)
-    first, second = 3 / 0.0016, 2 / 0.0011
-    assert policy.bandit.rate(1, depth) == pytest.approx(0.9 * first + 0.1 * second)
+    # decayed sums of tokens over decayed sums of seconds (not a mean of the two steps' rates)
+    assert policy.bandit.rate(1, depth) == pytest.approx((0.9 * 3 + 2) / (0.9 * 0.0016 + 0.0011))
+
+
+def _simulate_admissions(admit_seconds, steps: int = 1500) -> list[int]:
+    """Four requests; each draft survives with probability 0.5; a decode step takes 10 ms plus 1 ms per
+    depth (drafting 0.5 ms per draft); every tenth step admits a 400-token prompt, which takes
+    admit_seconds(drafting) on top (and 5 ms of the draft model's run over it). Returns the depths planned."""
+    rng = np.random.default_rng(1)
+    policy, depths, plan = DraftPolicy(k_max=4), [], {}
+    rids = [f"r{i}" for i in range(4)]
+    for step in range(steps):
+        verifying, plan = plan, policy.plan(rids)
+        depths.append(max(plan.values(), default=0))
+        emitted = 0
+        for rid in rids:
+            k, acc = verifying.get(rid, 0), 0
+            while acc < k and rng.random() < 0.5:
+                acc += 1
+            if k:
+                policy.record(rid, k, acc)
+            emitted += acc + 1
+        depth, drafting = max(verifying.values(), default=0), max(plan.values(), default=0)
+        admits = step % 10 == 9
+        seconds = 0.010 + 0.001 * depth + (admit_seconds(depth > 0) if admits else 0.0)
+        catch_up = 0.005 if admits and drafting else 0.0  # the draft model's run over the new prompt
+        policy.observe_step(emitted, seconds, 400 if admits else 0, 0.0005 * drafting + catch_up, catch_up)
+    return depths
+
+
+def test_draft_policy_charges_each_depth_what_admitting_prompts_costs_there():
+    """Decode steps alone favour drafts (one draft: 6 tokens in 11.5 ms against 4 in 10 ms). Where admitting a
+    prompt costs 90 ms more while drafting (a verification beside a prefill leaves the fast path; the draft
+    model prefills the prompt too), no drafts win end to end, and the policy must see it from the steps with
+    prefill, which it used to leave out; where admitting costs the same at every depth, drafts still win."""
+    late = slice(750, None)
+    costly = _simulate_admissions(lambda drafting: 0.12 if drafting else 0.03)
+    assert np.mean(np.array(costly[late]) == 0) > 0.9
+    even = _simulate_admissions(lambda drafting: 0.03)
+    assert np.mean(np.array(even[late]) > 0) > 0.8
+
+
+def test_placeholder_looks_price_depths_without_running_the_draft_model(llama_dir):
+    """A draft model's first drafts after depth 0 cost it a catch-up over every live context, so the adaptive
+    policy prices a depth with placeholder drafts instead: the scheduler repeats each request's last token,
+    the verification runs them like drafts, and only the target's own first token is kept. Forced to price
+    every step, the output is plain decoding's (greedy and seeded sampling), the draft model never runs, no
+    draft is counted, and every block comes back."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([10, 23, 7], seed=6)]
+    for sp in (SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+               SamplingParams(temperature=0.9, top_p=0.95, seed=4, max_tokens=30, ignore_eos=True)):
+        plain = _tokens(make_llm(llama_dir), prompts, sp)
+        llm = make_llm(llama_dir, speculative_config=_draft_cfg(llama_dir, k=3))
+        core = llm.llm_engine.core
+        policy, proposer = core.scheduler.spec, core.runner.proposer
+        assert policy.price_looks
+
+        def always_a_look(bucket, acceptance=None):
+            policy.bandit.exploring = True
+            return 2
+
+        policy.bandit.choose = always_a_look
+        policy._judged = [10, 20]  # an acceptance and a draft cost known, as after some real drafting
+        policy._draft_cost = {b: 1e-4 for b in (1, 2, 4)}
+        priced, proposals = [], []
+        record = policy.record_placeholder
+        policy.record_placeholder = lambda drafted: (priced.append(drafted), record(drafted))
+        propose = proposer.propose_batch
+        proposer.propose_batch = lambda runner, items: (proposals.append(items), propose(runner, items))[1]
+        assert _tokens(llm, prompts, sp) == plain
+        st = _check(llm)
+        assert len(priced) > 40 and set(priced) <= {1, 2} and priced.count(2) > 40  # 1 where max_tokens is near
+        assert proposals == [] and st.spec_num_draft_tokens == 0
+        assert policy._priced and all(d == 2 for _, d in policy._priced)  # and the looks were priced
 
 
 # -- configuration ------------------------------------------------------------------------------------------------

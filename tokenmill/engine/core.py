@@ -170,9 +170,9 @@ class EngineCore:
             xfer.store(sched.kv_backups)
         outputs = self._finish_step(sched, result)
         if spec is not None:  # the draft policy learns from real step times
-            decode_only = all(s.num_sampled_positions == s.num_new_tokens for s in sched.seqs)
-            spec.step_ran(sum(len(t) for t in result.sampled_token_ids.values()), decode_only,
-                          result.propose_seconds, started, time.perf_counter(), result.switch_seconds)
+            prefill_tokens = sum(s.num_new_tokens - s.num_sampled_positions for s in sched.seqs)
+            spec.step_ran(sum(len(t) for t in result.sampled_token_ids.values()), prefill_tokens,
+                          result.propose_seconds, started, time.perf_counter(), result.catch_up_seconds)
         return outputs
 
     def _executor(self):

@@ -57,6 +57,7 @@ class Request:
     kv_load_failed: bool = False  # a tier load fell short once: recompute instead of trying again
     kv_loaded: bool = False  # back from a tier load; its next prefix lookup finds the loaded blocks
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify at its next step
+    spec_placeholders: bool = False  # those drafts are placeholders (DraftPolicy's priced looks)
     mm_items: list = field(default_factory=list)  # multimodal/inputs.py MultiModalItem, in prompt order
 
     @property

@@ -12,6 +12,8 @@ worker keeps its own per-request state (worker/request_state.py) and updates it 
                                            1: the chunk's last position samples the next token
                                            1 + k: the last token and k drafts, all verified at once
         draft_token_ids                    the k drafts: the step's last k input tokens
+        draft_placeholders                 they are placeholders (adaptive speculation pricing a depth): run
+                                           and verify them as drafts, keep only the target's first token
         propose_k                          drafts to propose after this step (speculation)
         wants_prompt_logprobs
         new_request: NewRequestData | None set the first time the worker sees it, and again after a
@@ -30,6 +32,8 @@ worker keeps its own per-request state (worker/request_state.py) and updates it 
       encoder_prefetch: [MultiModalItem]   images of queued requests: encode them in the worker's encoder
                                            thread (the hashes come back through poll, before a schedule)
       encoder_frees                        image hashes the encoder cache evicted: drop their rows
+      placeholder_drafts                   speculation's priced looks: placeholder drafts the scheduler gives
+                                           each request after this step (the worker proposes none)
 
     Load results come back as KVLoadResult, polled before each schedule().
 
@@ -66,6 +70,7 @@ class ScheduledRequest:
     wants_prompt_logprobs: bool = False
     new_request: NewRequestData | None = None
     draft_token_ids: list[int] = field(default_factory=list)
+    draft_placeholders: bool = False
     propose_k: int = 0
     output_start: int = 0
     new_output_token_ids: list[int] = field(default_factory=list)
@@ -108,6 +113,9 @@ class SchedulerOutput:
     encoder_inputs: list[MultiModalItem] = field(default_factory=list)  # encode before this step's forward
     encoder_prefetch: list[MultiModalItem] = field(default_factory=list)  # encode in the worker's thread
     encoder_frees: list[str] = field(default_factory=list)  # image hashes evicted from the encoder cache
+    # speculation, scheduler-side: the placeholder drafts each request gets after this step (DraftPolicy.plan's
+    # priced looks)
+    placeholder_drafts: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -217,6 +217,8 @@ class Scheduler:
             budget = self._admit_waiting(budget, scheduled)
 
         propose = self._plan_drafts(scheduled)
+        if self.spec is not None and self.spec.placeholders:  # a priced look: the scheduler makes the drafts
+            out.placeholder_drafts, propose = propose, {}
         out.seqs = [self._scheduled(self.requests[rid], n, propose.get(rid, 0)) for rid, n in scheduled.items()]
         out.num_scheduled_tokens = sum(scheduled.values())
         self._drafts = {}
@@ -373,7 +375,7 @@ class Scheduler:
         self._outputs_sent.pop(req.request_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.spec_token_ids = []
+        req.spec_token_ids, req.spec_placeholders = [], False
         req.num_preemptions += 1
         self.num_preemptions += 1
         if self.encoder is not None:
@@ -421,7 +423,7 @@ class Scheduler:
         for rid, d in drafts.items():
             req = self.requests.get(rid)
             if req is not None and req.status == RequestStatus.RUNNING:
-                req.spec_token_ids = d
+                req.spec_token_ids, req.spec_placeholders = d, False
 
     def _scheduled(self, req: Request, n: int, propose_k: int = 0) -> ScheduledRequest:
         rid, start = req.request_id, req.num_computed_tokens
@@ -441,7 +443,8 @@ class Scheduler:
             request_id=rid, start_pos=start, num_new_tokens=n, new_block_ids=new_blocks,
             num_sampled_positions=1 + len(drafts) if self._samples(req, n) else 0,
             wants_prompt_logprobs=req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens,
-            new_request=new, draft_token_ids=list(drafts), propose_k=propose_k, output_start=out_start,
+            new_request=new, draft_token_ids=list(drafts), draft_placeholders=bool(drafts) and req.spec_placeholders,
+            propose_k=propose_k, output_start=out_start,
             new_output_token_ids=new_outputs)
 
     def _new_outputs(self, req: Request, sent_whole: bool) -> tuple[int, list[int]]:
@@ -464,9 +467,12 @@ class Scheduler:
             if not tokens or req is None:
                 continue
             if seq.draft_token_ids:  # the rejected drafts' KV is not the sequence's: roll back over it
-                accepted = len(tokens) - 1
+                accepted = len(tokens) - 1  # placeholders: none (the worker keeps the target's token only)
                 req.num_computed_tokens -= len(seq.draft_token_ids) - accepted
-                self.spec.record(req.request_id, len(seq.draft_token_ids), accepted)
+                if seq.draft_placeholders:
+                    self.spec.record_placeholder(len(seq.draft_token_ids))
+                else:
+                    self.spec.record(req.request_id, len(seq.draft_token_ids), accepted)
             kept = []
             for token in tokens:
                 req.output_token_ids.append(token)
@@ -475,6 +481,9 @@ class Scheduler:
                 if status is not None:
                     self.finish(req, status)
                     break
+            k = out.placeholder_drafts.get(seq.request_id, 0)
+            if k and not req.is_finished:  # the last token repeated: free to make, and lossless to verify
+                req.spec_token_ids, req.spec_placeholders = [kept[-1]] * k, True
             touched.append((req, kept))
         return touched
 

@@ -50,4 +50,7 @@ def build_proposer(spec: SpeculativeConfig | None, draft=None, num_blocks: int =
 
 
 def build_draft_policy(spec: SpeculativeConfig | None) -> DraftPolicy | None:
-    return None if spec is None else DraftPolicy(spec.num_speculative_tokens, spec.adaptive)
+    if spec is None:
+        return None
+    # a draft model's first drafts after depth 0 cost it a catch-up over every live context: explore priced
+    return DraftPolicy(spec.num_speculative_tokens, spec.adaptive, price_looks=spec.method == "draft_model")

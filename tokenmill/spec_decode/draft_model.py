@@ -37,9 +37,10 @@ class DraftModelProposer:
         self.backend = backend
         self.decode_step = None  # worker/cpu_decode_step.py for the draft's single-token steps (set by the builder)
         self._synced: dict[str, int] = {}  # request -> positions whose draft KV is valid
-        # the last proposal's time spent catching up over runs longer than a verified one (tokens skipped at
-        # depth 0): the cost of switching drafts back on, which the draft policy tracks apart (adaptive.py)
-        self.switch_seconds = 0.0
+        # the last proposal's time spent catching up over runs longer than a verified one (new prompts, and
+        # tokens skipped at depth 0): costs of admitting and of switching drafts back on, which the draft policy
+        # tracks apart from drafting (adaptive.py)
+        self.catch_up_seconds = 0.0
 
     def release(self, request_ids) -> None:
         """Finished or preempted (its blocks are gone): its draft KV starts again from position 0."""
@@ -50,6 +51,7 @@ class DraftModelProposer:
     def propose_batch(self, runner, items: list[tuple[ScheduledRequest, object]]) -> dict[str, list[int]]:
         """items: (scheduled request, its worker state) for each request that sampled and may draft."""
         active = [(s.request_id, st, s.propose_k) for s, st in items if s.propose_k > 0]
+        self.catch_up_seconds = 0.0
         if not active:
             return {}
         pos = {rid: len(st.prompt_token_ids) + len(st.output_token_ids) - 1 for rid, st, _ in active}
@@ -58,7 +60,7 @@ class DraftModelProposer:
         first = self._run(runner, catch_up)
         rows = [s.num_new_tokens for s in catch_up]
         long_rows = sum(n - 1 for n in rows if n > CATCH_UP_DECODE_ROWS)  # beyond each one's own last token
-        self.switch_seconds = (time.perf_counter() - t0) * long_rows / sum(rows)
+        self.catch_up_seconds = (time.perf_counter() - t0) * long_rows / sum(rows)
         drafts = {rid: [t] for (rid, _, _), t in zip(active, first)}
         for rid, _, _ in active:
             self._synced[rid] = pos[rid] + 1

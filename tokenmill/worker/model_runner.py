@@ -34,7 +34,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # to verify at the next step
     propose_seconds: float = 0.0  # time the proposer took this step (charged to its drafts by the draft policy)
-    switch_seconds: float = 0.0  # the part of it spent catching a draft model up over long stale runs
+    catch_up_seconds: float = 0.0  # the part of it spent catching a draft model up over long runs (new prompts, switches)
     # per request: logprob rows for the prompt tokens this chunk predicted (positions start+1 ..)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
@@ -228,12 +228,23 @@ class ModelRunner:
                 out.logprobs[s.request_id] = [res.logprobs[j]]
 
     def _verify(self, out: ModelRunnerOutput, seqs: list[ScheduledRequest], hidden: torch.Tensor) -> None:
-        """Drafts against the target's logits at their k + 1 rows; the accepted tokens are appended."""
+        """Drafts against the target's logits at their k + 1 rows; the accepted tokens are appended.
+        Placeholder drafts (adaptive speculation pricing a depth) ran through the model like drafts, but only
+        their first row is sampled, as a plain step would: the same token and the same generator draws."""
         states = [self.requests[s.request_id] for s in seqs]
         checks = [DraftCheck(SampleRow(st.sampling_params, st.prompt_token_ids, st.output_token_ids,
-                                       self.requests.generator(s.request_id)), s.draft_token_ids)
+                                       self.requests.generator(s.request_id)),
+                             [] if s.draft_placeholders else s.draft_token_ids)
                   for s, st in zip(seqs, states)]
-        tokens, logprobs = verify(self.sampler, self.model.compute_logits(hidden), checks)
+        logits = self.model.compute_logits(hidden)
+        if any(s.draft_placeholders for s in seqs):
+            keep, row = [], 0
+            for s in seqs:
+                n = 1 + len(s.draft_token_ids)
+                keep.extend(range(row, row + (1 if s.draft_placeholders else n)))
+                row += n
+            logits = logits[keep]
+        tokens, logprobs = verify(self.sampler, logits, checks)
         for s, st, toks, lps in zip(seqs, states, tokens, logprobs):
             st.output_token_ids.extend(toks)
             out.sampled_token_ids[s.request_id] = toks
@@ -247,7 +258,7 @@ class ModelRunner:
             t0 = time.perf_counter()
             out.draft_token_ids.update(self.proposer.propose_batch(self, items))
             out.propose_seconds = time.perf_counter() - t0
-            out.switch_seconds = getattr(self.proposer, "switch_seconds", 0.0)
+            out.catch_up_seconds = getattr(self.proposer, "catch_up_seconds", 0.0)
 
     def _prompt_logprobs(self, seq: ScheduledRequest, state: RequestState, hidden: torch.Tensor) -> list[TokenLogprobs]:
         """Position p's logits score prompt token p + 1; only positions inside the prompt count."""

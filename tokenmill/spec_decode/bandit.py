@@ -1,0 +1,176 @@
+"""The depth bandit of adaptive speculation: the number of drafts per request that gives the most tokens per
+second of engine time, per batch-size bucket, from measured steps (spec_decode/adaptive.py feeds it)."""
+from __future__ import annotations
+
+import math
+import random
+
+
+class DepthBandit:
+    """Tokens per second of each depth, per batch-size bucket: decayed sums of tokens over decayed sums of
+    seconds (a mean of per-step rates would let one slow step, a switch or a catch-up, count as little as a
+    fast one, and a decayed mean seeded with the first step weighs that cold step for dozens more). Depths 0, 1 and k_max are tried
+    `min_trials` times first; only if 1 or k_max beats 0 are the depths between tried too. Then the best is
+    played, with a neighbour now and then to track drift. Where speculation does not pay, that costs a few
+    steps at two depths per bucket; where one draft does not pay for a verification's fixed cost but
+    k_max drafts do (n-gram drafts on a small model), k_max is still found, where a climb from 0 stopped."""
+
+    def __init__(self, k_max: int, min_trials: int = 3, explore_every: int = 32, decay: float = 0.9,
+                 margin: float = 1.05, hopeless: float = 2.0, max_explore_every: int = 2048,
+                 look_budget: float = 0.01, seed: int = 0):
+        self.k_max, self.min_trials, self.explore_every, self.decay = k_max, min_trials, explore_every, decay
+        self.margin = margin  # a challenger must beat the incumbent depth by this factor: single steps are noisy
+        # a depth at under 1/hopeless of another's rate is settled by one try (one that paid no switch), and looking at it again waits
+        # twice as long each time it is still that far behind (up to max_explore_every steps of its bucket):
+        # a verification step that falls off the fast decode path costs several plain steps, and probing
+        # from depth 0 costs a draft model its catch-up, so hopeless looks are what a loaded server pays for
+        self.hopeless, self.max_explore_every = hopeless, max_explore_every
+        # looks are spaced so that what they cost beyond the best depth's steps stays within this share of
+        # the bucket's time (a look that costs three steps waits >= 300 steps at 1 %)
+        self.look_budget = look_budget
+        self.exploring = False  # whether the last choice was a first try or a look (not the best depth)
+        self._first = sorted({0, min(1, k_max), k_max})  # the depths every bucket tries first
+        self._sums: dict[tuple[int, int], list[float]] = {}  # (bucket, depth) -> [decayed tokens, seconds]
+        # seconds per token that every step at a depth also costs outside its decode steps, by (bucket, depth):
+        # set by the owner (DraftPolicy: what admitting prompts costs at that depth); none by default
+        self.surcharge = lambda bucket, k: 0.0
+        self._trials: dict[tuple[int, int], int] = {}
+        self._best: dict[int, int] = {}
+        self._choices: dict[int, int] = {}  # per bucket
+        self._next_look: dict[int, int] = {}  # bucket -> its choice count at which to look at a neighbour
+        self._look_every: dict[int, int] = {}
+        self._pending: dict[int, tuple[int, int]] = {}  # bucket -> (depth, choice count) of a first try in flight
+        self._looking: dict[int, int] = {}  # bucket -> the depth of a look in flight
+        self._clean: set[tuple[int, int]] = set()  # (bucket, depth)s with a try that paid no switch
+        self._rng = random.Random(seed)
+
+    def _far_behind(self, bucket: int, k: int, than: int) -> bool:
+        r, other = self.rate(bucket, k), self.rate(bucket, than)
+        return r is not None and other is not None and r * self.hopeless < other
+
+    def _tried(self, bucket: int, k: int) -> bool:
+        n = self._trials.get((bucket, k), 0)
+        if n >= self.min_trials:
+            return True
+        return (n >= 1 and k > 0 and (bucket, k) in self._clean and self._tried(bucket, 0)
+                and self._far_behind(bucket, k, 0))
+
+    def _beyond_reach(self, bucket: int, k: int, acceptance: float | None) -> bool:
+        """Whether depth k cannot beat depth 0, judged from depth 1: a step's cost does not fall as k grows, and
+        with per-draft acceptance a the tokens per step grow from 1 + a to 1 + a + ... + a^k, so k's rate is at
+        most rate(1) times that ratio. Trying k then only costs steps (a draft model that loses at one draft
+        and is accepted 40 % of the time has no deeper depth that wins)."""
+        if acceptance is None or not (self._tried(bucket, 0) and self._tried(bucket, 1)):
+            return False
+        gain = sum(acceptance ** i for i in range(k + 1)) / (1 + acceptance)
+        return self.rate(bucket, 1) * gain < self.rate(bucket, 0)
+
+    def choose(self, bucket: int, acceptance: float | None = None) -> int:
+        """`acceptance`: the measured per-draft acceptance so far (None until there is enough of it)."""
+        count = self._choices[bucket] = self._choices.get(bucket, 0) + 1
+        self.exploring = False
+        pending = self._pending.get(bucket)
+        if pending is not None and count - pending[1] <= 3:
+            return 0  # a first try of drafts is still to be credited (a step later): wait for its result
+        self.exploring = True
+        for k in self._first:
+            if not self._tried(bucket, k) and not self._beyond_reach(bucket, k, acceptance):
+                if k > 0:
+                    self._pending[bucket] = (k, count)
+                return k
+
+        def rate(k: int) -> float:
+            return self.rate(bucket, k)
+
+        first = [k for k in self._first if self._tried(bucket, k)]
+        if max(rate(k) for k in first) > self.margin * rate(0):  # drafts pay somewhere: look between too
+            for k in range(self.k_max + 1):
+                if not self._tried(bucket, k):
+                    return k
+        tried = [k for k in range(self.k_max + 1) if self._tried(bucket, k)]
+        best = self._best.get(bucket, 0)
+        challenger = max(tried, key=rate)
+        if rate(challenger) > self.margin * rate(best):
+            best = self._best[bucket] = challenger
+        # track drift: look at a neighbour now and then; from depth 0 less often, since leaving it costs a
+        # draft model the catch-up over every token since it last ran
+        if count < self._next_look.setdefault(bucket, count - 1 + self._base_look_every(best)):
+            self.exploring = False
+            return best
+        if best == 0:  # from 0, the more promising of the depths first tried (one draft may not pay for a
+            # verification where k_max do, and a few unlucky steps at k_max must not hide it for good)
+            candidates = [k for k in self._first if k and not self._beyond_reach(bucket, k, acceptance)] or [1]
+            look = max(candidates, key=lambda k: (rate(k) if self._trials.get((bucket, k)) else 0.0, -k))
+        else:
+            steps = [best + d for d in (-1, 1) if 0 <= best + d <= self.k_max]
+            look = best + self._rng.choice((-1, 1)) if len(steps) == 2 else steps[0]
+        self._looking[bucket] = look
+        self._next_look[bucket] = count + self._look_every.get(bucket, self._base_look_every(best))  # until it lands
+        return look
+
+    def _base_look_every(self, best: int) -> int:
+        return self.explore_every * (4 if best == 0 else 1)
+
+    def _landed_look(self, bucket: int, k: int, tokens: float, seconds: float, step: tuple[int, float]) -> None:
+        """A look's result replaces its depth's estimate (which may be thousands of steps old) and sets when to
+        look next: twice as late while the depth stays far behind, back to the base interval otherwise, and
+        never sooner than the look budget allows for what this look cost beyond a step at the best depth."""
+        del self._looking[bucket]
+        self._sums[(bucket, k)] = [tokens, seconds]
+        self._trials[(bucket, k)] = self._trials.get((bucket, k), 0) + 1
+        best = self._best.get(bucket, 0)
+        base = self._base_look_every(best)
+        every = self._look_every.get(bucket, base)
+        every = min(2 * every, self.max_explore_every) if self._far_behind(bucket, k, best) else base
+        best_rate = self.rate(bucket, best, with_surcharge=False)
+        real_tokens, real_seconds = step
+        if best_rate and real_tokens > 0 and k != best:
+            best_step = real_tokens / best_rate  # what the same tokens take at the best depth
+            every = max(every, math.ceil((real_seconds - best_step) / (self.look_budget * best_step)))
+        self._look_every[bucket], self._next_look[bucket] = every, self._choices.get(bucket, 0) + every
+
+    def lost(self, bucket: int, k: int) -> None:
+        """A step at depth k that teaches nothing (it carried prefill chunks): a first try or a look that it
+        was is not waited for; the try comes again, the look at its next time."""
+        if self._pending.get(bucket, (None,))[0] == k:
+            del self._pending[bucket]
+        if self._looking.get(bucket) == k:
+            del self._looking[bucket]
+
+    def observe(self, bucket: int, k: int, tokens: float, seconds: float, switch_seconds: float = 0.0,
+                step: tuple[int, float] | None = None) -> None:
+        """`switch_seconds`: the part of `seconds` that switched a draft model back on after depth 0 (its
+        catch-up over every token since it last ran). It is charged (a bandit that leaves 0 for a depth that
+        is no better pays it again each time: leaving it out made the shipped pair flap between 0 and 1 at 16
+        requests, 0.8x of off), but a try that paid it does not settle a depth as hopeless on its own.
+        `step`: the tokens the step really emitted and the seconds it really took, where `tokens` and
+        `seconds` are a priced estimate instead (DraftPolicy's placeholder looks); what a look cost is
+        judged from those."""
+        if seconds <= 0:
+            return
+        key = (bucket, k)
+        first_clean = switch_seconds <= 0 and key not in self._clean
+        if switch_seconds <= 0:
+            self._clean.add(key)
+        if self._pending.get(bucket, (None,))[0] == k:
+            del self._pending[bucket]
+        if self._looking.get(bucket) == k:
+            return self._landed_look(bucket, k, tokens, seconds, step or (tokens, seconds))
+        n = self._trials.get(key, 0)
+        # the first try without a switch replaces an estimate made only of tries with one (a depth that pays
+        # would otherwise look, for a while, as if it did not)
+        sums = self._sums.get(key)
+        if n == 0 or first_clean or sums is None:
+            self._sums[key] = [tokens, seconds]
+        else:
+            sums[0] = self.decay * sums[0] + tokens
+            sums[1] = self.decay * sums[1] + seconds
+        self._trials[key] = n + 1
+
+    def rate(self, bucket: int, k: int, with_surcharge: bool = True) -> float | None:
+        """Tokens per second at depth k: its decode steps, plus the owner's surcharge per token."""
+        sums = self._sums.get((bucket, k))
+        if sums is None:
+            return None
+        per_token = sums[1] / sums[0] if sums[0] > 0 else math.inf
+        return 1.0 / (per_token + (self.surcharge(bucket, k) if with_surcharge else 0.0))
