@@ -70,7 +70,6 @@ class DraftPolicy:
         # run those drafts yet, so crediting it to K would blur the depths.
         self._verifying: tuple[int, int, bool] | None = None
         self._planned: tuple[int, int, bool] | None = None  # (bucket, K, priced) planned this step
-        self._drafting = False  # the proposer ran after the last step (a draft model's KV is current)
         self._draft_cost: dict[int, float] = {}  # bucket -> decayed seconds of one batched draft position
         self._priced: dict[tuple[int, int], float] = {}  # (bucket, K) -> its last priced rate, unbiased
         self._bias: dict[int, float] = {}  # bucket -> decayed real rate / priced rate, where both were seen
@@ -159,9 +158,10 @@ class DraftPolicy:
         bucket = bucket_of(len(rids))
         acceptance = self._per_draft_acceptance()
         depth = self.bandit.choose(bucket, acceptance)
-        priced = (depth > 0 and self.price_looks and self.bandit.exploring and not self._drafting
+        # from a bucket whose best is no drafts, the draft model is behind on these requests: price instead
+        priced = (depth > 0 and self.price_looks and self.bandit.exploring and self.bandit.best(bucket) == 0
                   and acceptance is not None and self._draft_seconds(bucket) is not None)
-        self._drafting, self.placeholders = depth > 0 and not priced, priced
+        self.placeholders = priced
         self._verifying, self._planned = self._planned, (bucket, depth, priced)
         if depth == 0:
             return {}  # no request drafts (a request's own probes only happen below a nonzero depth)

@@ -37,11 +37,16 @@ class DepthBandit:
         self._trials: dict[tuple[int, int], int] = {}
         self._best: dict[int, int] = {}
         self._choices: dict[int, int] = {}  # per bucket
-        self._next_look: dict[int, int] = {}  # bucket -> its choice count at which to look at a neighbour
-        self._look_every: dict[int, int] = {}
+        # (bucket, depth) -> the bucket's choice count at which to look at that depth, and the interval
+        self._next_look: dict[tuple[int, int], int] = {}
+        self._look_every: dict[tuple[int, int], int] = {}
         self._pending: dict[int, tuple[int, int]] = {}  # bucket -> (depth, choice count) of a first try in flight
         self._looking: dict[int, int] = {}  # bucket -> the depth of a look in flight
         self._clean: set[tuple[int, int]] = set()  # (bucket, depth)s with a try that paid no switch
+        self._priced: set[tuple[int, int]] = set()  # (bucket, depth)s whose last observation was priced
+        # bucket -> choice count until which its best depth is played without weighing the rates again (every
+        # step of a small model pays for this choice: the full comparison took ~50 us)
+        self._settled_until: dict[int, int] = {}
         self._rng = random.Random(seed)
 
     def _far_behind(self, bucket: int, k: int, than: int) -> bool:
@@ -49,11 +54,19 @@ class DepthBandit:
         return r is not None and other is not None and r * self.hopeless < other
 
     def _tried(self, bucket: int, k: int) -> bool:
+        """Tried `min_trials` times, or once without a switch and found far behind depth 0 (or behind it at
+        all, for a priced try, whose tokens are an expectation rather than one step's luck): more tries of a
+        losing depth only cost steps (on CPU a verification off the one-call decode step costs several plain
+        ones); the looks come back to it."""
         n = self._trials.get((bucket, k), 0)
         if n >= self.min_trials:
             return True
-        return (n >= 1 and k > 0 and (bucket, k) in self._clean and self._tried(bucket, 0)
-                and self._far_behind(bucket, k, 0))
+        if n < 1 or k == 0 or (bucket, k) not in self._clean or not self._tried(bucket, 0):
+            return False
+        if (bucket, k) in self._priced:
+            r, r0 = self.rate(bucket, k), self.rate(bucket, 0)
+            return r is not None and r0 is not None and r < r0
+        return self._far_behind(bucket, k, 0)
 
     def _beyond_reach(self, bucket: int, k: int, acceptance: float | None) -> bool:
         """Whether depth k cannot beat depth 0, judged from depth 1: a step's cost does not fall as k grows, and
@@ -69,6 +82,8 @@ class DepthBandit:
         """`acceptance`: the measured per-draft acceptance so far (None until there is enough of it)."""
         count = self._choices[bucket] = self._choices.get(bucket, 0) + 1
         self.exploring = False
+        if count < self._settled_until.get(bucket, 0):
+            return self._best.get(bucket, 0)
         pending = self._pending.get(bucket)
         if pending is not None and count - pending[1] <= 3:
             return 0  # a first try of drafts is still to be credited (a step later): wait for its result
@@ -94,22 +109,27 @@ class DepthBandit:
             best = self._best[bucket] = challenger
         # track drift: look at a neighbour now and then; from depth 0 less often, since leaving it costs a
         # draft model the catch-up over every token since it last ran
-        if count < self._next_look.setdefault(bucket, count - 1 + self._base_look_every(best)):
-            self.exploring = False
-            return best
-        if best == 0:  # from 0, the more promising of the depths first tried (one draft may not pay for a
-            # verification where k_max do, and a few unlucky steps at k_max must not hide it for good)
+        # track drift: look now and then at the depths next to the best one; from 0, at the depths first tried
+        # (one draft may not pay for a verification where k_max do). Each depth has its own schedule
+        if best == 0:
             candidates = [k for k in self._first if k and not self._beyond_reach(bucket, k, acceptance)] or [1]
-            look = max(candidates, key=lambda k: (rate(k) if self._trials.get((bucket, k)) else 0.0, -k))
         else:
-            steps = [best + d for d in (-1, 1) if 0 <= best + d <= self.k_max]
-            look = best + self._rng.choice((-1, 1)) if len(steps) == 2 else steps[0]
+            candidates = [best + d for d in (-1, 1) if 0 <= best + d <= self.k_max]
+        due = {k: self._next_look.setdefault((bucket, k), count - 1 + self.explore_every) for k in candidates}
+        look = min(candidates, key=lambda k: due[k])
+        if count < due[look]:
+            self.exploring = False
+            self._settled_until[bucket] = min(count + self.REWEIGH_EVERY, due[look])
+            return best
         self._looking[bucket] = look
-        self._next_look[bucket] = count + self._look_every.get(bucket, self._base_look_every(best))  # until it lands
+        every = self._look_every.get((bucket, look), self.explore_every)
+        self._next_look[(bucket, look)] = count + every  # until it lands
         return look
 
-    def _base_look_every(self, best: int) -> int:
-        return self.explore_every * (4 if best == 0 else 1)
+    REWEIGH_EVERY = 16  # choices between two comparisons of the rates while nothing new is tried
+
+    def best(self, bucket: int) -> int:
+        return self._best.get(bucket, 0)
 
     def _landed_look(self, bucket: int, k: int, tokens: float, seconds: float, step: tuple[int, float]) -> None:
         """A look's result replaces its depth's estimate (which may be thousands of steps old) and sets when to
@@ -118,16 +138,15 @@ class DepthBandit:
         del self._looking[bucket]
         self._sums[(bucket, k)] = [tokens, seconds]
         self._trials[(bucket, k)] = self._trials.get((bucket, k), 0) + 1
-        best = self._best.get(bucket, 0)
-        base = self._base_look_every(best)
-        every = self._look_every.get(bucket, base)
+        best, base = self._best.get(bucket, 0), self.explore_every
+        every = self._look_every.get((bucket, k), base)
         every = min(2 * every, self.max_explore_every) if self._far_behind(bucket, k, best) else base
         best_rate = self.rate(bucket, best, with_surcharge=False)
         real_tokens, real_seconds = step
         if best_rate and real_tokens > 0 and k != best:
             best_step = real_tokens / best_rate  # what the same tokens take at the best depth
             every = max(every, math.ceil((real_seconds - best_step) / (self.look_budget * best_step)))
-        self._look_every[bucket], self._next_look[bucket] = every, self._choices.get(bucket, 0) + every
+        self._look_every[(bucket, k)], self._next_look[(bucket, k)] = every, self._choices.get(bucket, 0) + every
 
     def lost(self, bucket: int, k: int) -> None:
         """A step at depth k that teaches nothing (it carried prefill chunks): a first try or a look that it
@@ -149,6 +168,12 @@ class DepthBandit:
         if seconds <= 0:
             return
         key = (bucket, k)
+        if step is None:
+            self._priced.discard(key)
+        else:
+            self._priced.add(key)
+        if k != self._best.get(bucket, 0):
+            self._settled_until.pop(bucket, None)  # news about another depth: weigh the rates at the next choice
         first_clean = switch_seconds <= 0 and key not in self._clean
         if switch_seconds <= 0:
             self._clean.add(key)
