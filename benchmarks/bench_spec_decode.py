@@ -8,13 +8,17 @@ Workloads (each engine configuration in its own process):
           the continuation quotes the document (several quotes per document, as questions about one
           document would; its KV is reused through the prefix cache)
   sweep   concurrency 1 .. 32 (max_num_seqs, all requests queued at once; 8 x concurrency requests, at
-          least 32, of 128 tokens each): off, fixed k, adaptive; each timed run after one warm-up request
-          (cold), or with --sweep-warmup wave after a wave of `concurrency` requests (steady state)
+          least 32, of 128 tokens each, or 128 +- 25 % with --sweep-output-jitter 0.25): off, fixed k,
+          adaptive; each timed run after one warm-up request (cold), or with --sweep-warmup wave after a wave
+          of `concurrency` requests (steady state). With equal lengths and no drafts, requests admitted
+          together finish together, so speculation off prefills each wave of prompts in one step; any
+          drafting breaks that lockstep for good (BENCHMARKS.md, "Adaptive depth ... session 17")
   qwen    the Qwen2.5-0.5B shape with dummy weights, repetitive prompts (n-gram), batch 1: what
           verification costs at a realistic size
 
     python benchmarks/bench_spec_decode.py [--only draft,ngram,sweep,qwen] [--sweep-warmup one|wave]
-        [--sweep-configs off,adaptive] [--repeats N] [--out benchmarks/results/spec_decode.json]
+        [--sweep-configs off,adaptive] [--sweep-output-jitter 0.25] [--repeats N]
+        [--out benchmarks/results/spec_decode.json]
 """
 from __future__ import annotations
 
@@ -47,9 +51,11 @@ def _passages(n: int, chars: int, seed: int = 0) -> list[str]:
     return out
 
 
-def _requests(kind: str, n: int, output_len: int) -> list[dict]:
-    if kind == "draft":
-        return [{"prompt": p, "output_len": output_len} for p in _passages(n, 300, seed=1)]
+def _requests(kind: str, n: int, output_len: int, jitter: float = 0.0) -> list[dict]:
+    if kind == "draft":  # output lengths uniform in output_len * (1 +- jitter), seeded
+        rng = random.Random(4)
+        return [{"prompt": p, "output_len": round(output_len * (1 + rng.uniform(-jitter, jitter)))}
+                for p in _passages(n, 300, seed=1)]
     if kind == "quote":  # n documents x QUOTES_PER_DOC cues
         rng = random.Random(2)
         reqs = []
@@ -118,6 +124,8 @@ def main() -> None:
     ap.add_argument("--sweep-configs", default="off,fixed k,adaptive", help="comma-separated; 'off' is needed")
     ap.add_argument("--sweep-warmup", choices=("wave", "one"), default="one",
                     help="before each timed sweep run: one wave of `concurrency` requests (steady state) or one request (cold)")
+    ap.add_argument("--sweep-output-jitter", type=float, default=0.0,
+                    help="sweep output lengths uniform in 128 x (1 +- this); 0: all 128 (requests in lockstep)")
     ap.add_argument("--out", default="benchmarks/results/spec_decode.json")
     args = ap.parse_args()
     if args.worker:
@@ -150,7 +158,8 @@ def main() -> None:
             configs = {"off": None, "fixed k": dict(draft, adaptive=False), "adaptive": draft}
             configs = {name: spec for name, spec in configs.items() if name in args.sweep_configs.split(",")}
             out["sweep"][conc] = _ab(f"c={conc}", dict(tiny, max_num_seqs=conc), configs,
-                                     _requests("draft", max(32, 8 * conc), 128), args.repeats, warmups)
+                                     _requests("draft", max(32, 8 * conc), 128, args.sweep_output_jitter),
+                                     args.repeats, warmups)
     if "qwen" in only:
         print("[spec] Qwen2.5-0.5B shape, n-gram, batch 1", flush=True)
         qwen = dict(model=dummy_model_dir(QWEN25_05B), load_format="dummy", dtype="bfloat16", max_model_len=1024,
