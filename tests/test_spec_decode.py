@@ -319,6 +319,27 @@ def test_bandit_settles_hopeless_depths_in_one_try_and_backs_off_looking_at_them
     assert bandit.choose(16) >= 1
 
 
+def _noisy_world(gain: float, z: float, seed: int, steps: int = 3000) -> tuple[float, int]:
+    """Depths 0 and 1; a step's seconds vary by 15 % (normal); depth 1 is `gain` times as fast. Returns the
+    share of late steps whose best depth is 1 and how many times the best depth changed."""
+    rng = np.random.default_rng(seed)
+    bandit, bests = DepthBandit(k_max=1, z=z, leave_margin=1.05), []
+    for _ in range(steps):
+        k = bandit.choose(4)
+        bests.append(bandit.best(4))
+        bandit.observe(4, k, 8, 0.002 / (gain if k else 1.0) * max(0.3, 1 + rng.normal(0, 0.15)))
+    return float(np.mean(bests[500:])), sum(a != b for a, b in zip(bests, bests[1:]))
+
+
+def test_bandit_changes_depth_on_evidence_not_on_a_few_lucky_steps():
+    """With the steps' own spread, a challenger must win by 1.5 standard errors as well as by the margin:
+    where two depths run equally fast the best flaps far less, and a real 15 % gain is still played."""
+    for seed in range(3):
+        assert _noisy_world(1.0, 1.5, seed)[1] < 0.5 * _noisy_world(1.0, 0.0, seed)[1]
+        assert _noisy_world(1.15, 1.5, seed)[0] > 0.9
+        assert _noisy_world(1.3, 1.5, seed)[0] > 0.95
+
+
 def test_draft_policy_charges_a_step_its_whole_cycle_but_not_idle_time():
     """A step's cost runs from its start to the next step's start (scheduling and output handling
     included); a gap longer than the step itself is idle time and is left out."""

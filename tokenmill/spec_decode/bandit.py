@@ -18,13 +18,17 @@ class DepthBandit:
 
     def __init__(self, k_max: int, min_trials: int = 3, explore_every: int = 32, decay: float = 0.9,
                  margin: float = 1.05, leave_margin: float = 1.15, hopeless: float = 2.0,
-                 max_explore_every: int = 2048, look_budget: float = 0.01, seed: int = 0):
+                 max_explore_every: int = 2048, look_budget: float = 0.01, z: float = 1.5, seed: int = 0):
         self.k_max, self.min_trials, self.explore_every, self.decay = k_max, min_trials, explore_every, decay
         self.margin = margin  # a challenger must beat the incumbent depth by this factor: single steps are noisy
         # and to leave no drafts for drafts, by this one: leaving costs what a rate does not show (a draft model's
         # catch-up, requests that no longer finish together), and near break-even the rates are mostly noise
         # (the shipped pair on a 2-core CPU: 1.0-1.03x at one request, where a 5 % margin drafted and lost)
         self.leave_margin = leave_margin
+        # and by this many standard errors of the difference in seconds per token, from the steps' own spread:
+        # on a noisy machine a few lucky steps beat a fixed margin (the shipped pair, break-even on a 2-core
+        # Zen 3, was played at depths that lost)
+        self.z = z
         # a depth at under 1/hopeless of another's rate is settled by one try (one that paid no switch), and
         # looking at it again waits twice as long each time it is still that far behind (up to
         # max_explore_every steps of its bucket): a verification step that falls off the fast decode path
@@ -35,7 +39,9 @@ class DepthBandit:
         self.look_budget = look_budget
         self.exploring = False  # whether the last choice was a first try or a look (not the best depth)
         self._first = sorted({0, min(1, k_max), k_max})  # the depths every bucket tries first
-        self._sums: dict[tuple[int, int], list[float]] = {}  # (bucket, depth) -> [decayed tokens, seconds]
+        # (bucket, depth) -> decayed [tokens, seconds, seconds^2 / tokens, tokens^2]: the rate, and the spread of
+        # the steps' seconds per token around it (weighted by tokens) with its effective number of steps
+        self._sums: dict[tuple[int, int], list[float]] = {}
         # seconds per token that every step at a depth also costs outside its decode steps, by (bucket, depth):
         # set by the owner (DraftPolicy: what admitting prompts costs at that depth); none by default
         self.surcharge = lambda bucket, k: 0.0
@@ -110,7 +116,7 @@ class DepthBandit:
         tried = [k for k in range(self.k_max + 1) if self._tried(bucket, k)]
         best = self._best.get(bucket, 0)
         challenger = max(tried, key=rate)
-        if rate(challenger) > (self.leave_margin if best == 0 else self.margin) * rate(best):
+        if challenger != best and self._clearly_better(bucket, challenger, best):
             best = self._best[bucket] = challenger
         # track drift: look at a neighbour now and then; from depth 0 less often, since leaving it costs a
         # draft model the catch-up over every token since it last ran
@@ -141,7 +147,7 @@ class DepthBandit:
         look next: twice as late while the depth stays far behind, back to the base interval otherwise, and
         never sooner than the look budget allows for what this look cost beyond a step at the best depth."""
         del self._looking[bucket]
-        self._sums[(bucket, k)] = [tokens, seconds]
+        self._sums[(bucket, k)] = _fresh(tokens, seconds)
         self._trials[(bucket, k)] = self._trials.get((bucket, k), 0) + 1
         best, base = self._best.get(bucket, 0), self.explore_every
         every = self._look_every.get((bucket, k), base)
@@ -191,11 +197,32 @@ class DepthBandit:
         # would otherwise look, for a while, as if it did not)
         sums = self._sums.get(key)
         if n == 0 or first_clean or sums is None:
-            self._sums[key] = [tokens, seconds]
+            self._sums[key] = _fresh(tokens, seconds)
         else:
-            sums[0] = self.decay * sums[0] + tokens
-            sums[1] = self.decay * sums[1] + seconds
+            for i, x in enumerate(_fresh(tokens, seconds)):
+                sums[i] = self.decay * sums[i] + x
         self._trials[key] = n + 1
+
+    def _clearly_better(self, bucket: int, k: int, than: int) -> bool:
+        """k's rate beats `than`'s by the margin (the larger one to leave no drafts) and by `z` standard
+        errors of the difference in seconds per token. A depth seen in one step only borrows the other's
+        spread (relative to its seconds per token)."""
+        rk, rt = self.rate(bucket, k), self.rate(bucket, than)
+        if rk <= (self.leave_margin if than == 0 else self.margin) * rt:
+            return False
+        spread = [self._spread(bucket, d) for d in (k, than)]
+        cv = max((c for c, _ in spread if c is not None), default=0.0)
+        se2 = sum((cv / r) ** 2 / n for r, (_, n) in zip((rk, rt), spread))  # per-token seconds ~ 1 / rate
+        return 1.0 / rt - 1.0 / rk > self.z * math.sqrt(se2)
+
+    def _spread(self, bucket: int, k: int) -> tuple[float | None, float]:
+        """(coefficient of variation of a step's seconds per token, or None from one step; effective steps)."""
+        tokens, seconds, sq, t2 = self._sums[(bucket, k)]
+        n = tokens * tokens / t2 if t2 > 0 else 1.0
+        if n < 1.5 or tokens <= 0 or seconds <= 0:
+            return None, max(n, 1.0)
+        mean = seconds / tokens
+        return math.sqrt(max(0.0, sq / tokens - mean * mean)) / mean, n
 
     def rate(self, bucket: int, k: int, with_surcharge: bool = True) -> float | None:
         """Tokens per second at depth k: its decode steps, plus the owner's surcharge per token."""
@@ -204,3 +231,8 @@ class DepthBandit:
             return None
         per_token = sums[1] / sums[0] if sums[0] > 0 else math.inf
         return 1.0 / (per_token + (self.surcharge(bucket, k) if with_surcharge else 0.0))
+
+
+def _fresh(tokens: float, seconds: float) -> list[float]:
+    """One step's contribution to a depth's decayed sums (DepthBandit._sums)."""
+    return [tokens, seconds, seconds * seconds / tokens if tokens > 0 else 0.0, tokens * tokens]
