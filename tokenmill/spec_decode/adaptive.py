@@ -9,12 +9,14 @@ a formula (on CPU, a verified sequence leaves the batched decode kernel for the 
 step is measured, not modelled:
 
     per batch-size bucket (1, 2, 4, 8, ... sampling requests) and depth K = 0 .. k_max:
-        rate[bucket][K] = decayed mean of tokens emitted / seconds, over decode-only steps at depth K
-                          (seconds = the verifying step + the proposer's time for its drafts)
+        rate[bucket][K] = decayed tokens emitted / decayed seconds, over decode-only steps at depth K
+                          (seconds = the verifying step's whole cycle + the proposer's time for its drafts),
+                          plus what admitting prompts costs per emitted token at K (steps with prefill)
 
-Each step takes the K with the best rate for its bucket (a bandit that first tries K = 0, 1 and k_max, and
-the depths between where drafts pay, then plays the best with an occasional neighbour to track drift), and
-each request drafts min(K, its useful depth).
+Each step takes the K with the best rate for its bucket (bandit.py: first tries of K = 0, 1 and k_max, and
+the depths between where drafts pay, then the best with looks at its neighbours to track drift; with a
+draft model, looks away from K = 0 are priced with placeholder drafts), and each request drafts
+min(K, its useful depth).
 When the batch is compute-bound, or drafts keep failing, the best K is 0 and speculation stops; a
 request at depth 0 probes with one draft every `probe_every` steps, so its estimate can recover.
 """
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.spec_decode.bandit import DepthBandit
+from tokenmill.spec_decode.bandit import DepthBandit, expected_tokens
 
 
 @dataclass
@@ -105,12 +107,12 @@ class DraftPolicy:
         acc[1] = self.decay * acc[1] + trials
 
     def record_placeholder(self, drafted: int) -> None:
-        """A verified step of placeholder drafts (the scheduler keeps only the target's own token, so the
+        """A verified step of placeholder drafts (the worker keeps only the target's own token, so the
         token stream is what a step without drafts makes): not in the metrics or acceptance. It is priced as
         the step the proposer's drafts would have made: the tokens they would emit on average."""
         a = self._per_draft_acceptance() or 0.0
         self._placeholder_tokens[0] += 1
-        self._placeholder_tokens[1] += sum(a ** i for i in range(drafted + 1))
+        self._placeholder_tokens[1] += expected_tokens(a, drafted)
 
     def _per_draft_acceptance(self) -> float | None:
         # drafts after the first rejection were never judged, so accepted / drafted (the reported acceptance

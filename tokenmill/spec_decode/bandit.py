@@ -3,7 +3,6 @@ second of engine time, per batch-size bucket, from measured steps (spec_decode/a
 from __future__ import annotations
 
 import math
-import random
 
 
 class DepthBandit:
@@ -18,7 +17,7 @@ class DepthBandit:
 
     def __init__(self, k_max: int, min_trials: int = 3, explore_every: int = 32, decay: float = 0.9,
                  margin: float = 1.05, leave_margin: float = 1.15, hopeless: float = 2.0,
-                 max_explore_every: int = 2048, look_budget: float = 0.01, z: float = 1.5, seed: int = 0):
+                 max_explore_every: int = 2048, look_budget: float = 0.01, z: float = 1.5):
         self.k_max, self.min_trials, self.explore_every, self.decay = k_max, min_trials, explore_every, decay
         self.margin = margin  # a challenger must beat the incumbent depth by this factor: single steps are noisy
         # and to leave no drafts for drafts, by this one: leaving costs what a rate does not show (a draft model's
@@ -58,7 +57,6 @@ class DepthBandit:
         # bucket -> choice count until which its best depth is played without weighing the rates again (every
         # step of a small model pays for this choice: the full comparison took ~50 us)
         self._settled_until: dict[int, int] = {}
-        self._rng = random.Random(seed)
 
     def _far_behind(self, bucket: int, k: int, than: int) -> bool:
         r, other = self.rate(bucket, k), self.rate(bucket, than)
@@ -86,7 +84,7 @@ class DepthBandit:
         and is accepted 40 % of the time has no deeper depth that wins)."""
         if acceptance is None or not (self._tried(bucket, 0) and self._tried(bucket, 1)):
             return False
-        gain = sum(acceptance ** i for i in range(k + 1)) / (1 + acceptance)
+        gain = expected_tokens(acceptance, k) / (1 + acceptance)
         return self.rate(bucket, 1) * gain < self.rate(bucket, 0)
 
     def choose(self, bucket: int, acceptance: float | None = None) -> int:
@@ -118,8 +116,6 @@ class DepthBandit:
         challenger = max(tried, key=rate)
         if challenger != best and self._clearly_better(bucket, challenger, best):
             best = self._best[bucket] = challenger
-        # track drift: look at a neighbour now and then; from depth 0 less often, since leaving it costs a
-        # draft model the catch-up over every token since it last ran
         # track drift: look now and then at the depths next to the best one; from 0, at the depths first tried
         # (one draft may not pay for a verification where k_max do). Each depth has its own schedule
         if best == 0:
@@ -236,3 +232,9 @@ class DepthBandit:
 def _fresh(tokens: float, seconds: float) -> list[float]:
     """One step's contribution to a depth's decayed sums (DepthBandit._sums)."""
     return [tokens, seconds, seconds * seconds / tokens if tokens > 0 else 0.0, tokens * tokens]
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens one verification of k drafts emits on average, each draft accepted with probability
+    `acceptance` until the first rejection: 1 + a + ... + a^k."""
+    return sum(acceptance ** i for i in range(k + 1))
