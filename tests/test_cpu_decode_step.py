@@ -127,6 +127,53 @@ def test_draft_model_steps_take_it_and_speculation_stays_lossless(dirs, tmp_path
     assert [t for t, _ in fast] == [t for t, _ in plain]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_drafting_in_one_call_proposes_what_the_step_by_step_loop_does(dirs, tmp_path, monkeypatch, dtype):
+    """All k draft steps of a batch in one C call (catch-up rows, then single-token steps with the head and an
+    argmax in C) against the Python loop over the same forwards: the same drafts, proposal by proposal,
+    with several requests per step and a depth of its own for each."""
+    from dataclasses import replace
+
+    from tokenmill.spec_decode.draft_model import DraftModelProposer
+
+    draft = _save(str(tmp_path / "draft"), _llama(**{**SHAPE, "num_hidden_layers": 1}), 3)
+    prompts = random_prompts([6, 13, 9, 4])
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 4, "adaptive": False}
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (17, 10, 14, 11)]
+    proposals, calls = [], []
+    orig_propose, orig_one_call = DraftModelProposer.propose_batch, DraftModelProposer._draft_in_one_call
+
+    def propose(self, runner, items):  # each request drafts its own depth (1-4), as adaptive depth does
+        items = [(replace(s, propose_k=min(s.propose_k, 1 + sum(map(ord, s.request_id)) % 4)), st)
+                 for s, st in items]
+        out = orig_propose(self, runner, items)
+        proposals[-1].append(sorted(out.items()))
+        return out
+
+    def one_call(self, runner, catch_up, ks):
+        got = orig_one_call(self, runner, catch_up, ks)
+        calls.append((got is not None, ks))
+        return got
+
+    monkeypatch.setattr(DraftModelProposer, "propose_batch", propose)
+    monkeypatch.setattr(DraftModelProposer, "_draft_in_one_call", one_call)
+    tokens = []
+    for one_call_on in (True, False):
+        if not one_call_on:
+            monkeypatch.setattr(DraftModelProposer, "_draft_in_one_call", lambda *a: None)
+        proposals.append([])
+        llm = make_llm(dirs["llama"], dtype=dtype, speculative_config=spec, max_num_seqs=4)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        tokens.append([o.outputs[0].token_ids for o in outs])
+    in_one_call = [ks for took, ks in calls if took]
+    assert len(in_one_call) > 5 and any(len(ks) > 1 for ks in in_one_call)  # batches of requests drafted in C
+    assert any(len(set(ks)) > 1 for ks in in_one_call)  # and depths that differ within one call
+    assert proposals[0] == proposals[1]
+    plain = make_llm(dirs["llama"], dtype=dtype, enforce_eager=True).generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert tokens[0] == tokens[1] == [o.outputs[0].token_ids for o in plain]
+
+
 @pytest.mark.parametrize("kw", [dict(enforce_eager=True), dict(cpu_linear_kernel="torch"),
                                 dict(attention_impl="eager")])
 def test_off_where_the_per_op_path_would_differ(dirs, kw):

@@ -20,7 +20,10 @@
  *   residual [D] | x [D] | h [D] | qkv [(Hq + 2 Hkv) hd] | attn [Hq hd] | gate_up [2 I] | act [I] | cos, sin [hd]
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 
 void tm_gemv_f32(const float *P, const float *x, const float *bias, float *y, int64_t N, int64_t K, int nthreads);
 void tm_gemv_bf16_vnni(const uint16_t *P, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t N, int64_t K,
@@ -147,4 +150,64 @@ void tm_decode_rows(const tm_decoder *m, int64_t B, const int64_t *tokens, const
         linear(&L->down, act, x, B, bf16, nt);
     }
     tm_add_rmsnorm(x, residual, m->final_norm, out, B, D, m->eps, bf16, nt);
+}
+
+/* index of the first maximum of v[0 .. n) (dtype elements), as torch's max(dim).indices */
+static int64_t argmax_row(const char *v, int64_t n, int bf16) {
+    int64_t best = 0;
+    float bv = bf16 ? bf16_to_f32(((const uint16_t *)v)[0]) : ((const float *)v)[0];
+    for (int64_t i = 1; i < n; i++) {
+        const float x = bf16 ? bf16_to_f32(((const uint16_t *)v)[i]) : ((const float *)v)[i];
+        if (x > bv) { bv = x; best = i; }
+    }
+    return best;
+}
+
+/* A draft model's greedy proposal for B requests in one call: kmax decode steps, each through the decoder,
+ * the LM head and an argmax, the argmax fed back as the next step's token.
+ *
+ *   step 0: the R rows given (each request's catch-up: decode / verification rows, as tm_decode_rows takes
+ *           them); request b's first draft is the argmax at its row last[b]
+ *   step s: one row per request with ks[b] > s (ks descending, so a prefix of the requests), its draft
+ *           s - 1 at position pos[last[b]] + s, its KV slot from its block table (row last[b] of tables):
+ *
+ *               p = pos[last[b]] + s      slot = table[p / block_size] * block_size + p % block_size
+ *
+ * The scheduler reserved those slots (lookahead). drafts [B][kmax]; hidden [MAX_ROWS][hidden] and logits
+ * [B][head->n] (dtype) are the caller's scratch. Each step makes the calls that DraftModelProposer._run makes
+ * from Python (decoder, head on the gathered last rows, argmax), so its drafts are the same. */
+void tm_decode_greedy(const tm_decoder *m, const tm_linear *head, int64_t R, const int64_t *tokens,
+                      const int64_t *pos, const int64_t *slot, const int32_t *tables, int64_t table_stride,
+                      const int32_t *seq_lens, int64_t B, const int64_t *last, const int64_t *ks, int64_t kmax,
+                      int64_t *drafts, void *hidden, void *logits, int nt) {
+    const int bf16 = (int)m->bf16;
+    const int64_t e = bf16 ? 2 : 4, D = m->hidden, V = head->n, bs = m->block_size;
+    int64_t *tok = malloc(3 * B * sizeof(int64_t)), *p = tok + B, *sl = p + B;
+    int32_t *tbl = malloc(B * table_stride * sizeof(int32_t)), *lens = malloc(B * sizeof(int32_t));
+    char *h = hidden, *gathered = malloc(B * D * e);
+    tm_decode_rows(m, R, tokens, pos, slot, tables, table_stride, seq_lens, h, nt);
+    for (int64_t b = 0; b < B; b++) {
+        memcpy(gathered + b * D * e, h + last[b] * D * e, D * e);
+        memcpy(tbl + b * table_stride, tables + last[b] * table_stride, table_stride * sizeof(int32_t));
+    }
+    linear(head, gathered, logits, B, bf16, nt);
+    for (int64_t b = 0; b < B; b++) drafts[b * kmax] = argmax_row((const char *)logits + b * V * e, V, bf16);
+    for (int64_t s = 1; s < kmax; s++) {
+        int64_t n = 0;
+        while (n < B && ks[n] > s) n++;
+        if (n == 0) break;
+        for (int64_t b = 0; b < n; b++) {
+            tok[b] = drafts[b * kmax + s - 1];
+            p[b] = pos[last[b]] + s;
+            sl[b] = (int64_t)tbl[b * table_stride + p[b] / bs] * bs + p[b] % bs;
+            lens[b] = (int32_t)(p[b] + 1);
+        }
+        tm_decode_rows(m, n, tok, p, sl, tbl, table_stride, lens, h, nt);
+        linear(head, h, logits, n, bf16, nt);
+        for (int64_t b = 0; b < n; b++) drafts[b * kmax + s] = argmax_row((const char *)logits + b * V * e, V, bf16);
+    }
+    free(tok);
+    free(tbl);
+    free(lens);
+    free(gathered);
 }

@@ -49,6 +49,9 @@ def _library():
     lib.tm_decode_rows.argtypes = [ctypes.POINTER(_Decoder), _I, _P, _P, _P, _P, _I, _P, _P, ctypes.c_int]
     lib.tm_decode_rows.restype = None
     lib.tm_decode_max_rows.restype = _I
+    lib.tm_decode_greedy.argtypes = [ctypes.POINTER(_Decoder), ctypes.POINTER(_Linear), _I, _P, _P, _P, _P, _I, _P,
+                                     _I, _P, _P, _I, _P, _P, _P, ctypes.c_int]
+    lib.tm_decode_greedy.restype = None
     return lib
 
 
@@ -117,6 +120,7 @@ class DecoderKernel:
         self.out = torch.empty(max_rows(), self.hidden, dtype=dtype)
         self._ref = ctypes.byref(self.decoder)
         self._fn = lib.tm_decode_rows
+        self._heads: dict[int, tuple] = {}
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
             seq_lens: torch.Tensor) -> torch.Tensor:
@@ -126,3 +130,21 @@ class DecoderKernel:
         self._fn(self._ref, b, tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
                  block_tables.stride(0), seq_lens.data_ptr(), self.out.data_ptr(), torch.get_num_threads())
         return self.out[:b]
+
+    def greedy(self, head: DecodeRowsKernel, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               block_tables: torch.Tensor, seq_lens: torch.Tensor, last: list[int], ks: list[int]) -> list[list[int]]:
+        """Greedy drafting in one call (cpu_decode.c tm_decode_greedy): the rows as `run` takes them, then request
+        b's k = ks[b] drafts, its first from row last[b]; ks descending, len(last) <= head.max_rows."""
+        b, kmax = len(last), ks[0]
+        lin = self._heads.get(id(head))
+        if lin is None:
+            lin = self._heads[id(head)] = (head, _linear(head))  # the kernel object keeps its tensors alive
+        drafts = torch.empty(b, kmax, dtype=torch.int64)
+        logits = torch.empty(b, head.out_features, dtype=self.out.dtype)
+        idx = torch.tensor(last + ks, dtype=torch.int64)
+        _library().tm_decode_greedy(
+            self._ref, ctypes.byref(lin[1]), tokens.shape[0], tokens.data_ptr(), positions.data_ptr(),
+            slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), b, idx.data_ptr(),
+            idx[b:].data_ptr(), kmax, drafts.data_ptr(), self.out.data_ptr(), logits.data_ptr(),
+            torch.get_num_threads())
+        return [row[:k] for row, k in zip(drafts.tolist(), ks)]
