@@ -203,3 +203,61 @@ def test_preemption_prefix_hits_and_chunked_prefill_stay_bit_identical(dirs):
         llm.llm_engine.check_invariants()
         runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
     _assert_same(*runs)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bursts_of_decode_steps_give_the_tokens_of_single_steps(dirs, dtype):
+    """num_scheduler_steps=6: requests queue behind max_num_seqs (no bursts while one waits), max_tokens and a
+    stop token end bursts midway, and a request with logprobs makes its steps plain ones. Tokens, logprobs
+    and finish reasons match single steps; every KV block comes back."""
+    prompts = random_prompts([5, 17, 9, 30, 12], seed=5)
+    base = dict(dtype=dtype, max_num_seqs=2)
+    plain = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = make_llm(dirs["llama"], **base).generate([{"prompt_token_ids": prompts[0]}], plain, use_tqdm=False)
+    stop = ref[0].outputs[0].token_ids[16]  # a token the first request makes mid-run
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop]),
+              SamplingParams(temperature=0, max_tokens=23, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=13, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=31, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)]
+    runs = []
+    for steps in (1, 6):
+        llm = make_llm(dirs["llama"], num_scheduler_steps=steps, **base)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs, o.outputs[0].finish_reason) for o in outs])
+        llm.llm_engine.check_invariants()
+        assert (llm.llm_engine.core.runner.num_bursts > 0) == (steps > 1)
+    assert runs[0][0][2] == "stop" and len(runs[0][0][0]) < 40
+    assert [(t, f) for t, _, f in runs[0]] == [(t, f) for t, _, f in runs[1]]
+    assert runs[0][2][1] is not None and \
+        [{t: p.logprob for t, p in row.items()} for row in runs[0][2][1]] == \
+        [{t: p.logprob for t, p in row.items()} for row in runs[1][2][1]]
+
+
+def test_bursts_fill_blocks_that_later_prompts_hit_in_the_prefix_cache(dirs):
+    """KV written inside a burst is the sequence's: a second prompt made of the first's prompt and output hits
+    the blocks the burst filled (registered when the next step allocates) and continues as single steps do."""
+    prompt = random_prompts([7], seed=6)[0]
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    results = []
+    for steps in (1, 8):
+        llm = make_llm(dirs["llama"], num_scheduler_steps=steps, block_size=16)
+        first = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+        follow = prompt + first[:41]
+        out = llm.generate([{"prompt_token_ids": follow}], params, use_tqdm=False)[0]
+        assert out.num_cached_tokens >= 32
+        # each request: its prefill step (one token), then 49 tokens in single steps or ceil(49 / 8) bursts
+        assert llm.llm_engine.core.num_steps == 2 * (1 + (49 if steps == 1 else 7))
+        results.append((first, out.outputs[0].token_ids))
+        llm.llm_engine.check_invariants()
+    assert results[0] == results[1]
+
+
+def test_bursts_need_the_one_call_step_and_exclude_speculation(dirs):
+    llm = make_llm(dirs["llama"], num_scheduler_steps=4, enforce_eager=True)
+    assert llm.llm_engine.core.scheduler.decode_steps == 1  # warned and ignored
+    with pytest.raises(ValueError, match="num_scheduler_steps"):
+        make_llm(dirs["llama"], num_scheduler_steps=0)
+    with pytest.raises(ValueError, match="num_scheduler_steps"):
+        make_llm(dirs["llama"], num_scheduler_steps=4,
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 2})

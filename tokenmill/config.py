@@ -166,6 +166,12 @@ class EngineConfig:
                                         "write_through (as they fill)", choices=("evict", "write_through"))
     kv_load_timeout_s: float = option(10.0, "a tier load not done after this long is abandoned; the rest of the "
                                       "prompt is recomputed")
+    num_scheduler_steps: int = option(1, "greedy decoding: up to this many decode steps in one engine step, each "
+                                      "step's token fed to the next inside the model runner, so the per-step host "
+                                      "work (scheduling, sampling, output handling) is paid once per burst; tokens "
+                                      "stream in bursts (vLLM's name). Runs where every running request decodes "
+                                      "greedily without logprobs, penalties or stop strings and none is waiting; "
+                                      "CPU one-call decode step only")
     speculative_config: str | None = option(
         None, "speculative decoding, vLLM's shape, as a dict or JSON: {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 5, \"prompt_lookup_min\": 2}; k adapts to "
@@ -335,6 +341,11 @@ class EngineConfig:
             self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else self.max_model_len
         if self.batching == "static":  # a static batch prefills all its prompts in one step
             self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_num_seqs * self.max_model_len)
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
+        if self.num_scheduler_steps > 1 and self.speculative_config:
+            raise ValueError("num_scheduler_steps > 1 and speculative decoding both run several tokens per step: "
+                             "choose one")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.max_long_partial_prefills < 0:

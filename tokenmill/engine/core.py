@@ -108,6 +108,13 @@ class EngineCore:
         self.scheduler.sync_output_tokens = config.pipeline_parallel_size > 1  # stages that do not sample
         if spec is not None and spec.method == "draft_model":
             self.scheduler.spec_lookahead = spec.num_speculative_tokens
+        if config.num_scheduler_steps > 1:
+            if self.executor is None and getattr(self.runner.decode_step, "head", None) is not None:
+                self.scheduler.decode_steps = config.num_scheduler_steps
+            else:
+                logger.warning("num_scheduler_steps=%d ignored: bursts of decode steps run on the CPU's one-call "
+                               "decode step only (not with enforce_eager, a GPU, or a model split over ranks)",
+                               config.num_scheduler_steps)
         self.num_steps = 0
         self.governor = None
         if (config.adaptive_cpu_threads and config.device == "cpu" and torch.get_num_threads() > 1

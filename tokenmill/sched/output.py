@@ -15,6 +15,9 @@ worker keeps its own per-request state (worker/request_state.py) and updates it 
         draft_placeholders                 they are placeholders (adaptive speculation pricing a depth): run
                                            and verify them as drafts, keep only the target's first token
         propose_k                          drafts to propose after this step (speculation)
+        num_steps                          > 1: greedy decode steps to run in a row (num_scheduler_steps),
+                                           each step's token the next one's input; slots are reserved for
+                                           them, and the worker returns up to num_steps tokens
         wants_prompt_logprobs
         new_request: NewRequestData | None set the first time the worker sees it, and again after a
                                            preemption (prompt, output so far, params, whole block table)
@@ -72,6 +75,7 @@ class ScheduledRequest:
     draft_token_ids: list[int] = field(default_factory=list)
     draft_placeholders: bool = False
     propose_k: int = 0
+    num_steps: int = 1
     output_start: int = 0
     new_output_token_ids: list[int] = field(default_factory=list)
 

@@ -17,6 +17,10 @@ its admission finds them as ordinary pool hits:
 With speculation (`spec`), a decoding request that carries drafts runs 1 + k tokens: its last token and
 the drafts. The drafts get KV slots but are never hashed into the prefix cache; after the step,
 `num_computed_tokens` rolls back over the rejected ones, whose slots the next step overwrites.
+
+With `decode_steps` > 1 (num_scheduler_steps), a step in which every request is a plain greedy decode, and
+nobody waits, becomes a burst: each request runs up to that many decode steps inside the worker, its slots
+reserved like drafts', and `num_computed_tokens` moves past every token that was also an input.
 """
 from __future__ import annotations
 
@@ -103,6 +107,7 @@ class Scheduler:
         self._load_cancels: list[str] = []
         self.spec = spec
         self.spec_lookahead = 0  # set by the engine when a draft model proposes (slots it writes ahead)
+        self.decode_steps = 1  # set by the engine: num_scheduler_steps, where the worker can run bursts
         self._drafts: dict[str, list[int]] = {}  # this step's drafts per request
         # pipeline parallelism: requests in a step not yet back (never rescheduled or preempted until it is),
         # and whether steps carry each request's new output tokens to the stages that do not sample
@@ -176,6 +181,8 @@ class Scheduler:
         if self.encoder is not None:
             self.encoder.begin_step()
         budget = self.max_num_batched_tokens
+        # bursts of decode steps only while nobody waits: a prompt that arrives waits at most one burst
+        quiet = self.decode_steps > 1 and not len(self.waiting) and not self.loading
         scheduled: dict[str, int] = {}  # request id -> tokens to run, in scheduling order
         preempted_now = False
 
@@ -219,7 +226,9 @@ class Scheduler:
         propose = self._plan_drafts(scheduled)
         if self.spec is not None and self.spec.placeholders:  # a priced look: the scheduler makes the drafts
             out.placeholder_drafts, propose = propose, {}
-        out.seqs = [self._scheduled(self.requests[rid], n, propose.get(rid, 0)) for rid, n in scheduled.items()]
+        steps = self._plan_decode_steps(scheduled) if quiet and not preempted_now else {}
+        out.seqs = [self._scheduled(self.requests[rid], n, propose.get(rid, 0), steps.get(rid, 1))
+                    for rid, n in scheduled.items()]
         out.num_scheduled_tokens = sum(scheduled.values())
         self._drafts = {}
         out.kv_stores, out.kv_backups = self.kv.take_stores()
@@ -418,6 +427,29 @@ class Scheduler:
         """Whether this step's `n` tokens (drafts included) reach the end of the request's known tokens."""
         return req.num_computed_tokens + n == req.num_tokens + len(self._drafts.get(req.request_id, ()))
 
+    # -- bursts of decode steps (num_scheduler_steps) -------------------------------------------------------
+    def _plan_decode_steps(self, scheduled: dict[str, int]) -> dict[str, int]:
+        """Steps per request when every scheduled request is a decode that the worker can continue on its own
+        (greedy, no logprobs, penalties, stop strings or pending min_tokens: its argmax is the whole sampler),
+        as many as max_tokens and max_model_len leave; {} otherwise. Each gets slots for its extra inputs,
+        never hashed until their tokens are known (as drafts' slots), or one step where blocks are short."""
+        plan = {}
+        for rid, n in scheduled.items():
+            req = self.requests[rid]
+            sp = req.sampling_params
+            if (n != 1 or rid in self._drafts or not self._samples(req, n) or not sp.greedy
+                    or sp.logprobs is not None or sp.needs_penalties or sp.stop
+                    or req.num_output_tokens < sp.min_tokens):
+                return {}
+            room = self.max_model_len - req.num_tokens
+            if sp.max_tokens is not None:
+                room = min(room, sp.max_tokens - req.num_output_tokens)
+            plan[rid] = max(1, min(self.decode_steps, room))
+        for rid, k in plan.items():
+            if k > 1 and not self.kv.allocate_slots(self.requests[rid], k, num_draft_tokens=k - 1):
+                plan[rid] = 1
+        return plan
+
     def set_drafts(self, drafts: dict[str, list[int]]) -> None:
         """The proposer's drafts, to verify at each request's next step."""
         for rid, d in drafts.items():
@@ -425,7 +457,7 @@ class Scheduler:
             if req is not None and req.status == RequestStatus.RUNNING:
                 req.spec_token_ids, req.spec_placeholders = d, False
 
-    def _scheduled(self, req: Request, n: int, propose_k: int = 0) -> ScheduledRequest:
+    def _scheduled(self, req: Request, n: int, propose_k: int = 0, num_steps: int = 1) -> ScheduledRequest:
         rid, start = req.request_id, req.num_computed_tokens
         drafts = self._drafts.get(rid, [])
         sent = self._blocks_sent.get(rid)
@@ -444,7 +476,7 @@ class Scheduler:
             num_sampled_positions=1 + len(drafts) if self._samples(req, n) else 0,
             wants_prompt_logprobs=req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens,
             new_request=new, draft_token_ids=list(drafts), draft_placeholders=bool(drafts) and req.spec_placeholders,
-            propose_k=propose_k, output_start=out_start,
+            propose_k=propose_k, num_steps=num_steps, output_start=out_start,
             new_output_token_ids=new_outputs)
 
     def _new_outputs(self, req: Request, sent_whole: bool) -> tuple[int, list[int]]:
@@ -466,6 +498,8 @@ class Scheduler:
             req = self.requests.get(seq.request_id)
             if not tokens or req is None:
                 continue
+            if seq.num_steps > 1:  # a burst: every token but the last was also an input, its KV written
+                req.num_computed_tokens += len(tokens) - 1
             if seq.draft_token_ids:  # the rejected drafts' KV is not the sequence's: roll back over it
                 accepted = len(tokens) - 1  # placeholders: none (the worker keeps the target's token only)
                 req.num_computed_tokens -= len(seq.draft_token_ids) - accepted

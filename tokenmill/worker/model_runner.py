@@ -72,6 +72,7 @@ class ModelRunner:
         # a captured decode step: DecodeGraphs (worker/cuda_graphs.py) on a GPU, CpuDecodeStep
         # (worker/cpu_decode_step.py) on a CPU; None runs every step through the model's per-op path
         self.decode_step = None
+        self.num_bursts = 0  # steps run as bursts of decode steps (num_scheduler_steps; tests read it)
 
     def release_requests(self, request_ids) -> None:
         """Drop finished requests' state (also when a step schedules nothing)."""
@@ -173,7 +174,12 @@ class ModelRunner:
         self.requests.apply(sched)
         # decodes (and verifications, as decode rows) first: the attention backend batches them as one group
         seqs = sorted(sched.seqs, key=lambda s: s.num_new_tokens != 1 and not s.draft_token_ids)
+        if any(s.num_steps > 1 for s in seqs):
+            seqs.sort(key=lambda s: -s.num_steps)
         input_ids, positions, batch, qsl = self.prepare_batch(seqs)
+        burst = self._run_burst(seqs, input_ids, positions, batch) if seqs and seqs[0].num_steps > 1 else None
+        if burst is not None:
+            return burst
         intermediate = None
         if not self.is_first_stage:
             intermediate = self.pipeline.recv(len(positions), self.hidden_size, self.dtype, self.device)
@@ -201,6 +207,23 @@ class ModelRunner:
             if s.wants_prompt_logprobs:
                 out.prompt_logprobs[s.request_id] = self._prompt_logprobs(s, self.requests[s.request_id],
                                                                           hidden[qsl[i]:qsl[i + 1]])
+        return out
+
+    def _run_burst(self, seqs: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor,
+                   batch) -> ModelRunnerOutput | None:
+        """num_scheduler_steps: every sequence is a greedy decode row (the scheduler checked), ordered by steps,
+        most first; all of their steps in one C call, each argmax the next step's input: the tokens a plain
+        step's logits and argmax would give, step after step. False where the one-call step cannot take the
+        batch: it then runs as a plain step, and the scheduler counts the one token each gets."""
+        step = self.decode_step
+        if step is None or not step.can_draft(batch, len(input_ids), len(seqs)):
+            return None
+        tokens = step.greedy(input_ids, positions, batch, list(range(len(seqs))), [s.num_steps for s in seqs])
+        self.num_bursts += 1
+        out = ModelRunnerOutput()
+        for s, toks in zip(seqs, tokens):
+            self.requests[s.request_id].output_token_ids.extend(toks)
+            out.sampled_token_ids[s.request_id] = toks
         return out
 
     def _multimodal_embeds(self, sched: SchedulerOutput, seqs: list[ScheduledRequest], input_ids: torch.Tensor,
