@@ -5,7 +5,8 @@ B sequences x (128 prompt + 128 new tokens), greedy, 2 threads, output tokens/s 
 included), as llama-batched-bench's e2e figure. tokenmill runs each configuration in its own process,
 `--rounds` times alternating, and llama.cpp (bf16, q8_0, through ../shared/anchors/llamacpp.py) in the same
 rounds; best and median of the rounds, and both as ratios against llama.cpp bf16. A
-configuration is a dtype, with ":eager" for enforce_eager (no one-call C decode step: the per-op path).
+configuration is a dtype, with ":eager" for enforce_eager (no one-call C decode step: the per-op path), or
+":steps=N" for num_scheduler_steps=N (bursts of N greedy decode steps per engine step).
 
     python benchmarks/bench_cpu_vs_llamacpp.py --out benchmarks/results/cpu_vs_llamacpp.json
 
@@ -52,7 +53,9 @@ def worker(conf: str, batches: list[int], npp: int, ntg: int) -> dict:
     from tokenmill.config import DEFAULT_MODEL
 
     dtype, _, mode = conf.partition(":")
-    llm = LLM(DEFAULT_MODEL, dtype=dtype, max_model_len=512, num_threads=2, enforce_eager=mode == "eager")
+    steps = int(mode.removeprefix("steps=")) if mode.startswith("steps=") else 1
+    llm = LLM(DEFAULT_MODEL, dtype=dtype, max_model_len=512, num_threads=2, enforce_eager=mode == "eager",
+              num_scheduler_steps=steps)
     vocab = llm.llm_engine.core.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(temperature=0, max_tokens=ntg, ignore_eos=True)
