@@ -153,10 +153,19 @@ void tm_gemv_f32(const float *P, const float *x, const float *bias, float *y, in
 #endif
 
 /* A few rows (decode batches, speculative verification): y[M][N] = x[M][K] W^T (+ bias), 2 <= M <= 8, over
- * the same packed panels, each panel read once for all M rows. Portable C on every CPU (gcc vectorizes the
- * 16 lanes of a panel for the CPU at hand); the row count is a compile-time constant in each instance, so
- * the M x 16 accumulators stay in registers. Float32 accumulation, one rounding at the end (bf16). */
+ * the same packed panels, each panel read from memory once for all M rows. Portable C on every CPU (gcc
+ * vectorizes the 16 lanes of a panel for the CPU at hand); the row count is a compile-time constant in each
+ * instance, so the accumulators stay in registers. Each weight element is one fused multiply-add into its
+ * row's accumulator. Float32 accumulation, one rounding at the end (bf16).
+ *
+ * bfloat16 widens each panel line to float32 lanes (low k, high k) before the multiply-adds, and those lanes
+ * take registers too: a panel is swept once per balanced group of at most BF16_ROW_GROUP rows (8 rows: 4 + 4;
+ * 5: 3 + 2; the later sweeps find it in L2), whose 16-lane accumulators then fit AVX2's 16 registers with the
+ * widened lanes and the broadcast x (8 rows at once spilled accumulators on every k, and `acc += lo x0 + hi x1`
+ * cost a multiply, an FMA and an add per lane where two FMAs do). Groups of one or two rows keep the low and
+ * high k in separate accumulators, so consecutive FMAs do not wait on each other. */
 #define GEMM_MAX_ROWS 8
+#define BF16_ROW_GROUP 4
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 ALWAYS_INLINE void rows_panel_f32(const float *blk, const float *x, int64_t K, const int M, float acc[][16]) {
@@ -172,20 +181,31 @@ ALWAYS_INLINE void rows_panel_f32(const float *blk, const float *x, int64_t K, c
 
 /* x widened to float32 [M][K]; each uint32 of a panel holds one row's pair (k = 2 k2, 2 k2 + 1) */
 ALWAYS_INLINE void rows_panel_bf16(const uint32_t *blk, const float *x, int64_t K, const int M, float acc[][16]) {
+    float hi[2][16] = {{0}};  /* M <= 2: the high k's own accumulators */
     for (int64_t k2 = 0; k2 < K / 2; k2++) {
         const uint32_t *p = blk + k2 * 16;
         STREAM_PREFETCH(p);
         for (int m = 0; m < M; m++) {
             const float x0 = x[m * K + 2 * k2], x1 = x[m * K + 2 * k2 + 1];
+            float *h = M <= 2 ? hi[m] : acc[m];
             #pragma omp simd
-            for (int r = 0; r < 16; r++) acc[m][r] += bits_f32(p[r] << 16) * x0 + bits_f32(p[r] & 0xFFFF0000u) * x1;
+            for (int r = 0; r < 16; r++) acc[m][r] += bits_f32(p[r] << 16) * x0;
+            #pragma omp simd
+            for (int r = 0; r < 16; r++) h[r] += bits_f32(p[r] & 0xFFFF0000u) * x1;
         }
     }
+    if (M <= 2)
+        for (int m = 0; m < M; m++) {
+            #pragma omp simd
+            for (int r = 0; r < 16; r++) acc[m][r] += hi[m][r];
+        }
 }
 
 #define ROWS_CASES(CALL) \
     switch (M) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; case 5: CALL(5); break; \
                  case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); break; }
+#define GROUP_CASES(CALL) \
+    switch (M) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; default: CALL(4); break; }
 
 static void gemm_rows_f32(const float *P, const float *x, const float *bias, float *y, int64_t M, int64_t N, int64_t K,
                           int nthreads) {
@@ -201,19 +221,24 @@ static void gemm_rows_f32(const float *P, const float *x, const float *bias, flo
     }
 }
 
-static void gemm_rows_bf16(const uint16_t *P, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t M,
+static void gemm_rows_bf16(const uint16_t *P, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t M_all,
                            int64_t N, int64_t K, int nthreads) {
-    float xf[GEMM_MAX_ROWS * 4096], *xw = K <= 4096 ? xf : malloc(M * K * sizeof(float));
-    for (int64_t i = 0; i < M * K; i++) xw[i] = bf16_to_f32(x[i]);
+    float xf[GEMM_MAX_ROWS * 4096], *xw = K <= 4096 ? xf : malloc(M_all * K * sizeof(float));
+    for (int64_t i = 0; i < M_all * K; i++) xw[i] = bf16_to_f32(x[i]);
+    const int64_t groups = row_chunks(M_all, BF16_ROW_GROUP);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < N / 16; b++) {
-        float acc[GEMM_MAX_ROWS][16] = {{0}};
-#define BF16_ROWS(m) rows_panel_bf16((const uint32_t *)P + b * (K / 2) * 16, xw, K, m, acc)
-        ROWS_CASES(BF16_ROWS)
-        for (int64_t m = 0; m < M; m++) {
-            #pragma omp simd
-            for (int r = 0; r < 16; r++)
-                y[m * N + b * 16 + r] = f32_to_bf16(acc[m][r] + (bias ? bf16_to_f32(bias[b * 16 + r]) : 0.0f));
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t lo = row_chunk_start(M_all, groups, g), M = row_chunk_start(M_all, groups, g + 1) - lo;
+            float acc[BF16_ROW_GROUP][16] = {{0}};
+#define BF16_ROWS(m) rows_panel_bf16((const uint32_t *)P + b * (K / 2) * 16, xw + lo * K, K, m, acc)
+            GROUP_CASES(BF16_ROWS)
+            for (int64_t m = 0; m < M; m++) {
+                #pragma omp simd
+                for (int r = 0; r < 16; r++)
+                    y[(lo + m) * N + b * 16 + r] =
+                        f32_to_bf16(acc[m][r] + (bias ? bf16_to_f32(bias[b * 16 + r]) : 0.0f));
+            }
         }
     }
     if (xw != xf) free(xw);
