@@ -213,7 +213,7 @@ class ModelRunner:
                    batch) -> ModelRunnerOutput | None:
         """num_scheduler_steps: every sequence is a greedy decode row (the scheduler checked), ordered by steps,
         most first; all of their steps in one C call, each argmax the next step's input: the tokens a plain
-        step's logits and argmax would give, step after step. False where the one-call step cannot take the
+        step's logits and argmax would give, step after step. None where the one-call step cannot take the
         batch: it then runs as a plain step, and the scheduler counts the one token each gets."""
         step = self.decode_step
         if step is None or not step.can_draft(batch, len(input_ids), len(seqs)):
