@@ -253,6 +253,21 @@ def test_bursts_fill_blocks_that_later_prompts_hit_in_the_prefix_cache(dirs):
     assert results[0] == results[1]
 
 
+def test_bursts_run_while_requests_wait_for_a_seat(dirs):
+    """One seat, three requests: the two waiting ones could not join anyway, so the running one bursts. Each
+    request: its prefill step (one token), then 12 tokens in three bursts of four."""
+    prompts = random_prompts([6, 11, 8], seed=7)
+    params = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)
+    runs = []
+    for steps in (1, 4):
+        llm = make_llm(dirs["llama"], num_scheduler_steps=steps, max_num_seqs=1)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        core = llm.llm_engine.core
+        assert (core.num_steps, core.runner.num_bursts) == ((39, 0) if steps == 1 else (12, 9))
+        runs.append([o.outputs[0].token_ids for o in outs])
+    assert runs[0] == runs[1]
+
+
 def test_bursts_need_the_one_call_step_and_exclude_speculation(dirs):
     llm = make_llm(dirs["llama"], num_scheduler_steps=4, enforce_eager=True)
     assert llm.llm_engine.core.scheduler.decode_steps == 1  # warned and ignored

@@ -170,7 +170,8 @@ class EngineConfig:
                                       "step's token fed to the next inside the model runner, so the per-step host "
                                       "work (scheduling, sampling, output handling) is paid once per burst; tokens "
                                       "stream in bursts (vLLM's name). Runs where every running request decodes "
-                                      "greedily without logprobs, penalties or stop strings and none is waiting; "
+                                      "greedily without logprobs, penalties or stop strings and no waiting prompt "
+                                      "could join (none waits, or every seat is taken); "
                                       "CPU one-call decode step only")
     speculative_config: str | None = option(
         None, "speculative decoding, vLLM's shape, as a dict or JSON: {\"method\": \"ngram\", "

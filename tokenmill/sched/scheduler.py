@@ -19,8 +19,9 @@ the drafts. The drafts get KV slots but are never hashed into the prefix cache; 
 `num_computed_tokens` rolls back over the rejected ones, whose slots the next step overwrites.
 
 With `decode_steps` > 1 (num_scheduler_steps), a step in which every request is a plain greedy decode, and
-nobody waits, becomes a burst: each request runs up to that many decode steps inside the worker, its slots
-reserved like drafts', and `num_computed_tokens` moves past every token that was also an input.
+no waiting request could join (none waits, or every seat is taken), becomes a burst: each request runs up to
+that many decode steps inside the worker, its slots reserved like drafts', and `num_computed_tokens` moves
+past every token that was also an input.
 """
 from __future__ import annotations
 
@@ -181,8 +182,10 @@ class Scheduler:
         if self.encoder is not None:
             self.encoder.begin_step()
         budget = self.max_num_batched_tokens
-        # bursts of decode steps only while nobody waits: a prompt that arrives waits at most one burst
-        quiet = self.decode_steps > 1 and not len(self.waiting) and not self.loading
+        # bursts of decode steps only while no waiting prompt could join: none waits, or every seat is taken (it
+        # then waits at most one burst longer than it would for a request to finish)
+        quiet = (self.decode_steps > 1 and not self.loading
+                 and (not len(self.waiting) or len(self.running) >= self.max_num_seqs))
         scheduled: dict[str, int] = {}  # request id -> tokens to run, in scheduling order
         preempted_now = False
 
