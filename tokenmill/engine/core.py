@@ -109,7 +109,7 @@ class EngineCore:
         if spec is not None and spec.method == "draft_model":
             self.scheduler.spec_lookahead = spec.num_speculative_tokens
         if config.num_scheduler_steps > 1:
-            if self.executor is None and getattr(self.runner.decode_step, "head", None) is not None:
+            if self.executor is None and getattr(self.runner.decode_step, "runs_greedy_steps", False):
                 self.scheduler.decode_steps = config.num_scheduler_steps
             else:
                 logger.warning("num_scheduler_steps=%d ignored: bursts of decode steps run on the CPU's one-call "

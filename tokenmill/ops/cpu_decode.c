@@ -163,19 +163,20 @@ static int64_t argmax_row(const char *v, int64_t n, int bf16) {
     return best;
 }
 
-/* A draft model's greedy proposal for B requests in one call: kmax decode steps, each through the decoder,
- * the LM head and an argmax, the argmax fed back as the next step's token.
+/* Greedy steps for B requests in one call (a draft model's proposal, or a target's burst of decode steps):
+ * kmax decode steps, each through the decoder, the LM head and an argmax, the argmax fed back as the next
+ * step's token.
  *
- *   step 0: the R rows given (each request's catch-up: decode / verification rows, as tm_decode_rows takes
- *           them); request b's first draft is the argmax at its row last[b]
+ *   step 0: the R rows given (a draft's catch-ups, or a burst's decodes: decode / verification rows, as
+ *           tm_decode_rows takes them); request b's first draft is the argmax at its row last[b]
  *   step s: one row per request with ks[b] > s (ks descending, so a prefix of the requests), its draft
  *           s - 1 at position pos[last[b]] + s, its KV slot from its block table (row last[b] of tables):
  *
  *               p = pos[last[b]] + s      slot = table[p / block_size] * block_size + p % block_size
  *
  * The scheduler reserved those slots (lookahead). drafts [B][kmax]; hidden [MAX_ROWS][hidden] and logits
- * [B][head->n] (dtype) are the caller's scratch. Each step makes the calls that DraftModelProposer._run makes
- * from Python (decoder, head on the gathered last rows, argmax), so its drafts are the same. */
+ * [B][head->n] (dtype) are the caller's scratch. Each step makes the calls that a step from Python makes
+ * (decoder, head on the gathered last rows, argmax), so its tokens are the same. */
 void tm_decode_greedy(const tm_decoder *m, const tm_linear *head, int64_t R, const int64_t *tokens,
                       const int64_t *pos, const int64_t *slot, const int32_t *tables, int64_t table_stride,
                       const int32_t *seq_lens, int64_t B, const int64_t *last, const int64_t *ks, int64_t kmax,

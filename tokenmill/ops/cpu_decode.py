@@ -103,8 +103,9 @@ def _linear(k: DecodeRowsKernel) -> _Linear:
 class DecoderKernel:
     """Holds the operands (so their memory outlives every call) and the C structs pointing at them."""
 
-    def __init__(self, ops: DecoderOperands):
+    def __init__(self, ops: DecoderOperands, head: DecodeRowsKernel | None = None):
         self.ops = ops
+        self.head = head  # the LM head's C kernels (for `greedy`); held here so its tensors outlive every call
         dtype = ops.embed.dtype
         self.hidden = ops.embed.shape[1]
         layers = (_Layer * len(ops.layers))(*[
@@ -120,7 +121,8 @@ class DecoderKernel:
         self.out = torch.empty(max_rows(), self.hidden, dtype=dtype)
         self._ref = ctypes.byref(self.decoder)
         self._fn = lib.tm_decode_rows
-        self._heads: dict[int, tuple] = {}
+        self._head = _linear(head) if head is not None else None
+        self._head_ref = ctypes.byref(self._head) if head is not None else None
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
             seq_lens: torch.Tensor) -> torch.Tensor:
@@ -131,20 +133,17 @@ class DecoderKernel:
                  block_tables.stride(0), seq_lens.data_ptr(), self.out.data_ptr(), torch.get_num_threads())
         return self.out[:b]
 
-    def greedy(self, head: DecodeRowsKernel, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-               block_tables: torch.Tensor, seq_lens: torch.Tensor, last: list[int], ks: list[int]) -> list[list[int]]:
-        """Greedy drafting in one call (cpu_decode.c tm_decode_greedy): the rows as `run` takes them, then request
-        b's k = ks[b] drafts, its first from row last[b]; ks descending, len(last) <= head.max_rows."""
+    def greedy(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+               seq_lens: torch.Tensor, last: list[int], ks: list[int]) -> list[list[int]]:
+        """Greedy steps in one call (cpu_decode.c tm_decode_greedy): the rows as `run` takes them, then request
+        b's ks[b] tokens, its first from row last[b]; ks descending, len(last) <= head.max_rows."""
         b, kmax = len(last), ks[0]
-        lin = self._heads.get(id(head))
-        if lin is None:
-            lin = self._heads[id(head)] = (head, _linear(head))  # the kernel object keeps its tensors alive
         drafts = torch.empty(b, kmax, dtype=torch.int64)
-        logits = torch.empty(b, head.out_features, dtype=self.out.dtype)
+        logits = torch.empty(b, self.head.out_features, dtype=self.out.dtype)
         idx = torch.tensor(last + ks, dtype=torch.int64)
         _library().tm_decode_greedy(
-            self._ref, ctypes.byref(lin[1]), tokens.shape[0], tokens.data_ptr(), positions.data_ptr(),
-            slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), b, idx.data_ptr(),
+            self._ref, self._head_ref, tokens.shape[0], tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+            block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), b, idx.data_ptr(),
             idx[b:].data_ptr(), kmax, drafts.data_ptr(), self.out.data_ptr(), logits.data_ptr(),
             torch.get_num_threads())
         return [row[:k] for row, k in zip(drafts.tolist(), ks)]

@@ -57,31 +57,34 @@ class DraftModelProposer:
         active.sort(key=lambda a: -a[2])  # deepest first: `_draft_in_one_call` runs its steps on a prefix
         pos = {rid: len(st.prompt_token_ids) + len(st.output_token_ids) - 1 for rid, st, _ in active}
         catch_up = [self._catch_up(rid, st, self._synced.get(rid, 0), pos[rid]) for rid, st, _ in active]
-        drafts = self._draft_in_one_call(runner, catch_up, [k for _, _, k in active])
-        if drafts is not None:
-            for rid, _, _ in active:
-                self._synced[rid] = pos[rid] + 1
-            return {rid: d for (rid, _, _), d in zip(active, drafts)}
+        ks = [k for _, _, k in active]
+        drafts = self._draft_in_one_call(runner, catch_up, ks)
+        if drafts is None:
+            drafts = self._draft_step_by_step(runner, catch_up, ks)
+        for rid, _, _ in active:
+            self._synced[rid] = pos[rid] + 1
+        return {rid: d for (rid, _, _), d in zip(active, drafts)}
+
+    def _draft_step_by_step(self, runner, catch_up: list[ScheduledRequest], ks: list[int]) -> list[list[int]]:
+        """The catch-up forward (its rows beyond a verified run's are timed as catch-up: new prompts, tokens
+        skipped at depth 0), then one forward per further draft step, each request's last draft its input."""
         t0 = time.perf_counter()
-        first = self._run(runner, catch_up)
+        drafts = [[t] for t in self._run(runner, catch_up)]
         rows = [s.num_new_tokens for s in catch_up]
         long_rows = sum(n - 1 for n in rows if n > CATCH_UP_DECODE_ROWS)  # beyond each one's own last token
         self.catch_up_seconds = (time.perf_counter() - t0) * long_rows / sum(rows)
-        drafts = {rid: [t] for (rid, _, _), t in zip(active, first)}
-        for rid, _, _ in active:
-            self._synced[rid] = pos[rid] + 1
-        for step in range(1, max(k for _, _, k in active)):
-            batch = [rid for rid, _, k in active if step < k]
-            seqs = [ScheduledRequest(rid, pos[rid] + step, 1, [], 1, draft_token_ids=[drafts[rid][-1]])
-                    for rid in batch]
-            for rid, t in zip(batch, self._run(runner, seqs)):
-                drafts[rid].append(t)
+        for step in range(1, max(ks)):
+            live = [j for j, k in enumerate(ks) if step < k]
+            seqs = [ScheduledRequest(catch_up[j].request_id, catch_up[j].start_pos + catch_up[j].num_new_tokens - 1
+                                     + step, 1, [], 1, draft_token_ids=[drafts[j][-1]]) for j in live]
+            for j, t in zip(live, self._run(runner, seqs)):
+                drafts[j].append(t)
         return drafts
 
     def _draft_in_one_call(self, runner, catch_up: list[ScheduledRequest], ks: list[int]) -> list[list[int]] | None:
         """Every draft of every request in one C call (worker/cpu_decode_step.py `greedy`) when all catch-ups
-        are decode rows that the captured step takes; None otherwise. Same forwards and argmaxes as the loop in
-        `propose_batch`, without Python between the draft steps."""
+        are decode rows that the captured step takes; None otherwise. Same forwards and argmaxes as
+        `_draft_step_by_step`, without Python between the draft steps."""
         step = self.decode_step
         if step is None or any(s.num_new_tokens > 1 and not s.draft_token_ids for s in catch_up):
             return None  # a long catch-up (a prompt) runs as a chunk, op by op

@@ -19,7 +19,6 @@ import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionBatch
 from tokenmill.attention.torch_backend import TorchAttentionBackend
-from tokenmill.layers.linear import DecodeRowsKernel
 from tokenmill.ops import cpu_attention, cpu_decode, cpu_fused
 
 logger = logging.getLogger("tokenmill")
@@ -72,9 +71,8 @@ def _operands(model, backend: AttentionBackend, kv_caches, block_size: int) -> c
 
 
 class CpuDecodeStep:
-    def __init__(self, kernel: cpu_decode.DecoderKernel, head: DecodeRowsKernel | None = None):
+    def __init__(self, kernel: cpu_decode.DecoderKernel):
         self.kernel = kernel
-        self.head = head  # the LM head's C kernels, for greedy drafting in one call (`greedy`)
         # as many rows as every linear's `apply` gives its C kernels (8, or 64 for bf16 on AVX2)
         self.max_rows = min([cpu_decode.max_rows()] + [k.max_rows for lo in kernel.ops.layers
                                                        for k in (lo.qkv, lo.o, lo.gate_up, lo.down)])
@@ -90,7 +88,7 @@ class CpuDecodeStep:
             logger.debug("CPU decode step off: %s", ops)
             return None
         head = model.lm_head.method.decode_rows_kernel(model.lm_head) if model.lm_head is not None else None
-        return cls(cpu_decode.DecoderKernel(ops), head)
+        return cls(cpu_decode.DecoderKernel(ops, head))
 
     def can_run(self, batch: AttentionBatch, num_tokens: int) -> bool:
         """Decode rows only (decodes, verification rows, a draft model's steps), at most max_rows of them."""
@@ -102,16 +100,23 @@ class CpuDecodeStep:
         self.rows += input_ids.shape[0]
         return self.kernel.run(input_ids, positions, batch.slot_mapping, batch.block_tables, batch.seq_lens)
 
+    @property
+    def runs_greedy_steps(self) -> bool:
+        """Whether `greedy` is available: the LM head has C kernels."""
+        return self.kernel.head is not None
+
     def can_draft(self, batch: AttentionBatch, num_tokens: int, num_requests: int) -> bool:
         """Whether `greedy` takes these rows (as `can_run`) and this many requests (the head's row limit)."""
-        return self.head is not None and num_requests <= self.head.max_rows and self.can_run(batch, num_tokens)
+        return (self.runs_greedy_steps and num_requests <= self.kernel.head.max_rows
+                and self.can_run(batch, num_tokens))
 
     @torch.inference_mode()
     def greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, last: list[int],
                ks: list[int]) -> list[list[int]]:
-        """A draft model's greedy drafts in one C call: the rows first (each request's catch-up), request b's
-        first draft from row last[b], then single-token steps until it has ks[b] (ks descending)."""
+        """Greedy steps in one C call, each argmax the next step's input: the rows first (a draft model's
+        catch-ups, or a burst's decodes), request b's first token from row last[b], then single-token steps
+        until it has ks[b] (ks descending). A draft model's proposals and the target's bursts."""
         self.steps += max(ks)
         self.rows += input_ids.shape[0] + sum(ks) - len(ks)
-        return self.kernel.greedy(self.head, input_ids, positions, batch.slot_mapping, batch.block_tables,
-                                  batch.seq_lens, last, ks)
+        return self.kernel.greedy(input_ids, positions, batch.slot_mapping, batch.block_tables, batch.seq_lens,
+                                  last, ks)

@@ -174,10 +174,11 @@ class ModelRunner:
         self.requests.apply(sched)
         # decodes (and verifications, as decode rows) first: the attention backend batches them as one group
         seqs = sorted(sched.seqs, key=lambda s: s.num_new_tokens != 1 and not s.draft_token_ids)
-        if any(s.num_steps > 1 for s in seqs):
+        bursting = any(s.num_steps > 1 for s in seqs)
+        if bursting:
             seqs.sort(key=lambda s: -s.num_steps)
         input_ids, positions, batch, qsl = self.prepare_batch(seqs)
-        burst = self._run_burst(seqs, input_ids, positions, batch) if seqs and seqs[0].num_steps > 1 else None
+        burst = self._run_burst(seqs, input_ids, positions, batch) if bursting else None
         if burst is not None:
             return burst
         intermediate = None
