@@ -6,7 +6,8 @@ included), as llama-batched-bench's e2e figure. tokenmill runs each configuratio
 `--rounds` times alternating, and llama.cpp (bf16, q8_0, through ../shared/anchors/llamacpp.py) in the same
 rounds; best and median of the rounds, and both as ratios against llama.cpp bf16. A
 configuration is a dtype, with ":eager" for enforce_eager (no one-call C decode step: the per-op path), or
-":steps=N" for num_scheduler_steps=N (bursts of N greedy decode steps per engine step).
+":steps=N" for num_scheduler_steps=N (bursts of N greedy decode steps per engine step), and "@DIR" to run
+it from another source tree (a git worktree of an earlier commit: before / after in the same rounds).
 
     python benchmarks/bench_cpu_vs_llamacpp.py --out benchmarks/results/cpu_vs_llamacpp.json
 
@@ -94,8 +95,11 @@ def main() -> None:
             if conf.startswith("llama.cpp"):
                 runs[conf].append(llamacpp(conf.split()[1], args.batches, args.npp, args.ntg))
                 continue
-            proc = subprocess.run([sys.executable, __file__, "--worker", conf, "--batches", args.batches,
-                                   "--npp", str(args.npp), "--ntg", str(args.ntg)], capture_output=True, text=True)
+            conf_only, _, tree = conf.partition("@")
+            env = dict(os.environ, PYTHONPATH=tree) if tree else None
+            proc = subprocess.run([sys.executable, __file__, "--worker", conf_only, "--batches", args.batches,
+                                   "--npp", str(args.npp), "--ntg", str(args.ntg)], capture_output=True, text=True,
+                                  env=env)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
                 sys.exit(f"worker {conf} failed:\n{proc.stderr[-3000:]}")

@@ -31,6 +31,7 @@ def measure(llm, batch: int, new_tokens: int) -> dict:
     spent = [0.0]
     forward, logits = model.forward, model.compute_logits
     step_run = step.run if step is not None else None
+    step_greedy = step.greedy if step is not None else None  # greedy steps: decoder, LM head and argmax in C
 
     def timed(fn):
         def run(*a, **kw):
@@ -43,7 +44,7 @@ def measure(llm, batch: int, new_tokens: int) -> dict:
 
     model.forward, model.compute_logits = timed(forward), timed(logits)
     if step is not None:  # the captured decode step (one C call on CPU) is model time too
-        step.run = timed(step_run)
+        step.run, step.greedy = timed(step_run), timed(step_greedy)
     engine = llm.llm_engine
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for i in range(batch):
@@ -59,7 +60,7 @@ def measure(llm, batch: int, new_tokens: int) -> dict:
     finally:
         model.forward, model.compute_logits = forward, logits
         if step is not None:
-            step.run = step_run
+            step.run, step.greedy = step_run, step_greedy
     # decode steps only: skip the first (the prefill) and the last few (requests finishing)
     pairs = list(zip(steps, model_s))[2:-2]
     step_ms = statistics.median(s for s, _ in pairs) * 1e3

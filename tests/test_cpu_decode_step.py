@@ -276,3 +276,33 @@ def test_bursts_need_the_one_call_step_and_exclude_speculation(dirs):
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         make_llm(dirs["llama"], num_scheduler_steps=4,
                  speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_decode_steps_take_the_head_and_argmax_in_the_call(dirs, dtype):
+    """A decode step whose every request would sample by an argmax of its raw logits runs the LM head and the
+    argmax in the one C call too (a burst of one step). Requests with penalties, a seed or pending min_tokens
+    keep the sampler; tokens match the per-op path's logits and sampler, one at a time and batched."""
+    prompts = random_prompts([5, 13, 8, 21], seed=8)
+    n = 12
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, min_tokens=5),
+              SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, repetition_penalty=1.3),
+              SamplingParams(temperature=0.8, max_tokens=n, ignore_eos=True, seed=3)]
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    eager = make_llm(dirs["llama"], dtype=dtype, enforce_eager=True).generate(inputs, params, use_tqdm=False)
+    expected = [o.outputs[0].token_ids for o in eager]
+    for seats in (1, 4):
+        llm = make_llm(dirs["llama"], dtype=dtype, max_num_seqs=seats)
+        outs = llm.generate(inputs, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        runner = llm.llm_engine.core.runner
+        # one at a time: the first request's n - 1 decode steps, the second's once it has 5 tokens; batched, a
+        # step holds a request that needs the sampler
+        assert runner.num_argmax_steps == ((n - 1) + (n - 5) if seats == 1 else 0)
+        llm.llm_engine.check_invariants()
+    only_greedy = make_llm(dirs["llama"], dtype=dtype, max_num_seqs=4)
+    outs = only_greedy.generate(inputs, params[0], use_tqdm=False)
+    ref = make_llm(dirs["llama"], dtype=dtype, enforce_eager=True).generate(inputs, params[0], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert only_greedy.llm_engine.core.runner.num_argmax_steps >= n - 1

@@ -9,6 +9,7 @@ the per-op path of models/llama.py, which is its twin (their hidden states are b
 from __future__ import annotations
 
 import ctypes
+from array import array
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -123,6 +124,7 @@ class DecoderKernel:
         self._fn = lib.tm_decode_rows
         self._head = _linear(head) if head is not None else None
         self._head_ref = ctypes.byref(self._head) if head is not None else None
+        self._drafts, self._logits = torch.empty(0, dtype=torch.int64), None  # `greedy`'s outputs, reused
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
             seq_lens: torch.Tensor) -> torch.Tensor:
@@ -138,12 +140,14 @@ class DecoderKernel:
         """Greedy steps in one call (cpu_decode.c tm_decode_greedy): the rows as `run` takes them, then request
         b's ks[b] tokens, its first from row last[b]; ks descending, len(last) <= head.max_rows."""
         b, kmax = len(last), ks[0]
-        drafts = torch.empty(b, kmax, dtype=torch.int64)
-        logits = torch.empty(b, self.head.out_features, dtype=self.out.dtype)
-        idx = torch.tensor(last + ks, dtype=torch.int64)
+        if self._drafts.numel() < b * kmax:
+            self._drafts = torch.empty(2 * b * kmax, dtype=torch.int64)
+        if self._logits is None:  # made on first use: only a head that runs greedy steps needs it
+            self._logits = torch.empty(self.head.max_rows, self.head.out_features, dtype=self.out.dtype)
+        idx = torch.frombuffer(array("q", last + ks), dtype=torch.int64)
         _library().tm_decode_greedy(
             self._ref, self._head_ref, tokens.shape[0], tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), b, idx.data_ptr(),
-            idx[b:].data_ptr(), kmax, drafts.data_ptr(), self.out.data_ptr(), logits.data_ptr(),
+            idx.data_ptr() + 8 * b, kmax, self._drafts.data_ptr(), self.out.data_ptr(), self._logits.data_ptr(),
             torch.get_num_threads())
-        return [row[:k] for row, k in zip(drafts.tolist(), ks)]
+        return [row[:k] for row, k in zip(self._drafts[:b * kmax].view(b, kmax).tolist(), ks)]

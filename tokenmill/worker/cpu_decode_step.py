@@ -94,7 +94,6 @@ class CpuDecodeStep:
         """Decode rows only (decodes, verification rows, a draft model's steps), at most max_rows of them."""
         return num_tokens <= self.max_rows and batch.num_decodes == batch.num_seqs == num_tokens
 
-    @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         self.steps += 1
         self.rows += input_ids.shape[0]
@@ -110,7 +109,6 @@ class CpuDecodeStep:
         return (self.runs_greedy_steps and num_requests <= self.kernel.head.max_rows
                 and self.can_run(batch, num_tokens))
 
-    @torch.inference_mode()
     def greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, last: list[int],
                ks: list[int]) -> list[list[int]]:
         """Greedy steps in one C call, each argmax the next step's input: the rows first (a draft model's

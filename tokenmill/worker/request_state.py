@@ -27,6 +27,14 @@ class RequestState:
     block_ids: list[int]
     mm_items: list = field(default_factory=list)  # multimodal/inputs.py MultiModalItem, in prompt order
 
+    def __post_init__(self):
+        sp = self.sampling_params
+        # whether an argmax of the raw logits is the whole sampler for it (once min_tokens is reached)
+        self.argmax_only = sp.greedy and sp.logprobs is None and not sp.needs_penalties
+
+    def takes_argmax(self) -> bool:
+        return self.argmax_only and len(self.output_token_ids) >= self.sampling_params.min_tokens
+
     def token_ids(self, start: int, end: int) -> list[int]:
         return token_range(self.prompt_token_ids, self.output_token_ids, start, end)
 
