@@ -82,12 +82,13 @@ def test_decode_batches_up_to_eight_rows_are_bit_identical(dirs, dtype):
     _assert_same(fast, _run(dirs["qwen2"], prompts, dtype=dtype, max_num_seqs=6, enforce_eager=True)[0])
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
-def test_bfloat16_batches_over_eight_rows_where_the_kernels_take_them(dirs, quantization):
-    """bfloat16 linears on CPUs without a fast bf16 GEMM (AVX2) take the few-row kernels beyond 8 rows (the C step up to 64), in
-    chunks of 8: 12-row decode steps then run in one C call, still bit-identical; elsewhere op by op."""
+@pytest.mark.parametrize("dtype,quantization", [("bfloat16", None), ("bfloat16", "int8"), ("float32", None)])
+def test_batches_over_eight_rows_where_the_kernels_take_them(dirs, dtype, quantization):
+    """On CPUs without AVX-512, bfloat16 linears (no fast bf16 GEMM) and float32 ones (faster than oneDNN there up
+    to 32 rows) take the few-row kernels beyond 8 rows, in chunks of 8: 12-row decode steps then run in one C
+    call, still bit-identical; elsewhere op by op."""
     prompts = random_prompts([6, 2, 9, 4, 3, 7, 5, 8, 1, 2, 6, 3])
-    kw = dict(dtype="bfloat16", max_num_seqs=12, quantization=quantization)
+    kw = dict(dtype=dtype, max_num_seqs=12, quantization=quantization)
     fast, runner = _run(dirs["llama"], prompts, **kw)
     step = runner.decode_step
     assert (step.steps > 0 and step.rows / step.steps > 8) if step.max_rows >= 12 else step.steps == 0
@@ -95,10 +96,11 @@ def test_bfloat16_batches_over_eight_rows_where_the_kernels_take_them(dirs, quan
 
 
 def test_more_rows_than_it_takes_go_op_by_op(dirs):
-    prompts = random_prompts([4] * 10)
-    fast, runner = _run(dirs["llama"], prompts, max_num_seqs=10)
-    assert runner.decode_step.steps == 0  # every decode step has 10 rows
-    assert [t for t, _ in fast] == [t for t, _ in _run(dirs["llama"], prompts, max_num_seqs=10,
+    rows = make_llm(dirs["llama"]).llm_engine.core.runner.decode_step.max_rows + 2
+    prompts = random_prompts([4] * rows)
+    fast, runner = _run(dirs["llama"], prompts, max_num_seqs=rows)
+    assert runner.decode_step.steps == 0  # every decode step has more rows than it takes
+    assert [t for t, _ in fast] == [t for t, _ in _run(dirs["llama"], prompts, max_num_seqs=rows,
                                                        enforce_eager=True)[0]]
 
 

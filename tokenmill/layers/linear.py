@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed.comm import SINGLE, TensorParallel
-from tokenmill.ops import cpu_gemv
+from tokenmill.ops import cpu_gemv, native
 
 
 WIDEN_MIN_ROWS = 4  # bfloat16 F.linear is faster below this many rows on AVX2 (BENCHMARKS.md, issue 15)
@@ -132,6 +132,7 @@ class DecodeRowsKernel:
 
 INT4_AVX2_KERNEL_ROWS = 512
 BF16_AVX2_KERNEL_ROWS = 128
+F32_AVX2_KERNEL_ROWS = 32
 
 
 def kernel_rows(dtype: torch.dtype, weight_only_quantized: bool = False, int4: bool = False) -> int:
@@ -146,11 +147,15 @@ def kernel_rows(dtype: torch.dtype, weight_only_quantized: bool = False, int4: b
     GEMM, int4 (AWQ) layers take them up to INT4_AVX2_KERNEL_ROWS: dequantizing writes 8x the int4 bytes as
     float32 per call, and at 128 rows a Qwen2.5-0.5B layer's four int4 linears took 38 ms in chunks against 61 ms
     dequantized (AVX2 EPYC; BENCHMARKS.md, "On a second AVX2 CPU"). int8 stays at 64 there: at 128 rows its chunks
-    tie with dequantizing."""
+    tie with dequantizing. Float32 layers on CPUs without AVX-512 take them up to F32_AVX2_KERNEL_ROWS: on a Zen 3
+    EPYC they beat oneDNN's packed GEMM 1.3-2.3x at 9-20 rows for the shipped model's shapes and tie at 32 for
+    Qwen2.5-0.5B's (BENCHMARKS.md, issue 16, "Verification of more than 8 rows in the one-call step")."""
     if dtype == torch.bfloat16 and slow_bf16_gemm():
         if int4:
             return INT4_AVX2_KERNEL_ROWS
         return 64 if weight_only_quantized else BF16_AVX2_KERNEL_ROWS
+    if dtype == torch.float32 and not weight_only_quantized and "avx512f" not in native.cpu_flags():
+        return F32_AVX2_KERNEL_ROWS
     return 32 if weight_only_quantized else cpu_gemv.MAX_ROWS
 
 

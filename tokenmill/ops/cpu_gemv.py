@@ -68,11 +68,11 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> to
     return y
 
 
-MAX_ROWS = 8  # gemm_rows takes 2 .. MAX_ROWS rows
+MAX_ROWS = 8  # rows per weight pass of gemm_rows, which takes any count (in chunks of 8); layers take it up to kernel_rows
 
 
 def gemm_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K], 2 <= M <= MAX_ROWS -> [M, N]: each weight panel read once for all rows (decode batches)."""
+    """x [M, K], M >= 2 -> [M, N]: each weight panel read once per MAX_ROWS rows (decode batches)."""
     n = packed.shape[0] * 16
     k = packed.shape[1] * (2 if packed.dtype == torch.bfloat16 else 1)
     x = x.contiguous()
