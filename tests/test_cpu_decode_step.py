@@ -110,11 +110,23 @@ def test_verification_rows_take_it_and_speculation_stays_lossless(dirs):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3,
             "adaptive": False}
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    fast, runner = _run(dirs["llama"], prompts, params=params, speculative_config=spec, max_num_seqs=1)
+    llm = make_llm(dirs["llama"], speculative_config=spec, max_num_seqs=1)
+    fast = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+    runner = llm.llm_engine.core.runner
     step = runner.decode_step
     assert step.steps > 0 and step.rows > step.steps  # one sequence at a time: several rows = a verification
+    # greedy without logprobs: every step after each prompt's prefill verifies with the head and argmax in C
+    assert runner.num_argmax_steps == llm.llm_engine.core.num_steps - len(prompts)
+    stats = llm.llm_engine.get_stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens  # accepted runs and rejections
     plain, _ = _run(dirs["llama"], prompts, params=params, max_num_seqs=1, enforce_eager=True)
-    assert [t for t, _ in fast] == [t for t, _ in plain]
+    assert fast == [t for t, _ in plain]
+    # with logprobs the rows go through the sampler's verification: the same tokens
+    sampled, sampled_runner = _run(dirs["llama"], prompts, params=SamplingParams(temperature=0, max_tokens=16,
+                                                                                  ignore_eos=True, logprobs=1),
+                                   speculative_config=spec, max_num_seqs=1)
+    assert sampled_runner.num_argmax_steps == 0 and [t for t, _ in sampled] == fast
 
 
 def test_draft_model_steps_take_it_and_speculation_stays_lossless(dirs, tmp_path):

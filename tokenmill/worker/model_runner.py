@@ -73,7 +73,7 @@ class ModelRunner:
         # (worker/cpu_decode_step.py) on a CPU; None runs every step through the model's per-op path
         self.decode_step = None
         self.num_bursts = 0  # steps run as bursts of decode steps (num_scheduler_steps; tests read it)
-        self.num_argmax_steps = 0  # plain greedy decode steps whose LM head and argmax ran in the one C call
+        self.num_argmax_steps = 0  # greedy decode / verification steps whose LM head and argmax ran in the C call
 
     def release_requests(self, request_ids) -> None:
         """Drop finished requests' state (also when a step schedules nothing)."""
@@ -179,10 +179,14 @@ class ModelRunner:
         if bursting:
             seqs.sort(key=lambda s: -s.num_steps)
         input_ids, positions, batch, qsl = self.prepare_batch(seqs)
-        if bursting or self._argmax_step(seqs):
+        if bursting:
             burst = self._run_burst(seqs, input_ids, positions, batch)
             if burst is not None:
                 return burst
+        elif self._argmax_rows(seqs):
+            out = self._run_argmax_rows(seqs, input_ids, positions, batch)
+            if out is not None:
+                return out
         intermediate = None
         if not self.is_first_stage:
             intermediate = self.pipeline.recv(len(positions), self.hidden_size, self.dtype, self.device)
@@ -212,31 +216,54 @@ class ModelRunner:
                                                                           hidden[qsl[i]:qsl[i + 1]])
         return out
 
-    def _argmax_step(self, seqs: list[ScheduledRequest]) -> bool:
-        """Whether every sequence is a plain decode whose sampler would be an argmax of its raw logits (no
-        drafts to verify or propose, no logprobs): the one-call step can then also run the LM head and the
-        argmax, a step of one (num_scheduler_steps=1), which saves the logits' round trip through torch."""
+    def _argmax_rows(self, seqs: list[ScheduledRequest]) -> bool:
+        """Whether every sequence is a decode or a verification of drafts whose sampler would be an argmax of
+        each row's raw logits (greedy; no logprobs, penalties or pending min_tokens): the one-call step can then
+        also run the LM head and the argmax on every row, which saves the logits' round trip through torch and
+        the sampler."""
         if self.decode_step is None or self.encoder is not None or self.pipeline is not None:
             return False
         states = self.requests
-        return all(s.num_new_tokens == 1 and s.num_sampled_positions == 1 and not s.draft_token_ids
-                   and not s.propose_k and not s.wants_prompt_logprobs and states[s.request_id].takes_argmax()
-                   for s in seqs)
+        return all(s.num_new_tokens == s.num_sampled_positions == 1 + len(s.draft_token_ids)
+                   and not s.wants_prompt_logprobs and states[s.request_id].takes_argmax() for s in seqs)
+
+    def _run_argmax_rows(self, seqs: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor,
+                         batch) -> ModelRunnerOutput | None:
+        """`_argmax_rows` steps in one C call (a greedy step of one per row, `CpuDecodeStep.greedy`); each
+        verification then accepts its drafts while they equal its rows' argmaxes, as spec_decode/verify.py's
+        greedy rule does (placeholder drafts keep the first row's only). None where the call cannot take the
+        rows: the step then runs as a plain one."""
+        step, rows = self.decode_step, len(input_ids)
+        if not step.can_draft(batch, rows, rows):
+            return None
+        tokens = step.greedy(input_ids, positions, batch, list(range(rows)), [1] * rows)
+        self.num_argmax_steps += 1
+        out, row = ModelRunnerOutput(), 0
+        for s in seqs:
+            drafts = [] if s.draft_placeholders else s.draft_token_ids
+            kept = [tokens[row][0]]
+            for j, d in enumerate(drafts):
+                if d != kept[j]:
+                    break
+                kept.append(tokens[row + j + 1][0])
+            row += s.num_new_tokens
+            self.requests[s.request_id].output_token_ids.extend(kept)
+            out.sampled_token_ids[s.request_id] = kept
+        if self.proposer is not None:
+            self._propose(out, seqs)
+        return out
 
     def _run_burst(self, seqs: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor,
                    batch) -> ModelRunnerOutput | None:
-        """num_scheduler_steps (or a step of one, `_argmax_step`): every sequence is a greedy decode row (the
-        scheduler or `_argmax_step` checked), ordered by steps, most first; all of their steps in one C call, each argmax the next step's input: the tokens a plain
+        """num_scheduler_steps: every sequence is a greedy decode row (the scheduler checked), ordered by steps,
+        most first; all of their steps in one C call, each argmax the next step's input: the tokens a plain
         step's logits and argmax would give, step after step. None where the one-call step cannot take the
         batch: it then runs as a plain step, and the scheduler counts the one token each gets."""
         step = self.decode_step
         if step is None or not step.can_draft(batch, len(input_ids), len(seqs)):
             return None
         tokens = step.greedy(input_ids, positions, batch, list(range(len(seqs))), [s.num_steps for s in seqs])
-        if seqs[0].num_steps > 1:
-            self.num_bursts += 1
-        else:
-            self.num_argmax_steps += 1
+        self.num_bursts += 1
         out = ModelRunnerOutput()
         for s, toks in zip(seqs, tokens):
             self.requests[s.request_id].output_token_ids.extend(toks)
