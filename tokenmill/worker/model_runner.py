@@ -221,7 +221,8 @@ class ModelRunner:
         each row's raw logits (greedy; no logprobs, penalties or pending min_tokens): the one-call step can then
         also run the LM head and the argmax on every row, which saves the logits' round trip through torch and
         the sampler."""
-        if self.decode_step is None or self.encoder is not None or self.pipeline is not None:
+        if (not getattr(self.decode_step, "runs_greedy_steps", False)  # the CPU step with the head's C kernels
+                or self.encoder is not None or self.pipeline is not None):
             return False
         states = self.requests
         return all(s.num_new_tokens == s.num_sampled_positions == 1 + len(s.draft_token_ids)
