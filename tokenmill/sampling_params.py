@@ -86,6 +86,12 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
+    def argmax_only(self) -> bool:
+        """Whether an argmax of the raw logits is the whole sampler (once min_tokens is reached): greedy,
+        no logprobs, no penalties."""
+        return self.greedy and self.logprobs is None and not self.needs_penalties
+
+    @property
     def max_stop_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
 

@@ -148,8 +148,9 @@ def kernel_rows(dtype: torch.dtype, weight_only_quantized: bool = False, int4: b
     float32 per call, and at 128 rows a Qwen2.5-0.5B layer's four int4 linears took 38 ms in chunks against 61 ms
     dequantized (AVX2 EPYC; BENCHMARKS.md, "On a second AVX2 CPU"). int8 stays at 64 there: at 128 rows its chunks
     tie with dequantizing. Float32 layers on CPUs without AVX-512 take them up to F32_AVX2_KERNEL_ROWS: on a Zen 3
-    EPYC they beat oneDNN's packed GEMM 1.3-2.3x at 9-20 rows for the shipped model's shapes and tie at 32 for
-    Qwen2.5-0.5B's (BENCHMARKS.md, issue 16, "Verification of more than 8 rows in the one-call step")."""
+    EPYC they beat oneDNN's packed GEMM 1.2-2.3x at 9-20 rows and tie at 32, for the shipped model's shapes and
+    Qwen2.5-0.5B's (`benchmarks/bench_float_rows.py`; BENCHMARKS.md, issue 15, "Greedy steps with the LM head and
+    argmax in the one call, and float32 steps of up to 32 rows")."""
     if dtype == torch.bfloat16 and slow_bf16_gemm():
         if int4:
             return INT4_AVX2_KERNEL_ROWS

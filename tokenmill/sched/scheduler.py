@@ -440,8 +440,7 @@ class Scheduler:
         for rid, n in scheduled.items():
             req = self.requests[rid]
             sp = req.sampling_params
-            if (n != 1 or rid in self._drafts or not self._samples(req, n) or not sp.greedy
-                    or sp.logprobs is not None or sp.needs_penalties or sp.stop
+            if (n != 1 or rid in self._drafts or not self._samples(req, n) or not sp.argmax_only or sp.stop
                     or req.num_output_tokens < sp.min_tokens):
                 return {}
             room = self.max_model_len - req.num_tokens

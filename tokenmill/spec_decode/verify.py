@@ -57,10 +57,12 @@ def verify(sampler: Sampler, logits: torch.Tensor, checks: list[DraftCheck]
         gen = c.row.generator or sampler.generator
         if c.draft_probs is not None and not c.row.params.greedy:
             out = _verify_against_q(c, [probs[start + j] for j in range(n)], gen)
+        elif c.row.params.greedy:
+            out = accept_greedy(greedy_tokens[start:start + n], c.drafts)
         else:
             out = []
             for j in range(n):
-                x = greedy_tokens[start + j] if c.row.params.greedy else _draw(probs[start + j], gen)
+                x = _draw(probs[start + j], gen)
                 out.append(x)
                 if j == n - 1 or x != c.drafts[j]:
                     break
@@ -78,6 +80,17 @@ def verify(sampler: Sampler, logits: torch.Tensor, checks: list[DraftCheck]
             logprobs[i] = lps[pos:pos + len(emitted[i])]
             pos += len(emitted[i])
     return emitted, logprobs
+
+
+def accept_greedy(row_tokens: list[int], drafts: list[int]) -> list[int]:
+    """The greedy rule: row j's token (its argmax) accepts draft j + 1 while they are equal; the emitted tokens
+    are the accepted drafts, then the first row token that disagreed (or the bonus after the last draft)."""
+    out = [row_tokens[0]]
+    for j, d in enumerate(drafts):
+        if d != out[j]:
+            break
+        out.append(row_tokens[j + 1])
+    return out
 
 
 def _draw(p: torch.Tensor, gen: torch.Generator) -> int:

@@ -22,7 +22,7 @@ import torch
 from tokenmill.attention.backend import AttentionBackend, AttentionBatch
 from tokenmill.sample.sampler import SampleRow, Sampler, TokenLogprobs, batch_token_logprobs
 from tokenmill.sched.output import ScheduledRequest, SchedulerOutput
-from tokenmill.spec_decode.verify import DraftCheck, verify
+from tokenmill.spec_decode.verify import DraftCheck, accept_greedy, verify
 from tokenmill.worker.request_state import RequestState, RequestStates
 
 
@@ -231,8 +231,8 @@ class ModelRunner:
     def _run_argmax_rows(self, seqs: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor,
                          batch) -> ModelRunnerOutput | None:
         """`_argmax_rows` steps in one C call (a greedy step of one per row, `CpuDecodeStep.greedy`); each
-        verification then accepts its drafts while they equal its rows' argmaxes, as spec_decode/verify.py's
-        greedy rule does (placeholder drafts keep the first row's only). None where the call cannot take the
+        verification then accepts its drafts by the greedy rule (spec_decode/verify.py `accept_greedy`;
+        placeholder drafts keep the first row's token only). None where the call cannot take the
         rows: the step then runs as a plain one."""
         step, rows = self.decode_step, len(input_ids)
         if not step.can_draft(batch, rows, rows):
@@ -241,12 +241,8 @@ class ModelRunner:
         self.num_argmax_steps += 1
         out, row = ModelRunnerOutput(), 0
         for s in seqs:
-            drafts = [] if s.draft_placeholders else s.draft_token_ids
-            kept = [tokens[row][0]]
-            for j, d in enumerate(drafts):
-                if d != kept[j]:
-                    break
-                kept.append(tokens[row + j + 1][0])
+            kept = accept_greedy([t for t, in tokens[row:row + s.num_new_tokens]],
+                                 [] if s.draft_placeholders else s.draft_token_ids)
             row += s.num_new_tokens
             self.requests[s.request_id].output_token_ids.extend(kept)
             out.sampled_token_ids[s.request_id] = kept

@@ -28,9 +28,7 @@ class RequestState:
     mm_items: list = field(default_factory=list)  # multimodal/inputs.py MultiModalItem, in prompt order
 
     def __post_init__(self):
-        sp = self.sampling_params
-        # whether an argmax of the raw logits is the whole sampler for it (once min_tokens is reached)
-        self.argmax_only = sp.greedy and sp.logprobs is None and not sp.needs_penalties
+        self.argmax_only = self.sampling_params.argmax_only  # read every step: looked up once
 
     def takes_argmax(self) -> bool:
         return self.argmax_only and len(self.output_token_ids) >= self.sampling_params.min_tokens
