@@ -28,6 +28,7 @@ Each section is guarded: a failure is recorded (with its traceback) and the scri
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -48,6 +49,7 @@ TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=256,
             bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
 RESULTS: dict = {}
 T0 = time.time()
+OUT_DIR = [os.environ.get("OUT", "benchmarks/results")]
 
 
 def section(name: str):
@@ -219,7 +221,8 @@ def _greedy_tokens(path: str, prompts, **kw) -> list[list[int]]:
     graphs = llm.llm_engine.core.runner.decode_step
     backend = llm.llm_engine.core.runner.backend
     info = (type(backend).__name__, getattr(backend, "failure", None), graphs is not None and graphs.enabled)
-    del llm
+    del llm, graphs, backend
+    gc.collect()
     torch.cuda.empty_cache()
     return [o.outputs[0].token_ids for o in outs], info
 
@@ -252,33 +255,140 @@ def engine_greedy() -> dict:
 
 # ------------------------------------------------------------------ timings on the 8B shape
 
+@section("nccl_tp1")
+def nccl_tp1() -> dict:
+    """Issue 19 on one GPU: the NCCL process group initializes through the engine's rendezvous, its collectives
+    give the right values, and a tp=1 runner built through the distributed path (its shard, NCCL's agree_min)
+    samples the same greedy tokens as a runner built without it."""
+    import torch.distributed as dist
+    from tokenmill.config import EngineConfig, ModelConfig
+    from tokenmill.distributed.layout import ParallelLayout
+    from tokenmill.distributed.rendezvous import Rendezvous, agree_min, free_port, init_rank, release_group
+    from tokenmill.models.loader import load_hf_config
+    from tokenmill.worker.build import build_runner
+    path = tiny_checkpoint()
+    mc = ModelConfig.from_hf(load_hf_config(path))
+    res = {}
+    t = time.time()
+    shard, link, stats = init_rank(ParallelLayout(1, 1), Rendezvous("127.0.0.1", free_port("127.0.0.1"), 1, 0, 60.0,
+                                                                    "cuda"), mc.num_layers)
+    res["init_s"] = round(time.time() - t, 2)
+    res["backend"] = dist.get_backend()
+    x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    y = x.clone()
+    dist.all_reduce(y)
+    res["all_reduce_ok"] = bool(torch.equal(x, y))
+    res["agree_min"] = agree_min(7)
+
+    def tokens(sh) -> list[int]:
+        cfg = EngineConfig(model=path, dtype="float32", max_model_len=1024, num_kv_blocks=64, enforce_eager=True)
+        cfg.resolve(mc)
+        runner = build_runner(cfg, mc, torch.float32, sh) if sh is not None else build_runner(cfg, mc, torch.float32)
+        step = _prompt_step([[5, 17, 300, 41, 9, 2, 77], [8] * 20, [100, 200]], 16)
+        out = runner.execute(step)
+        return [out.sampled_token_ids[s.request_id][0] for s in step.seqs]
+    res["tp1_tokens"] = tokens(shard)
+    res["plain_tokens"] = tokens(None)
+    res["same_tokens"] = res["tp1_tokens"] == res["plain_tokens"]
+    release_group(True)
+    res["ok"] = res["all_reduce_ok"] and res["agree_min"] == 7 and res["same_tokens"]
+    return res
+
+
+def _prompt_step(prompts: list[list[int]], block_size: int):
+    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
+    seqs, nb = [], 0
+    for i, p in enumerate(prompts):
+        k = -(-len(p) // block_size)
+        new = NewRequestData(f"r{i}", p, [], SamplingParams(temperature=0.0, max_tokens=1), list(range(nb, nb + k)))
+        nb += k
+        seqs.append(ScheduledRequest(new.request_id, 0, len(p), [], 1, new_request=new))
+    return SchedulerOutput(seqs=seqs, num_scheduled_tokens=sum(map(len, prompts)))
+
+
+@section("multimodal")
+def multimodal() -> dict:
+    """Issue 18 on a GPU: the shipped tiny-llava answers its held-out set on CUDA with the model card's accuracy,
+    with the encoder inline and in its thread on a side stream (overlap), and the INT8 encoder within the gate."""
+    import re
+    from pathlib import Path
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.config import DEFAULT_MODEL
+    from tokenmill.multimodal import synthetic
+    model = str(Path(DEFAULT_MODEL).parent / "tiny-llava")
+    card = re.search(r"\*\*overall\*\*[^\n]*?(\d+)/(\d+)", (Path(model) / "README.md").read_text())
+    samples = synthetic.eval_samples()
+    convs = []
+    for smp in samples:
+        frames = smp.video if smp.video is not None else smp.images
+        convs.append([{"role": "user", "content": [{"type": "image", "image": f} for f in frames]
+                       + [{"type": "text", "text": smp.question}]}])
+    res = {"card": f"{card.group(1)}/{card.group(2)}" if card else None}
+    for name, kw in (("inline", {}), ("overlap", dict(mm_encoder_overlap=True)),
+                     ("int8_encoder", dict(mm_encoder_quantization="int8"))):
+        llm = LLM(model, dtype="float32", device="cuda", **kw)
+        t = time.perf_counter()
+        outs = llm.chat(convs, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        el = time.perf_counter() - t
+        enc = llm.llm_engine.core.runner.encoder
+        res[name] = {"correct": sum(synthetic.is_correct(smp, o.outputs[0].text) for smp, o in zip(samples, outs)),
+                     "seconds": round(el, 2), "images_prefetched": enc.images_prefetched,
+                     "device": str(next(llm.llm_engine.core.runner.model.parameters()).device)}
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    want = int(card.group(1)) if card else -1
+    res["ok"] = (res["inline"]["correct"] == want and res["overlap"]["correct"] == want
+                 and res["int8_encoder"]["correct"] >= want - 2)
+    return res
+
+
 @section("llama8b")
-def llama8b(copy_gb_s: float, budget_s: float) -> dict:
+def llama8b(copy_gb_s: float, deadline: float) -> dict:
+    """Startup, batch-1 and batch-64 decode (engine step against the bare graph replay: the host's share),
+    prefill TFLOP/s and offline throughput, on the 8B shape with CUDA graphs."""
     from tokenmill import LLM, SamplingParams
     path = model_dir(LLAMA3_8B, "llama3-8b")
     res = {}
+    t = time.perf_counter()
     llm = LLM(path, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=2048,
               max_num_seqs=256, gpu_memory_utilization=0.9)
-    model = llm.llm_engine.core.runner.model
+    res["startup_s"] = round(time.perf_counter() - t, 1)
+    runner = llm.llm_engine.core.runner
+    model = runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.model.embed_tokens.weight
     read_bytes = weight_bytes - embed.numel() * embed.element_size()  # a decode step reads one embedding row
-    res["kv_blocks"] = llm.llm_engine.core.runner.num_blocks
+    res["kv_blocks"] = runner.num_blocks
+    graphs = runner.decode_step
+    res["graphs"] = None if graphs is None else (type(graphs).__name__, graphs.enabled, len(graphs.graphs))
     g = torch.Generator().manual_seed(2)
 
     def prompts(n, length):
         return [{"prompt_token_ids": torch.randint(10, 128000, (length,), generator=g).tolist()} for _ in range(n)]
 
-    # batch-1 decode: 256 new tokens after a 128-token prompt; per-token time from two lengths' difference
-    def gen_time(n_new):
-        t = time.perf_counter()
-        llm.generate(prompts(1, 128), SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True), use_tqdm=False)
-        return time.perf_counter() - t
-    gen_time(8)
-    step = (gen_time(264) - gen_time(8)) / 256
-    res["decode_b1_ms"] = round(step * 1e3, 3)
-    res["decode_b1_roofline_frac"] = round(read_bytes / step / (copy_gb_s * 1e9), 3)
+    def step_ms(batch: int, steps: int) -> float:
+        """Per decode step, from two generation lengths' difference (prefill and startup cancel)."""
+        def gen(n_new):
+            t = time.perf_counter()
+            llm.generate(prompts(batch, 128), SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True),
+                         use_tqdm=False)
+            return time.perf_counter() - t
+        gen(8)
+        return (gen(8 + steps) - gen(8)) / steps * 1e3
+
+    for batch, steps in ((1, 256), (64, 128)):
+        ms = step_ms(batch, steps)
+        res[f"decode_b{batch}_ms"] = round(ms, 3)
+        if graphs is not None and graphs.enabled:
+            size = next(s for s in graphs.sizes if s >= batch)
+            replay = median_ms(graphs.graphs[size].replay, reps=50)
+            res[f"graph_replay_b{batch}_ms"] = round(replay, 3)
+            res[f"host_b{batch}_ms"] = round(ms - replay, 3)  # logits + sampling on the device count as host here
+    res["decode_b1_roofline_frac"] = round(read_bytes / (res["decode_b1_ms"] / 1e3) / (copy_gb_s * 1e9), 3)
     # prefill: 8 x 2048 tokens, one new token each
+    llm.generate(prompts(2, 2047), SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     t = time.perf_counter()
     llm.generate(prompts(8, 2048 - 1), SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     el = time.perf_counter() - t
@@ -286,32 +396,35 @@ def llama8b(copy_gb_s: float, budget_s: float) -> dict:
     flops = 8 * 2047 * 2 * n_params + 8 * 32 * 2 * 2 * 2047 ** 2 / 2 * 128  # linears + causal attention
     res["prefill_tflops"] = round(flops / el / 1e12, 1)
     # offline throughput, 128 + 128, high concurrency
-    if time.time() - T0 < budget_s:
-        n = 2048
+    if time.time() < deadline - 40:
+        n = 1024
         t = time.perf_counter()
         outs = llm.generate(prompts(n, 128), SamplingParams(temperature=0, max_tokens=128, ignore_eos=True),
                             use_tqdm=False)
         el = time.perf_counter() - t
         res["offline_128x128_output_tok_s"] = round(sum(len(o.outputs[0].token_ids) for o in outs) / el)
+        res["offline_requests"] = n
         res["offline_goal"] = 15000
-    llm = model = None  # frees the engine (the timing closure holds its cell, not the object)
+    llm = model = runner = graphs = embed = None
+    gc.collect()
     torch.cuda.empty_cache()
     return res
 
 
 @section("ladder")
-def ladder(budget_s: float) -> dict:
-    """Offline 128 + 128 on the 8B shape, 512 requests, one lever at a time."""
+def ladder(deadline: float) -> dict:
+    """Offline 128 + 128 on the 8B shape, 256 requests, one lever at a time (the slow rung last, so that a
+    time limit costs only it)."""
     from tokenmill import LLM, SamplingParams
     path = model_dir(LLAMA3_8B, "llama3-8b")
-    rungs = [("torch backend, eager", dict(attention_backend="torch", enforce_eager=True)),
+    rungs = [("triton + CUDA graphs", dict(attention_backend="triton")),
              ("triton backend, eager", dict(attention_backend="triton", enforce_eager=True)),
-             ("triton + CUDA graphs", dict(attention_backend="triton"))]
+             ("torch backend, eager", dict(attention_backend="torch", enforce_eager=True))]
     g = torch.Generator().manual_seed(3)
-    reqs = [{"prompt_token_ids": torch.randint(10, 128000, (128,), generator=g).tolist()} for _ in range(512)]
+    reqs = [{"prompt_token_ids": torch.randint(10, 128000, (128,), generator=g).tolist()} for _ in range(256)]
     res = {}
     for name, kw in rungs:
-        if time.time() - T0 > budget_s:
+        if time.time() > deadline - 30:
             res[name] = "skipped (time budget)"
             continue
         llm = LLM(path, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=1024,
@@ -320,38 +433,96 @@ def ladder(budget_s: float) -> dict:
         t = time.perf_counter()
         outs = llm.generate(reqs, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True), use_tqdm=False)
         res[name] = round(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t))
-        del llm
+        RESULTS["ladder"] = dict(res)  # kept if a later rung dies
+        save(OUT_DIR[0])
+        llm = None
+        gc.collect()
         torch.cuda.empty_cache()
-    base = res.get(rungs[0][0])
+    base = res.get(rungs[-1][0])
     if isinstance(base, (int, float)):
-        res["ratios"] = {k: round(v / base, 2) for k, v in res.items() if isinstance(v, (int, float))}
+        res["ratios_vs_torch_eager"] = {k: round(v / base, 2) for k, v in res.items() if isinstance(v, (int, float))}
     return res
+
+
+SECTIONS = ("ceilings", "kernels", "engine_greedy", "nccl_tp1", "multimodal", "llama8b", "ladder")
+# seconds each may take before the worker dumps its stacks and exits (a hang must not eat the lease), and
+# the least time left that a section needs to be worth starting
+LIMITS = {"ceilings": 60, "kernels": 150, "engine_greedy": 150, "nccl_tp1": 60, "multimodal": 90, "llama8b": 200,
+          "ladder": 180}
+NEEDS = {"llama8b": 60, "ladder": 60}
+
+
+def save(out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+
+
+def worker(args) -> None:
+    """Runs the sections in order, saving after each; a section past its limit kills this process (the
+    driver starts another for the rest)."""
+    import faulthandler
+    OUT_DIR[0] = args.out_dir
+    path = os.path.join(args.out_dir, "gpu_check.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            RESULTS.update(json.load(f))
+    deadline = T0 + args.budget_s
+    for name in args.sections:
+        left = deadline - time.time()
+        if left < NEEDS.get(name, 20):
+            RESULTS[name] = {"skipped": f"time budget ({left:.0f} s left)"}
+            save(args.out_dir)
+            continue
+        RESULTS[name] = {"error": "running (the worker died or hit its limit here; see the log)"}
+        save(args.out_dir)
+        faulthandler.dump_traceback_later(min(LIMITS[name], max(left, 10)), exit=True)
+        if name == "llama8b":
+            llama8b(RESULTS.get("ceilings", {}).get("copy_gb_s", 4300.0), deadline - 90)
+        elif name == "ladder":
+            ladder(deadline)
+        else:
+            globals()[name]()
+        faulthandler.cancel_dump_traceback_later()
+        save(args.out_dir)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "benchmarks/results"))
-    ap.add_argument("--budget-s", type=float, default=420, help="skip the later timings past this many seconds")
-    ap.add_argument("--skip", nargs="*", default=[], help="sections to skip")
+    ap.add_argument("--budget-s", type=float, default=420, help="skip later sections past this many seconds")
+    ap.add_argument("--sections", nargs="*", default=list(SECTIONS))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_check.py needs a CUDA GPU")
-    ceilings()
-    copy = RESULTS["ceilings"].get("copy_gb_s", 4300.0)
-    for name, fn in (("kernels", kernels), ("engine_greedy", engine_greedy)):
-        if name not in args.skip:
-            fn()
-    if "llama8b" not in args.skip:
-        llama8b(copy, args.budget_s - 120)
-    if "ladder" not in args.skip:
-        ladder(args.budget_s)
+    if args.worker:
+        worker(args)
+        return
+    import subprocess
+    path = os.path.join(args.out_dir, "gpu_check.json")
+    if os.path.isfile(path):
+        os.remove(path)
+    todo = list(args.sections)
+    while todo:
+        left = args.budget_s - (time.time() - T0)
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--out-dir", args.out_dir, "--budget-s",
+               str(max(left, 1)), "--sections", *todo]
+        subprocess.run(cmd)
+        RESULTS.clear()
+        with open(path) as f:
+            RESULTS.update(json.load(f))
+        # the section that was running when the worker died is recorded as such; go on after it
+        todo = [s for s in todo if s not in RESULTS]
+        if todo and time.time() - T0 > args.budget_s:
+            for s in todo:
+                RESULTS[s] = {"skipped": "time budget"}
+            break
     RESULTS["total_seconds"] = round(time.time() - T0, 1)
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "gpu_check.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1)
+    save(args.out_dir)
     print("\n== summary")
     for k, v in RESULTS.items():
-        print(f"{k:16s} {json.dumps(v)[:300]}")
+        print(f"{k:14s} {json.dumps(v)[:700]}")
 
 
 if __name__ == "__main__":

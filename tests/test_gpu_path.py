@@ -168,7 +168,12 @@ def test_gpu_budget_and_the_not_enough_memory_error(llama_dir):
         num_kv_blocks(cfg, mc, torch.float32, 2, 2, budget=budget)
     roomy = GpuMemoryBudget(total=80 * 2**30, utilization=0.9, used=10 * 2**30, activation_peak=2 * 2**30)
     per_block = 2 * 2 * 16 * 2 * 16 * 4
-    assert num_kv_blocks(cfg, mc, torch.float32, 2, 2, budget=roomy) == roomy.kv_bytes // per_block
+    # every sequence at full length, plus one: more would only hold cached prefixes (and host objects)
+    cap = cfg.max_num_seqs * 16 + 16
+    assert roomy.kv_bytes // per_block > cap
+    assert num_kv_blocks(cfg, mc, torch.float32, 2, 2, budget=roomy) == cap
+    tight = GpuMemoryBudget(total=80 * 2**30, utilization=0.9, used=72 * 2**30 - 2**24, activation_peak=0)
+    assert num_kv_blocks(cfg, mc, torch.float32, 2, 2, budget=tight) == tight.kv_bytes // per_block < cap
 
 
 if __name__ == "__main__":

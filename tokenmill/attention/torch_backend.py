@@ -106,7 +106,7 @@ class TorchAttentionBackend(AttentionBackend):
         batch = meta.batch
         nd = q.shape[0]
         if self.use_kernel is None:
-            self.use_kernel = cpu_attention.supports(q, key_cache)
+            self.use_kernel = q.device.type == "cpu" and cpu_attention.supports(q, key_cache)  # no C build on GPUs
         if self.use_kernel:
             # reads the cache in place; 4-17x faster than gathering a padded float32 copy (BENCHMARKS.md)
             return cpu_attention.paged_decode_attention(q, key_cache, value_cache, batch.block_tables[:nd],

@@ -98,6 +98,8 @@ def load_model(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device:
     for m in model.modules():
         if isinstance(m, Linear):
             m.process_after_loading(ctx)
+    for p in model.parameters():  # each loader is a bound method of its layer: a cycle that gc.freeze() (llm.py)
+        p.__dict__.pop("weight_loader", None)  # would keep alive, weights and all, after the engine is gone
     return model.eval()
 
 

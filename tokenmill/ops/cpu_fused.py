@@ -30,7 +30,7 @@ def _library():
 def usable(*tensors: torch.Tensor, multiple: int = 16) -> bool:
     """All on CPU, one dtype the kernels take, contiguous, last dim a multiple of `multiple`."""
     t0 = tensors[0]
-    return (_library() is not None and t0.device.type == "cpu" and t0.dtype in DTYPES and
+    return (t0.device.type == "cpu" and _library() is not None and t0.dtype in DTYPES and
             all(t.dtype == t0.dtype and t.is_contiguous() and t.shape[-1] % multiple == 0 for t in tensors))
 
 

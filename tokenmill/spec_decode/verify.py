@@ -73,7 +73,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, checks: list[DraftCheck]
     want = [i for i, c in enumerate(checks) if c.row.params.logprobs is not None]
     if want:
         idx = [r for i in want for r in emitted_rows[i]]
-        toks = torch.tensor([t for i in want for t in emitted[i]])
+        toks = torch.tensor([t for i in want for t in emitted[i]], device=logits.device)
         lps = sampler.logprobs(logits[idx], toks, [rows[r] for r in idx])
         pos = 0
         for i in want:
@@ -103,7 +103,7 @@ def _verify_against_q(c: DraftCheck, p: list[torch.Tensor], gen: torch.Generator
     out = []
     for j, d in enumerate(c.drafts):
         q = c.draft_probs[j]
-        u = torch.rand((), generator=gen).item()
+        u = torch.rand((), generator=gen, device=gen.device).item()
         if float(q[d]) > 0 and u < min(1.0, float(p[j][d]) / float(q[d])):
             out.append(d)
             continue

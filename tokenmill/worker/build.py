@@ -29,6 +29,8 @@ _DEFAULT_CPU_KV_GB = 4.0
 def build_runner(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, shard: ModelShard = WHOLE_MODEL,
                  pipeline: PipelineLink | None = None, agree=lambda n: n) -> ModelRunner:
     """`agree` turns this rank's KV block count into the one every rank uses (the minimum, when distributed)."""
+    if config.device == "cuda":  # an earlier engine's cached blocks must not hold this one's weights: they
+        torch.cuda.empty_cache()  # could not be released, and the KV sizing would count them as in use
     model = load_model(config, mc, dtype, config.device, shard)
     spec = config.speculative
     # the draft proposes where tokens are sampled: on the last stage, replicated on its TP ranks
@@ -100,6 +102,9 @@ def num_kv_blocks(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype, layers
             act = cfg.max_num_batched_tokens * (mc.hidden_size * 16 + mc.vocab_size * 4)
             budget = GpuMemoryBudget(total, cfg.gpu_memory_utilization, total - free, act)
         n = max(budget.kv_bytes // bytes_per_block, 0)
+        # as on a CPU: blocks past every sequence at full length only hold cached prefixes, and each costs
+        # the block pool a host object (a tiny model on a big GPU would get millions)
+        n = min(n, cfg.max_num_seqs * per_seq + per_seq)
         if n >= per_seq:
             logger.info("GPU KV cache: %d blocks of %d tokens (%.2f GiB); %s", n, cfg.block_size,
                         n * bytes_per_block / GIB, budget.describe())

@@ -48,7 +48,7 @@ class EncoderRunner:
 
     def prefetch(self, items: list[MultiModalItem]) -> None:
         for item in items:
-            self._futures[item.hash] = self._pool.submit(self._encode, [item])
+            self._futures[item.hash] = self._pool.submit(self._encode_aside, [item])
         self.images_prefetched += len(items)
 
     def poll(self, wait_s: float = 0.0) -> list[str]:
@@ -69,6 +69,22 @@ class EncoderRunner:
     def encode(self, items: list[MultiModalItem]) -> None:
         if items:
             self.cache.update(self._encode(items))
+
+    def _encode_aside(self, items: list[MultiModalItem]) -> dict[str, torch.Tensor]:
+        """_encode in the encoder thread. On a GPU it runs on a side stream, so its kernels overlap the decode
+        steps' on the main stream; the future completes only once its rows are computed, and the rows are
+        marked as used by the main stream, so that the allocator does not hand their memory out again while
+        steps that splice them in are still queued there."""
+        if not str(self.device).startswith("cuda"):
+            return self._encode(items)
+        main = torch.cuda.current_stream(self.device)  # this thread's current stream: the default one
+        side = self._side_stream = getattr(self, "_side_stream", None) or torch.cuda.Stream(self.device)
+        with torch.cuda.stream(side):
+            out = self._encode(items)
+        side.synchronize()
+        for rows in out.values():
+            rows.record_stream(main)
+        return out
 
     @torch.inference_mode()
     def _encode(self, items: list[MultiModalItem]) -> dict[str, torch.Tensor]:

@@ -331,5 +331,5 @@ class ModelRunner:
         if count <= 0:
             return []
         lps = self.model.compute_logits(hidden[:count]).log_softmax(dim=-1)
-        targets = torch.tensor(prompt[seq.start_pos + 1: seq.start_pos + 1 + count])
+        targets = torch.tensor(prompt[seq.start_pos + 1: seq.start_pos + 1 + count], device=lps.device)
         return batch_token_logprobs(lps, targets, state.sampling_params.prompt_logprobs)
