@@ -211,17 +211,21 @@ def tiny_checkpoint() -> str:
     return path
 
 
-def _greedy_tokens(path: str, prompts, **kw) -> list[list[int]]:
+def _greedy_tokens(path: str, prompts, sp=None, **kw) -> list[list[int]]:
     from tokenmill import LLM, SamplingParams
     kw.setdefault("max_model_len", 1024)
     kw.setdefault("dtype", "float32")
     llm = LLM(path, skip_tokenizer_init=True, **kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-    graphs = llm.llm_engine.core.runner.decode_step
-    backend = llm.llm_engine.core.runner.backend
-    info = (type(backend).__name__, getattr(backend, "failure", None), graphs is not None and graphs.enabled)
-    del llm, graphs, backend
+                        sp or SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    llm.llm_engine.check_invariants()
+    core = llm.llm_engine.core
+    graphs = core.runner.decode_step
+    backend = core.runner.backend
+    info = (type(backend).__name__, getattr(backend, "failure", None), graphs is not None and graphs.enabled,
+            f"async={core.config.async_scheduling} run_ahead={core.scheduler.num_run_ahead} "
+            f"deferred={core.runner._num_deferred_steps}")
+    del llm, graphs, backend, core
     gc.collect()
     torch.cuda.empty_cache()
     return [o.outputs[0].token_ids for o in outs], info
@@ -233,9 +237,19 @@ def engine_greedy() -> dict:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (1, 5, 16, 33, 100, 300, 7, 64)]
     chunked = dict(max_num_batched_tokens=64, enable_prefix_caching=True)
-    torch_eager, i1 = _greedy_tokens(path, prompts, attention_backend="torch", enforce_eager=True, **chunked)
+    torch_eager, i1 = _greedy_tokens(path, prompts, attention_backend="torch", enforce_eager=True,
+                                     async_scheduling=False, **chunked)
     triton_eager, i2 = _greedy_tokens(path, prompts, attention_backend="triton", enforce_eager=True, **chunked)
-    triton_graphs, i3 = _greedy_tokens(path, prompts, attention_backend="triton", **chunked)
+    triton_graphs, i3 = _greedy_tokens(path, prompts, attention_backend="triton", **chunked)  # async: the default
+    graphs_sync, i7 = _greedy_tokens(path, prompts, attention_backend="triton", async_scheduling=False, **chunked)
+    # async scheduling with seeded sampling, a penalty, logprobs, stop tokens and short max_tokens
+    from tokenmill import SamplingParams
+    sps = [SamplingParams(temperature=0.8, top_p=0.9, seed=11 + i, max_tokens=(3, 24)[i % 2], ignore_eos=True,
+                          stop_token_ids=[7, 8, 9], repetition_penalty=1.2 if i == 3 else 1.0,
+                          logprobs=2 if i == 5 else None) for i in range(len(prompts))]
+    sampled_async, i8 = _greedy_tokens(path, prompts, sps, attention_backend="triton", **chunked)
+    sampled_sync, i9 = _greedy_tokens(path, prompts, sps, attention_backend="triton", async_scheduling=False,
+                                      **chunked)
     # 40 blocks of 16 tokens cannot hold eight sequences of up to 324 tokens: preemption
     preempt, i4 = _greedy_tokens(path, prompts, attention_backend="triton", num_kv_blocks=40, max_num_seqs=8,
                                  max_model_len=400)
@@ -250,7 +264,9 @@ def engine_greedy() -> dict:
         return sum(x == y for x, y in zip(a, b)) / len(a)
     return {"triton_vs_torch": agree(triton_eager, torch_eager), "graphs_vs_eager": agree(triton_graphs, triton_eager),
             "preemption_vs_torch": agree(preempt, torch_eager), "int8_triton_vs_twin": agree(int8_triton, int8_twin),
-            "backends": [i1, i2, i3, i4, i5, i6]}
+            "async_vs_sync_graphs": agree(triton_graphs, graphs_sync),
+            "async_vs_sync_sampled": agree(sampled_async, sampled_sync),
+            "backends": [i1, i2, i3, i4, i5, i6, i7, i8, i9]}
 
 
 # ------------------------------------------------------------------ timings on the 8B shape
@@ -344,6 +360,11 @@ def multimodal() -> dict:
     return res
 
 
+def _set_async(llm, on: bool) -> None:
+    core = llm.llm_engine.core
+    core.config.async_scheduling = core.scheduler.async_scheduling = core.runner.defer_tokens = on
+
+
 @section("llama8b")
 def llama8b(copy_gb_s: float, deadline: float) -> dict:
     """Startup, batch-1 and batch-64 decode (engine step against the bare graph replay: the host's share),
@@ -355,6 +376,7 @@ def llama8b(copy_gb_s: float, deadline: float) -> dict:
     llm = LLM(path, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=2048,
               max_num_seqs=256, gpu_memory_utilization=0.9)
     res["startup_s"] = round(time.perf_counter() - t, 1)
+    res["async_scheduling"] = llm.llm_engine.core.config.async_scheduling
     runner = llm.llm_engine.core.runner
     model = runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -381,11 +403,16 @@ def llama8b(copy_gb_s: float, deadline: float) -> dict:
     for batch, steps in ((1, 256), (64, 128)):
         ms = step_ms(batch, steps)
         res[f"decode_b{batch}_ms"] = round(ms, 3)
+        _set_async(llm, False)
+        res[f"decode_b{batch}_sync_ms"] = round(step_ms(batch, steps), 3)
+        _set_async(llm, True)
         if graphs is not None and graphs.enabled:
             size = next(s for s in graphs.sizes if s >= batch)
             replay = median_ms(graphs.graphs[size].replay, reps=50)
             res[f"graph_replay_b{batch}_ms"] = round(replay, 3)
-            res[f"host_b{batch}_ms"] = round(ms - replay, 3)  # logits + sampling on the device count as host here
+            # logits + sampling on the device count as host here; without the overlap, and what the overlap leaves
+            res[f"host_b{batch}_ms"] = round(res[f"decode_b{batch}_sync_ms"] - replay, 3)
+            res[f"exposed_host_b{batch}_ms"] = round(ms - replay, 3)
     res["decode_b1_roofline_frac"] = round(read_bytes / (res["decode_b1_ms"] / 1e3) / (copy_gb_s * 1e9), 3)
     # prefill: 8 x 2048 tokens, one new token each
     llm.generate(prompts(2, 2047), SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
@@ -417,9 +444,10 @@ def ladder(deadline: float) -> dict:
     time limit costs only it)."""
     from tokenmill import LLM, SamplingParams
     path = model_dir(LLAMA3_8B, "llama3-8b")
-    rungs = [("triton + CUDA graphs", dict(attention_backend="triton")),
-             ("triton backend, eager", dict(attention_backend="triton", enforce_eager=True)),
-             ("torch backend, eager", dict(attention_backend="torch", enforce_eager=True))]
+    rungs = [("triton + CUDA graphs + async scheduling", dict(attention_backend="triton", async_scheduling=True)),
+             ("triton + CUDA graphs", dict(attention_backend="triton", async_scheduling=False)),
+             ("triton backend, eager", dict(attention_backend="triton", enforce_eager=True, async_scheduling=False)),
+             ("torch backend, eager", dict(attention_backend="torch", enforce_eager=True, async_scheduling=False))]
     g = torch.Generator().manual_seed(3)
     reqs = [{"prompt_token_ids": torch.randint(10, 128000, (128,), generator=g).tolist()} for _ in range(256)]
     res = {}
@@ -447,7 +475,7 @@ def ladder(deadline: float) -> dict:
 SECTIONS = ("ceilings", "kernels", "engine_greedy", "nccl_tp1", "multimodal", "llama8b", "ladder")
 # seconds each may take before the worker dumps its stacks and exits (a hang must not eat the lease), and
 # the least time left that a section needs to be worth starting
-LIMITS = {"ceilings": 60, "kernels": 150, "engine_greedy": 150, "nccl_tp1": 60, "multimodal": 90, "llama8b": 200,
+LIMITS = {"ceilings": 60, "kernels": 150, "engine_greedy": 180, "nccl_tp1": 60, "multimodal": 90, "llama8b": 200,
           "ladder": 180}
 NEEDS = {"llama8b": 60, "ladder": 60}
 

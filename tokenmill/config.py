@@ -221,6 +221,11 @@ class EngineConfig:
                                     "triton on CUDA, torch on CPU", choices=("auto", "torch", "triton"))
     enforce_eager: bool = option(False, "run every step op by op: no CUDA graphs for decode steps on a GPU, no "
                                         "one-call C decode step on a CPU")
+    async_scheduling: bool | None = option(
+        None, "overlap the host with the device: step N+1 is scheduled and its inputs prepared while step N runs, "
+        "its decode inputs filled in on the device from step N's tokens (vLLM's async scheduling). Default: on "
+        "with CUDA where it applies (one rank, no speculation, bursts, KV tiers or multimodal model); on a CPU "
+        "the model runs on the host's own thread, so there is nothing to overlap")
     skip_tokenizer_init: bool = option(False, "load no tokenizer (token-id prompts only)")
     revision: str | None = option(None, "accepted for vLLM compatibility; models load from local directories")
     trust_remote_code: bool = option(False, "let transformers run the model directory's own tokenizer code")
@@ -321,6 +326,18 @@ class EngineConfig:
         if url and not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"kv_remote_cache_url must be a redis://, rediss:// or unix:// URL, got {url!r}")
 
+    def _resolve_async_scheduling(self, model_config: ModelConfig) -> None:
+        blockers = [why for why, on in (
+            ("tensor or pipeline parallelism", self.world_size > 1),
+            ("speculative decoding", bool(self.speculative_config)),
+            ("num_scheduler_steps > 1", self.num_scheduler_steps > 1),
+            ("KV tiers", self.kv_tiers_enabled),
+            ("a multimodal model", model_config.is_multimodal)) if on]
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device == "cuda" and not blockers
+        elif self.async_scheduling and blockers:
+            raise ValueError(f"async_scheduling does not run with {', '.join(blockers)} yet")
+
     def resolve(self, model_config: ModelConfig) -> None:
         """Fill defaults that depend on the model."""
         from tokenmill.distributed.layout import ParallelLayout, check_cpu_cores, check_model_split
@@ -347,6 +364,7 @@ class EngineConfig:
         if self.num_scheduler_steps > 1 and self.speculative_config:
             raise ValueError("num_scheduler_steps > 1 and speculative decoding both run several tokens per step: "
                              "choose one")
+        self._resolve_async_scheduling(model_config)
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.max_long_partial_prefills < 0:

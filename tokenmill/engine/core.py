@@ -106,6 +106,9 @@ class EngineCore:
             self._finalizer = weakref.finalize(self, _close_tiers, self.kv_transfer, self.kv)
         self.scheduler = build_scheduler(config, self.kv, mc.is_multimodal)
         self.scheduler.sync_output_tokens = config.pipeline_parallel_size > 1  # stages that do not sample
+        # async scheduling: the step whose tokens are still on the device (collected after the next launches)
+        self._deferred: tuple | None = None
+        self.scheduler.async_scheduling = self.runner.defer_tokens = bool(config.async_scheduling)
         if spec is not None and spec.method == "draft_model":
             self.scheduler.spec_lookahead = spec.num_speculative_tokens
         if config.num_scheduler_steps > 1:
@@ -136,7 +139,7 @@ class EngineCore:
         return aborted
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._in_flight)
+        return self.scheduler.num_unfinished > 0 or bool(self._in_flight) or self._deferred is not None
 
     # -- the step --------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -157,6 +160,8 @@ class EngineCore:
             xfer.cancel(sched.kv_load_cancels)
         if sched.is_empty:
             self._executor().release_requests(sched.finished_ids)
+            if self._deferred is not None:
+                return self._finish_deferred()
             if self._in_flight:
                 return self._finish_oldest()
             if xfer is not None and xfer.num_in_flight:
@@ -175,6 +180,13 @@ class EngineCore:
         result = self._executor().execute(sched)
         if xfer is not None:
             xfer.store(sched.kv_backups)
+        if self._deferred is not None or result.deferred is not None:
+            # async scheduling: this step is launched; the one before finishes while the device runs it
+            outputs = self._finish_deferred() if self._deferred is not None else []
+            if result.deferred is not None:
+                self._deferred = (sched, result)
+                return outputs
+            return outputs + self._finish_step(sched, result)
         outputs = self._finish_step(sched, result)
         if spec is not None:  # the draft policy learns from real step times
             prefill_tokens = sum(s.num_new_tokens - s.num_sampled_positions for s in sched.seqs)
@@ -184,6 +196,12 @@ class EngineCore:
 
     def _executor(self):
         return self.executor if self.executor is not None else self.runner
+
+    def _finish_deferred(self) -> list[EngineCoreOutput]:
+        sched, result = self._deferred
+        self._deferred = None
+        self.runner.collect(result.deferred, result)
+        return self._finish_step(sched, result)
 
     def _finish_oldest(self) -> list[EngineCoreOutput]:
         return self._finish_step(self._in_flight.popleft(), self.executor.collect())

@@ -59,6 +59,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify at its next step
     spec_placeholders: bool = False  # those drafts are placeholders (DraftPolicy's priced looks)
     mm_items: list = field(default_factory=list)  # multimodal/inputs.py MultiModalItem, in prompt order
+    # async scheduling: tokens that steps still in flight sample for it (their ids are not back yet)
+    num_pending: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -112,7 +112,11 @@ class Scheduler:
         self._drafts: dict[str, list[int]] = {}  # this step's drafts per request
         # pipeline parallelism: requests in a step not yet back (never rescheduled or preempted until it is),
         # and whether steps carry each request's new output tokens to the stages that do not sample
-        self.in_flight: set[str] = set()
+        # async scheduling (the engine sets it): a request in flight in the step before may be scheduled again,
+        # its input the token that step samples (the worker fills it in on the device); see _may_run_ahead
+        self.in_flight: dict[str, int] = {}  # request id -> steps in flight that hold it
+        self.async_scheduling = False
+        self.num_run_ahead = 0  # requests scheduled while an earlier step held them (async scheduling)
         self.sync_output_tokens = False
         self._outputs_sent: dict[str, int] = {}
         self.encoder = encoder  # multimodal: images to encode per step, the encoder cache (None: text only)
@@ -192,9 +196,13 @@ class Scheduler:
         for req in list(self.running):
             if budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING or req.request_id in self.in_flight:
-                continue  # preempted earlier in this loop, or still in an earlier step
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if req.request_id in self.in_flight:
+                if not self._may_run_ahead(req):
+                    continue  # still in an earlier step
+                self.num_run_ahead += 1
+            n = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
             if req.num_computed_tokens < req.num_prompt_tokens:
@@ -206,8 +214,11 @@ class Scheduler:
             drafts = self._fit_drafts(req, n, budget)
             n += len(drafts)
             ahead = self._lookahead(req, n - len(drafts))
-            while not self.kv.allocate_slots(req, n + ahead, num_draft_tokens=len(drafts) + ahead):
+            # slots of pending tokens are never hashed here: their ids are not known yet
+            while not self.kv.allocate_slots(req, n + ahead, num_draft_tokens=len(drafts) + ahead + req.num_pending):
                 victim = self._pick_victim()  # never one in flight; `req` itself is a candidate
+                if victim is None:  # async scheduling: every other request is in flight; this one waits
+                    break
                 if victim.request_id in scheduled:  # priority policy may pick one already placed
                     budget += scheduled.pop(victim.request_id)
                     self._drafts.pop(victim.request_id, None)
@@ -241,8 +252,10 @@ class Scheduler:
             req = self.requests[rid]
             if req.mm_items:  # before counting this step's tokens: their images are read by this step's forward
                 self.encoder.advance(req)
+            if self.async_scheduling and self._samples(req, n):
+                req.num_pending += 1
             req.num_computed_tokens += n
-        self.in_flight.update(scheduled)
+            self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
         if self.encoder is not None:
             self._prefetch_waiting(out)
         return out
@@ -374,8 +387,23 @@ class Scheduler:
         self._new_loads.append(KVLoad(req.request_id, self.kv.block_ids(req.request_id, start), hashes, tiers))
         return True
 
-    def _pick_victim(self) -> Request:
+    def _may_run_ahead(self, req: Request) -> bool:
+        """Async scheduling: whether a request in the step in flight may join the next one. Its pending token
+        is the next step's input, filled in on the device. It may not when that token could end it by length
+        (max_tokens, max_model_len: known without the token), nor when its sampler reads the output token ids
+        (penalties). If the token ends it otherwise (EOS, a stop), the next step's token for it is dropped."""
+        if not self.async_scheduling or req.num_pending > 1 or req.sampling_params.needs_penalties:
+            return False
+        max_tokens = req.sampling_params.max_tokens
+        ahead = req.num_pending + 1  # after the pending token, this step's
+        if max_tokens is not None and req.num_output_tokens + req.num_pending >= max_tokens:
+            return False
+        return req.num_tokens + ahead <= self.max_model_len
+
+    def _pick_victim(self) -> Request | None:
         candidates = [r for r in self.running if r.request_id not in self.in_flight]
+        if not candidates:
+            return None
         if self.policy == "priority":
             return max(candidates, key=lambda r: (r.priority, r.arrival_time))
         return candidates[-1]
@@ -427,8 +455,9 @@ class Scheduler:
         return plan
 
     def _samples(self, req: Request, n: int) -> bool:
-        """Whether this step's `n` tokens (drafts included) reach the end of the request's known tokens."""
-        return req.num_computed_tokens + n == req.num_tokens + len(self._drafts.get(req.request_id, ()))
+        """Whether this step's `n` tokens (drafts included) reach the end of the request's tokens (pending
+        ones included)."""
+        return req.num_computed_tokens + n == req.num_tokens + req.num_pending + len(self._drafts.get(req.request_id, ()))
 
     # -- bursts of decode steps (num_scheduler_steps) -------------------------------------------------------
     def _plan_decode_steps(self, scheduled: dict[str, int]) -> dict[str, int]:
@@ -495,9 +524,13 @@ class Scheduler:
         they kept (finished requests included)."""
         touched = []
         for seq in out.seqs:
-            self.in_flight.discard(seq.request_id)
+            left = self.in_flight.pop(seq.request_id, 1) - 1
+            if left:
+                self.in_flight[seq.request_id] = left
             tokens = sampled.get(seq.request_id)
             req = self.requests.get(seq.request_id)
+            if req is not None and seq.num_sampled_positions and self.async_scheduling:
+                req.num_pending -= 1
             if not tokens or req is None:
                 continue
             if seq.num_steps > 1:  # a burst: every token but the last was also an input, its KV written

@@ -37,6 +37,21 @@ class ModelRunnerOutput:
     catch_up_seconds: float = 0.0  # the part of it spent catching a draft model up over long runs (new prompts, switches)
     # per request: logprob rows for the prompt tokens this chunk predicted (positions start+1 ..)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # async scheduling: tokens sampled on the device and still on their way back (ModelRunner.collect)
+    deferred: "DeferredTokens | None" = None
+
+
+@dataclass
+class DeferredTokens:
+    """One step's sampled tokens while they copy back to the host: `host` fills once `event` has passed.
+    Request i's token is the placeholder at output_token_ids[slots[i]] of its state until then."""
+    step: int
+    request_ids: list[str]
+    slots: list[int]
+    tokens: torch.Tensor  # [n] on the device: the next step's inputs are filled in from it
+    host: torch.Tensor
+    event: object = None  # torch.cuda.Event; None on a CPU (the copy is done)
+    logprobs_of: tuple | None = None  # (raw logits, rows) where a row asked for logprobs: made at collect()
 
 
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -74,6 +89,11 @@ class ModelRunner:
         self.decode_step = None
         self.num_bursts = 0  # steps run as bursts of decode steps (num_scheduler_steps; tests read it)
         self.num_argmax_steps = 0  # greedy decode / verification steps whose LM head and argmax ran in the C call
+        # async scheduling (engine/core.py): sampled tokens stay on the device until collect(); per request
+        # whose last token is one of them: that step, its row in the step's tokens, the placeholder's index
+        self.defer_tokens = False
+        self._pending: dict[str, tuple[DeferredTokens, int, int]] = {}  # (step, row, slot)
+        self._num_deferred_steps = 0
 
     def release_requests(self, request_ids) -> None:
         """Drop finished requests' state (also when a step schedules nothing)."""
@@ -123,19 +143,19 @@ class ModelRunner:
         row_seq = np.concatenate([seq_of_token[:nd], np.arange(num_dec_seqs, len(seqs))])
         row_lens = np.concatenate([positions[:nd] + 1, (starts + n_tok)[num_dec_seqs:]])
         row_qsl = np.concatenate([np.arange(nd + 1), qsl[num_dec_seqs + 1:]])
-        dev = self.device
+        dev = self._to_device
         batch = AttentionBatch(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=torch.from_numpy(row_qsl).to(dev, torch.int32),
-            seq_lens=torch.from_numpy(row_lens).to(dev, torch.int32),
-            block_tables=torch.from_numpy(tables[row_seq]).to(dev, torch.int32),
+            slot_mapping=dev(torch.from_numpy(slots)),
+            query_start_loc=dev(torch.from_numpy(row_qsl.astype(np.int32))),
+            seq_lens=dev(torch.from_numpy(row_lens.astype(np.int32))),
+            block_tables=dev(torch.from_numpy(tables[row_seq].astype(np.int32))),
             num_decodes=nd,
             max_seq_len=int(row_lens.max()),
             max_query_len=int(np.diff(row_qsl).max()),
             query_start_loc_host=row_qsl.tolist(),
             seq_lens_host=row_lens.tolist(),
         )
-        return (torch.tensor(input_ids, dtype=torch.int64, device=dev), torch.from_numpy(positions).to(dev), batch,
+        return (dev(torch.tensor(input_ids, dtype=torch.int64)), dev(torch.from_numpy(positions)), batch,
                 qsl.tolist())
 
     def _prepare_decodes(self, seqs: list[ScheduledRequest], states: list[RequestState]):
@@ -161,12 +181,22 @@ class ModelRunner:
         longs = torch.frombuffer(array("q", toks + pos + slots), dtype=torch.int64)
         ints = torch.frombuffer(array("i", list(range(rows + 1)) + lens + tables), dtype=torch.int32)
         if dev != "cpu":
-            longs, ints = longs.to(dev), ints.to(dev)
+            longs, ints = self._to_device(longs), self._to_device(ints)
         batch = AttentionBatch(
             slot_mapping=longs[2 * rows:], query_start_loc=ints[:rows + 1], seq_lens=ints[rows + 1:2 * rows + 1],
             block_tables=ints[2 * rows + 1:].view(rows, width), num_decodes=rows, max_seq_len=max(lens),
             max_query_len=1, query_start_loc_host=list(range(rows + 1)), seq_lens_host=lens)
         return longs[:rows], longs[rows:2 * rows], batch, qsl
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor of step inputs on the runner's device. On a GPU through pinned memory without waiting
+        for the stream (a copy from pageable memory would wait for the step in flight, which async scheduling
+        overlaps); the caching host allocator keeps the pinned block until the copy has run."""
+        if self.device == "cpu":
+            return t
+        if str(self.device).startswith("cuda"):
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -179,6 +209,8 @@ class ModelRunner:
         if bursting:
             seqs.sort(key=lambda s: -s.num_steps)
         input_ids, positions, batch, qsl = self.prepare_batch(seqs)
+        if self._pending:
+            self._fill_pending(seqs, input_ids, qsl)
         if bursting:
             burst = self._run_burst(seqs, input_ids, positions, batch)
             if burst is not None:
@@ -215,6 +247,47 @@ class ModelRunner:
                 out.prompt_logprobs[s.request_id] = self._prompt_logprobs(s, self.requests[s.request_id],
                                                                           hidden[qsl[i]:qsl[i + 1]])
         return out
+
+    def _fill_pending(self, seqs: list[ScheduledRequest], input_ids: torch.Tensor, qsl: list[int]) -> None:
+        """Async scheduling: inputs that are tokens the step before sampled and has not sent back yet (the
+        placeholders in the states) are copied in on the device, from that step's token tensor."""
+        by_step: dict[int, tuple[DeferredTokens, list[int], list[int]]] = {}
+        for i, s in enumerate(seqs):
+            pending = self._pending.get(s.request_id)
+            if pending is None:
+                continue
+            step, src, slot = pending
+            pos = len(self.requests[s.request_id].prompt_token_ids) + slot  # the placeholder's position
+            if s.start_pos <= pos < s.start_pos + s.num_new_tokens - len(s.draft_token_ids):
+                _, rows, srcs = by_step.setdefault(step.step, (step, [], []))
+                rows.append(qsl[i] + pos - s.start_pos)
+                srcs.append(src)
+        dev = input_ids.device
+        for step, rows, srcs in by_step.values():  # one step's, in practice: the one just before
+            idx = torch.tensor(rows + srcs, dtype=torch.int64)
+            if dev.type == "cuda":  # from pinned memory without waiting: the stream orders it
+                idx = idx.pin_memory().to(dev, non_blocking=True)
+            input_ids[idx[:len(rows)]] = step.tokens[idx[len(rows):]]
+
+    def collect(self, deferred: DeferredTokens, out: ModelRunnerOutput) -> None:
+        """A deferred step's tokens, once on the host, into its output (and their logprobs, where asked):
+        they replace the placeholders in the states of the requests still there."""
+        if deferred.event is not None:
+            deferred.event.synchronize()
+        tokens = deferred.host.tolist()
+        if deferred.logprobs_of is not None:
+            logits, rows = deferred.logprobs_of
+            for rid, lp in zip(deferred.request_ids, self.sampler.logprobs(logits, deferred.tokens, rows)):
+                if lp is not None:
+                    out.logprobs[rid] = [lp]
+        for rid, slot, tok in zip(deferred.request_ids, deferred.slots, tokens):
+            out.sampled_token_ids[rid] = [tok]
+            st = self.requests.states.get(rid)
+            if st is not None and slot < len(st.output_token_ids):
+                st.output_token_ids[slot] = tok
+            pending = self._pending.get(rid)
+            if pending is not None and pending[0] is deferred:  # not overridden by a later step's
+                del self._pending[rid]
 
     def _argmax_rows(self, seqs: list[ScheduledRequest]) -> bool:
         """Whether every sequence is a decode or a verification of drafts whose sampler would be an argmax of
@@ -284,12 +357,40 @@ class ModelRunner:
         states = [self.requests[s.request_id] for s in seqs]
         rows = [SampleRow(st.sampling_params, st.prompt_token_ids, st.output_token_ids,
                           self.requests.generator(s.request_id)) for s, st in zip(seqs, states)]
-        res = self.sampler(self.model.compute_logits(hidden), rows)
+        logits = self.model.compute_logits(hidden)
+        if self.defer_tokens:
+            self._sample_deferred(out, seqs, states, self.sampler.sample(logits, rows))
+            if any(r.params.logprobs is not None for r in rows):
+                out.deferred.logprobs_of = (logits, rows)
+            return
+        res = self.sampler(logits, rows)
         for j, (s, st) in enumerate(zip(seqs, states)):
             st.output_token_ids.append(res.token_ids[j])
             out.sampled_token_ids[s.request_id] = [res.token_ids[j]]
             if res.logprobs[j] is not None:
                 out.logprobs[s.request_id] = [res.logprobs[j]]
+
+    def _sample_deferred(self, out: ModelRunnerOutput, seqs: list[ScheduledRequest], states: list[RequestState],
+                         tokens: torch.Tensor) -> None:
+        """Async scheduling: the tokens start their copy to the host and the states get placeholders; the
+        engine collects them after it has launched the next step."""
+        self._num_deferred_steps += 1
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = tokens, None
+        slots = []
+        for s, st in zip(seqs, states):
+            slots.append(len(st.output_token_ids))
+            st.output_token_ids.append(0)  # placeholder: its id arrives in collect()
+        ids = [s.request_id for s in seqs]
+        deferred = DeferredTokens(self._num_deferred_steps, ids, slots, tokens, host, event)
+        # the previous deferred step's requests keep their entries until it is collected; this step's override
+        self._pending.update((rid, (deferred, j, slot)) for j, (rid, slot) in enumerate(zip(ids, slots)))
+        out.deferred = deferred
 
     def _verify(self, out: ModelRunnerOutput, seqs: list[ScheduledRequest], hidden: torch.Tensor) -> None:
         """Drafts against the target's logits at their k + 1 rows; the accepted tokens are appended.

@@ -1,0 +1,96 @@
+"""Async scheduling (engine/core.py, worker/model_runner.py): step N+1 is scheduled and launched before step
+N's tokens are back, its decode inputs filled in from step N's token tensor. Tokens, stops and KV accounting
+are those of the plain engine, whatever the engine does meanwhile (chunked prefill, preemption, aborts)."""
+import pytest
+
+from tokenmill import SamplingParams
+from conftest import make_llm, random_prompts
+
+LENGTHS = [1, 9, 16, 31, 48, 70]
+
+
+def _run(llm, prompts, sp):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    llm.llm_engine.check_invariants()
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].finish_reason for o in outs]
+
+
+def _pair(llama_dir, prompts, sp, **kw):
+    plain = make_llm(llama_dir, async_scheduling=False, **kw)
+    overlap = make_llm(llama_dir, async_scheduling=True, **kw)
+    ref, got = _run(plain, prompts, sp), _run(overlap, prompts, sp)
+    core = overlap.llm_engine.core
+    return ref, got, core
+
+
+@pytest.mark.parametrize("eager", [True, False])
+@pytest.mark.parametrize("kw", [dict(), dict(max_num_batched_tokens=7), dict(num_kv_blocks=16, max_model_len=96)],
+                         ids=["plain", "chunked", "preemption"])
+def test_greedy_tokens_equal_the_plain_engine(llama_dir, eager, kw):
+    prompts = random_prompts(LENGTHS, seed=40)
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ref, got, core = _pair(llama_dir, prompts, sp, enforce_eager=eager, **kw)
+    assert got == ref
+    assert core.scheduler.num_run_ahead > 0  # requests did join a step while the one before held them
+    if eager:  # the sampler's tokens stayed on the device until the next step was launched
+        assert core.runner._num_deferred_steps > 0
+    if "num_kv_blocks" in kw:
+        assert core.scheduler.num_preemptions > 0
+
+
+def test_stops_and_lengths_drop_the_token_sampled_past_them(llama_dir):
+    """A stop token ends a request whose next step is already in flight: that step's token is dropped, and
+    max_tokens is never overrun (the scheduler knows lengths without the tokens)."""
+    prompts = random_prompts(LENGTHS, seed=41)
+    plain = make_llm(llama_dir, async_scheduling=False, enforce_eager=True)
+    free_run, _ = _run(plain, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    stop = free_run[2][4]  # a token request 2 emits fifth: it stops there, and wherever else it occurs
+    sps = [SamplingParams(temperature=0, max_tokens=m, stop_token_ids=[stop], min_tokens=mn)
+           for m, mn in zip([1, 2, 12, 12, 5, 12], [0, 0, 0, 6, 0, 0])]
+    ref, got, core = _pair(llama_dir, prompts, sps, enforce_eager=True)
+    assert got == ref
+    tokens, reasons = ref
+    assert tokens[2][-1] == stop and len(tokens[2]) <= 5 and reasons[2] == "stop"
+    assert [len(t) for t in tokens[:2]] == [1, 2]
+    assert len(tokens[3]) >= 6  # min_tokens holds the stop back
+
+
+def test_seeded_sampling_and_penalties_reproduce(llama_dir):
+    prompts = random_prompts(LENGTHS, seed=42)
+    sps = [SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i, max_tokens=16, ignore_eos=True,
+                          repetition_penalty=1.3 if i % 3 == 0 else 1.0, logprobs=2 if i == 4 else None)
+           for i in range(len(prompts))]
+    ref, got, core = _pair(llama_dir, prompts, sps, enforce_eager=True)
+    assert got == ref
+    assert core.scheduler.num_run_ahead > 0
+
+
+def test_abort_while_a_step_is_in_flight_frees_everything(llama_dir):
+    prompts = random_prompts(LENGTHS, seed=43)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref, _ = _run(make_llm(llama_dir, async_scheduling=False), prompts, sp)
+    llm = make_llm(llama_dir, async_scheduling=True, enforce_eager=True)
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+    tokens: dict[str, list[int]] = {}
+    for step in range(200):
+        for out in engine.step():
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+        if step == 4:
+            assert engine.core._deferred is not None  # a step's tokens are still on their way
+            engine.abort_request(["r1", "r4"])
+        if not engine.has_unfinished_requests():
+            break
+    engine.check_invariants()
+    assert engine.core.kv.num_free_blocks == engine.core.kv.pool.num_blocks
+    for i in (0, 2, 3, 5):
+        assert tokens[f"r{i}"] == ref[i]
+
+
+def test_config(llama_dir):
+    llm = make_llm(llama_dir)
+    assert llm.llm_engine.core.config.async_scheduling is False  # a CPU runs the model on the host's thread
+    with pytest.raises(ValueError, match="async_scheduling does not run with speculative decoding"):
+        make_llm(llama_dir, async_scheduling=True,
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 2})
