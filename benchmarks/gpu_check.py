@@ -259,6 +259,9 @@ def engine_greedy() -> dict:
     int8_twin, i5 = _greedy_tokens(path, prompts, quantization="int8", attention_backend="triton")
     del os.environ["TOKENMILL_DISABLE_TRITON_QUANT"]
     int8_triton, i6 = _greedy_tokens(path, prompts, quantization="int8", attention_backend="triton")
+    # W8A8 on the GPU (cuBLAS int8 GEMM through torch._int_mm) against the same method on the CPU
+    w8a8_gpu, _ = _greedy_tokens(path, prompts, quantization="w8a8", attention_backend="triton")
+    w8a8_cpu, _ = _greedy_tokens(path, prompts, quantization="w8a8", device="cpu")
 
     def agree(a, b) -> float:
         return sum(x == y for x, y in zip(a, b)) / len(a)
@@ -266,6 +269,7 @@ def engine_greedy() -> dict:
             "preemption_vs_torch": agree(preempt, torch_eager), "int8_triton_vs_twin": agree(int8_triton, int8_twin),
             "async_vs_sync_graphs": agree(triton_graphs, graphs_sync),
             "async_vs_sync_sampled": agree(sampled_async, sampled_sync),
+            "w8a8_gpu_vs_cpu": agree(w8a8_gpu, w8a8_cpu),
             "backends": [i1, i2, i3, i4, i5, i6, i7, i8, i9]}
 
 
@@ -360,6 +364,102 @@ def multimodal() -> dict:
     return res
 
 
+def host_busy_ms(llm, batch: int, steps: int = 100) -> float:
+    """Host time per decode step with async scheduling: the step's wall time less the time it waits for the
+    device (the token copy's event), over `steps` decode steps of `batch` requests."""
+    from tokenmill import SamplingParams
+    engine = llm.llm_engine
+    g = torch.Generator().manual_seed(5)
+    for i in range(batch):
+        engine.add_request(f"busy-{batch}-{i}", {"prompt_token_ids": torch.randint(10, 128000, (32,), generator=g).tolist()},
+                           SamplingParams(temperature=0, max_tokens=steps + 40, ignore_eos=True))
+    for _ in range(20):  # prefills, then decodes
+        engine.step()
+    waited = [0.0]
+    sync = torch.cuda.Event.synchronize
+
+    def timed(ev):
+        t = time.perf_counter()
+        sync(ev)
+        waited[0] += time.perf_counter() - t
+    torch.cuda.Event.synchronize = timed
+    try:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - t
+    finally:
+        torch.cuda.Event.synchronize = sync
+    engine.abort_request([f"busy-{batch}-{i}" for i in range(batch)])
+    while engine.has_unfinished_requests():
+        engine.step()
+    return round((wall - waited[0]) / steps * 1e3, 3)
+
+
+@section("offline_scaling")
+def offline_scaling(deadline: float) -> dict:
+    """Offline 128 + 128 with 1,024 requests at max_num_seqs 256 and 512 (async scheduling, graphs)."""
+    from tokenmill import LLM, SamplingParams
+    path = model_dir(LLAMA3_8B, "llama3-8b")
+    g = torch.Generator().manual_seed(4)
+    reqs = [{"prompt_token_ids": torch.randint(10, 128000, (128,), generator=g).tolist()} for _ in range(1024)]
+    res = {}
+    for seqs in (512, 256):
+        if time.time() > deadline - 40:
+            res[f"max_num_seqs_{seqs}"] = "skipped (time budget)"
+            continue
+        t = time.perf_counter()
+        llm = LLM(path, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=1024,
+                  max_num_seqs=seqs)
+        startup = time.perf_counter() - t
+        llm.generate(reqs[:4], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        t = time.perf_counter()
+        outs = llm.generate(reqs, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True), use_tqdm=False)
+        res[f"max_num_seqs_{seqs}"] = {"output_tok_s": round(sum(len(o.outputs[0].token_ids) for o in outs)
+                                                             / (time.perf_counter() - t)),
+                                       "startup_s": round(startup, 1), "kv_blocks": llm.llm_engine.core.runner.num_blocks}
+        RESULTS["offline_scaling"] = dict(res)
+        save(OUT_DIR[0])
+        llm = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    return res
+
+
+@section("mm_encoder")
+def mm_encoder() -> dict:
+    """Issue 18 on a GPU: the CLIP ViT-L/14-336 tower of a LLaVA-1.5-7B-shaped model (dummy weights, 24 vision
+    layers, one text layer), ms per image at batch 8 (CUDA events, median of 10): bf16 against weight-only int8
+    (Triton dequantize-GEMM) and W8A8 (int8 activations, torch._int_mm), with the rows' cosine to bf16's."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_multimodal import write_llava15_dir
+    from tokenmill import LLM
+    path = os.path.join(tempfile.gettempdir(), "tokenmill-gpu", "llava15")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        write_llava15_dir(path, text_layers=1, vision_layers=24)
+    gen = torch.Generator().manual_seed(6)
+    pixels = torch.randn(8, 3, 336, 336, generator=gen)
+    res, ref = {}, None
+    for name, quant in (("bf16", None), ("int8", "int8"), ("w8a8", "w8a8")):
+        llm = LLM(path, dtype="bfloat16", mm_encoder_quantization=quant, load_format="dummy", max_model_len=1024,
+                  num_kv_blocks=128, max_num_seqs=1, seed=0)
+        model = llm.llm_engine.core.runner.model
+        x = pixels.to("cuda", torch.bfloat16)
+        with torch.inference_mode():
+            ms = median_ms(lambda: model.encode_images(x), reps=10)
+            out = model.encode_images(x).double()
+        if ref is None:
+            ref = out
+        cos = torch.nn.functional.cosine_similarity(out.flatten(0, 1), ref.flatten(0, 1), dim=-1)
+        res[name] = {"ms_per_image": round(ms / 8, 3), "cosine_vs_bf16_mean": round(cos.mean().item(), 5)}
+        llm = model = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    for name in ("int8", "w8a8"):
+        res[name]["speedup_vs_bf16"] = round(res["bf16"]["ms_per_image"] / res[name]["ms_per_image"], 2)
+    return res
+
+
 def _set_async(llm, on: bool) -> None:
     core = llm.llm_engine.core
     core.config.async_scheduling = core.scheduler.async_scheduling = core.runner.defer_tokens = on
@@ -413,6 +513,8 @@ def llama8b(copy_gb_s: float, deadline: float) -> dict:
             # logits + sampling on the device count as host here; without the overlap, and what the overlap leaves
             res[f"host_b{batch}_ms"] = round(res[f"decode_b{batch}_sync_ms"] - replay, 3)
             res[f"exposed_host_b{batch}_ms"] = round(ms - replay, 3)
+    for batch in (1, 64, 256):
+        res[f"host_busy_b{batch}_ms"] = host_busy_ms(llm, batch)
     res["decode_b1_roofline_frac"] = round(read_bytes / (res["decode_b1_ms"] / 1e3) / (copy_gb_s * 1e9), 3)
     # prefill: 8 x 2048 tokens, one new token each
     llm.generate(prompts(2, 2047), SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
@@ -472,12 +574,13 @@ def ladder(deadline: float) -> dict:
     return res
 
 
-SECTIONS = ("ceilings", "kernels", "engine_greedy", "nccl_tp1", "multimodal", "llama8b", "ladder")
+SECTIONS = ("ceilings", "kernels", "engine_greedy", "nccl_tp1", "multimodal", "mm_encoder", "llama8b", "ladder",
+            "offline_scaling")
 # seconds each may take before the worker dumps its stacks and exits (a hang must not eat the lease), and
 # the least time left that a section needs to be worth starting
 LIMITS = {"ceilings": 60, "kernels": 150, "engine_greedy": 180, "nccl_tp1": 60, "multimodal": 90, "llama8b": 200,
-          "ladder": 180}
-NEEDS = {"llama8b": 60, "ladder": 60}
+          "ladder": 180, "offline_scaling": 150, "mm_encoder": 90}
+NEEDS = {"llama8b": 60, "ladder": 60, "offline_scaling": 60}
 
 
 def save(out_dir: str) -> None:
@@ -507,8 +610,8 @@ def worker(args) -> None:
         faulthandler.dump_traceback_later(min(LIMITS[name], max(left, 10)), exit=True)
         if name == "llama8b":
             llama8b(RESULTS.get("ceilings", {}).get("copy_gb_s", 4300.0), deadline - 90)
-        elif name == "ladder":
-            ladder(deadline)
+        elif name in ("ladder", "offline_scaling"):
+            globals()[name](deadline)
         else:
             globals()[name]()
         faulthandler.cancel_dump_traceback_later()

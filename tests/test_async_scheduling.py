@@ -34,6 +34,7 @@ def test_greedy_tokens_equal_the_plain_engine(llama_dir, eager, kw):
     assert core.scheduler.num_run_ahead > 0  # requests did join a step while the one before held them
     if eager:  # the sampler's tokens stayed on the device until the next step was launched
         assert core.runner._num_deferred_steps > 0
+        assert core.runner.num_pending_fills[0] > 0  # the same requests in the same order: inputs by a slice
     if "num_kv_blocks" in kw:
         assert core.scheduler.num_preemptions > 0
 
@@ -53,6 +54,7 @@ def test_stops_and_lengths_drop_the_token_sampled_past_them(llama_dir):
     assert tokens[2][-1] == stop and len(tokens[2]) <= 5 and reasons[2] == "stop"
     assert [len(t) for t in tokens[:2]] == [1, 2]
     assert len(tokens[3]) >= 6  # min_tokens holds the stop back
+    assert core.runner.num_pending_fills[1] > 0  # requests left mid-batch: the next inputs are gathered
 
 
 def test_seeded_sampling_and_penalties_reproduce(llama_dir):

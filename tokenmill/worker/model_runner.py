@@ -94,6 +94,7 @@ class ModelRunner:
         self.defer_tokens = False
         self._pending: dict[str, tuple[DeferredTokens, int, int]] = {}  # (step, row, slot)
         self._num_deferred_steps = 0
+        self.num_pending_fills = [0, 0]  # steps whose pending inputs were filled by a slice / by a gather (tests)
 
     def release_requests(self, request_ids) -> None:
         """Drop finished requests' state (also when a step schedules nothing)."""
@@ -264,10 +265,17 @@ class ModelRunner:
                 srcs.append(src)
         dev = input_ids.device
         for step, rows, srcs in by_step.values():  # one step's, in practice: the one just before
+            n = len(rows)
+            # the same requests in the same order (rows only ever increase): a slice
+            if rows[-1] - rows[0] == n - 1 and srcs == list(range(srcs[0], srcs[0] + n)):
+                input_ids[rows[0]:rows[0] + n].copy_(step.tokens[srcs[0]:srcs[0] + n])
+                self.num_pending_fills[0] += 1
+                continue
+            self.num_pending_fills[1] += 1
             idx = torch.tensor(rows + srcs, dtype=torch.int64)
             if dev.type == "cuda":  # from pinned memory without waiting: the stream orders it
                 idx = idx.pin_memory().to(dev, non_blocking=True)
-            input_ids[idx[:len(rows)]] = step.tokens[idx[len(rows):]]
+            input_ids[idx[:n]] = step.tokens[idx[n:]]
 
     def collect(self, deferred: DeferredTokens, out: ModelRunnerOutput) -> None:
         """A deferred step's tokens, once on the host, into its output (and their logprobs, where asked):
