@@ -55,7 +55,7 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while len(done) < len(ids):
-                for out in engine.step():
+                for out in engine.step(final_only=True):
                     if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
                         bar.update(1)

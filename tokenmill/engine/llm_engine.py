@@ -66,9 +66,10 @@ class LLMEngine:
         return len(self.states)
 
     # -- the step ----------------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One engine step; returns an output (cumulative) for every request that progressed."""
-        outs, stopped = self.output_processor.process(self.core.step(), time.time())
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One engine step; returns an output (cumulative) for every request that progressed (`final_only`:
+        for every request that finished)."""
+        outs, stopped = self.output_processor.process(self.core.step(), time.time(), final_only)
         for child_id, stop in stopped:
             self.core.finish_request(child_id, RequestStatus.FINISHED_STOPPED, stop)
         return outs

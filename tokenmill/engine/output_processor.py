@@ -80,10 +80,10 @@ class OutputProcessor:
                 children.append(c.request_id)
         return children
 
-    def process(self, core_outputs: list[EngineCoreOutput], now: float
+    def process(self, core_outputs: list[EngineCoreOutput], now: float, final_only: bool = False
                 ) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
-        """Returns an output for every request that progressed, and (child id, stop string) pairs whose
-        stop string matched: the core must finish those."""
+        """Returns an output for every request that progressed (`final_only`: that finished), and (child id,
+        stop string) pairs whose stop string matched: the core must finish those."""
         touched: dict[str, _RequestState] = {}
         stopped: list[tuple[str, str]] = []
         for o in core_outputs:
@@ -102,6 +102,8 @@ class OutputProcessor:
             touched[st.request_id] = st
         outs = []
         for st in touched.values():
+            if final_only and not st.finished:
+                continue  # LLM.generate reads finished outputs only: building the others costs a copy each step
             outs.append(self._make_output(st))
             if st.finished:
                 st.metrics.finished_time = now

@@ -134,16 +134,17 @@ class KVCacheManager:
         """Reserve slots for `num_new_tokens` after `req.num_computed_tokens`, adopting `cached`
         (prefix hits, whose tokens `req.num_computed_tokens` already counts). False if blocks run out.
         The last `num_draft_tokens` are speculative: they get slots but never enter the prefix cache."""
-        blocks = self.req_blocks.get(req.request_id, [])
+        blocks = self.req_blocks.get(req.request_id)
         total = req.num_computed_tokens + num_new_tokens
-        need = cdiv(total, self.block_size) - len(blocks) - len(cached)
-        if not self.fits(need, cached):
-            return False
-        self.pool.touch(cached)
-        blocks = self.req_blocks.setdefault(req.request_id, blocks)
-        blocks.extend(cached)
-        if need > 0:
-            blocks.extend(self.pool.allocate(need))
+        need = cdiv(total, self.block_size) - (len(blocks) if blocks else 0) - len(cached)
+        if blocks is None or need > 0 or cached:  # else (most decodes) the slot is in a block it holds
+            if not self.fits(need, cached):
+                return False
+            self.pool.touch(cached)
+            blocks = self.req_blocks.setdefault(req.request_id, [])
+            blocks.extend(cached)
+            if need > 0:
+                blocks.extend(self.pool.allocate(need))
         if self.enable_caching and register:
             # Blocks that will be full once this step runs are registered now; their tokens are known.
             done = self._num_cached.get(req.request_id, 0)

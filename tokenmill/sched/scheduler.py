@@ -211,9 +211,9 @@ class Scheduler:
                 n, _ = self.encoder.plan(req, n)
                 if n <= 0:
                     continue
-            drafts = self._fit_drafts(req, n, budget)
+            drafts = self._fit_drafts(req, n, budget) if req.spec_token_ids else []
             n += len(drafts)
-            ahead = self._lookahead(req, n - len(drafts))
+            ahead = self._lookahead(req, n - len(drafts)) if self.spec_lookahead else 0
             # slots of pending tokens are never hashed here: their ids are not known yet
             while not self.kv.allocate_slots(req, n + ahead, num_draft_tokens=len(drafts) + ahead + req.num_pending):
                 victim = self._pick_victim()  # never one in flight; `req` itself is a candidate
@@ -501,7 +501,7 @@ class Scheduler:
         else:
             new_blocks = self.kv.block_ids(rid, start=sent)
             self._blocks_sent[rid] = sent + len(new_blocks)
-        out_start, new_outputs = self._new_outputs(req, new is not None)
+        out_start, new_outputs = self._new_outputs(req, new is not None) if self.sync_output_tokens else (0, [])
         return ScheduledRequest(
             request_id=rid, start_pos=start, num_new_tokens=n, new_block_ids=new_blocks,
             num_sampled_positions=1 + len(drafts) if self._samples(req, n) else 0,
