@@ -224,7 +224,7 @@ def _greedy_tokens(path: str, prompts, sp=None, **kw) -> list[list[int]]:
     backend = core.runner.backend
     info = (type(backend).__name__, getattr(backend, "failure", None), graphs is not None and graphs.enabled,
             f"async={core.config.async_scheduling} run_ahead={core.scheduler.num_run_ahead} "
-            f"deferred={core.runner._num_deferred_steps}")
+            f"deferred={core.runner.num_deferred_steps}")
     del llm, graphs, backend, core
     gc.collect()
     torch.cuda.empty_cache()

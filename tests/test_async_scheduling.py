@@ -33,7 +33,7 @@ def test_greedy_tokens_equal_the_plain_engine(llama_dir, eager, kw):
     assert got == ref
     assert core.scheduler.num_run_ahead > 0  # requests did join a step while the one before held them
     if eager:  # the sampler's tokens stayed on the device until the next step was launched
-        assert core.runner._num_deferred_steps > 0
+        assert core.runner.num_deferred_steps > 0
         assert core.runner.num_pending_fills[0] > 0  # the same requests in the same order: inputs by a slice
     if "num_kv_blocks" in kw:
         assert core.scheduler.num_preemptions > 0

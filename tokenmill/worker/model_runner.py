@@ -93,7 +93,7 @@ class ModelRunner:
         # whose last token is one of them: that step, its row in the step's tokens, the placeholder's index
         self.defer_tokens = False
         self._pending: dict[str, tuple[DeferredTokens, int, int]] = {}  # (step, row, slot)
-        self._num_deferred_steps = 0
+        self.num_deferred_steps = 0  # steps whose tokens stayed on the device until collect() (tests, gpu_check)
         self.num_pending_fills = [0, 0]  # steps whose pending inputs were filled by a slice / by a gather (tests)
 
     def release_requests(self, request_ids) -> None:
@@ -382,7 +382,7 @@ class ModelRunner:
                          tokens: torch.Tensor) -> None:
         """Async scheduling: the tokens start their copy to the host and the states get placeholders; the
         engine collects them after it has launched the next step."""
-        self._num_deferred_steps += 1
+        self.num_deferred_steps += 1
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
@@ -395,7 +395,7 @@ class ModelRunner:
             slots.append(len(st.output_token_ids))
             st.output_token_ids.append(0)  # placeholder: its id arrives in collect()
         ids = [s.request_id for s in seqs]
-        deferred = DeferredTokens(self._num_deferred_steps, ids, slots, tokens, host, event)
+        deferred = DeferredTokens(self.num_deferred_steps, ids, slots, tokens, host, event)
         # the previous deferred step's requests keep their entries until it is collected; this step's override
         self._pending.update((rid, (deferred, j, slot)) for j, (rid, slot) in enumerate(zip(ids, slots)))
         out.deferred = deferred
