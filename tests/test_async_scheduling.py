@@ -96,3 +96,62 @@ def test_config(llama_dir):
     with pytest.raises(ValueError, match="async_scheduling does not run with speculative decoding"):
         make_llm(llama_dir, async_scheduling=True,
                  speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_generate_leaves_no_step_in_flight(llama_dir):
+    """A request that stops on a token leaves a step sampled past it in flight; generate collects it, so the
+    idle engine holds no block and no deferred step."""
+    prompts = random_prompts(LENGTHS, seed=44)
+    plain = make_llm(llama_dir, async_scheduling=False, enforce_eager=True)
+    free_run, _ = _run(plain, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    llm = make_llm(llama_dir, async_scheduling=True, enforce_eager=True)
+    _run(llm, prompts, SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[free_run[1][3]]))
+    core = llm.llm_engine.core
+    assert core._deferred is None and not core.has_unfinished()
+    assert core.kv.num_free_blocks == core.kv.pool.num_blocks
+
+
+def test_a_reused_request_id_never_gets_the_token_of_the_step_before(llama_dir):
+    """Request "a" stops while its next step is in flight, and a new request takes the id at once: the old
+    step's token goes nowhere, and the new request's tokens are its own."""
+    p1, p2 = random_prompts([12, 20], seed=45)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = make_llm(llama_dir, async_scheduling=False, enforce_eager=True)
+    ref1, ref2 = (plain.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0].token_ids
+                  for p in (p1, p2))
+    engine = make_llm(llama_dir, async_scheduling=True, enforce_eager=True).llm_engine
+    engine.add_request("a", {"prompt_token_ids": p1},
+                       SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[ref1[2]]))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.core._deferred is not None  # the step after the stop is still in flight
+    engine.add_request("a", {"prompt_token_ids": p2}, sp)
+    out = None
+    while engine.has_unfinished_requests():
+        out = engine.step() or out
+    assert out[0].outputs[0].token_ids == ref2
+    engine.core.flush()
+    engine.check_invariants()
+
+
+def test_preemption_picks_the_victims_the_plain_engine_picks(llama_dir):
+    """Under priority scheduling the lowest-priority requests are preempted, in flight or not."""
+    prompts = random_prompts([5, 9, 16, 31, 48, 70], seed=40)
+
+    def victims(async_scheduling: bool) -> list[str]:
+        engine = make_llm(llama_dir, async_scheduling=async_scheduling, enforce_eager=True,
+                          scheduling_policy="priority", num_kv_blocks=20, max_model_len=128).llm_engine
+        sched, picked = engine.core.scheduler, []
+        preempt = sched._preempt
+        sched._preempt = lambda req, out: (picked.append(req.request_id), preempt(req, out))
+        sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp, priority=0 if i < 3 else 5)
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.core.flush()
+        engine.check_invariants()
+        return picked
+
+    plain = victims(False)
+    assert plain and victims(True) == plain

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import time
 
 from tqdm.auto import tqdm
 
@@ -59,6 +60,8 @@ class LLM:
                     if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
                         bar.update(1)
+            if not engine.has_unfinished_requests():
+                engine.output_processor.process(engine.core.flush(), time.time())  # only finished requests' tokens
         except BaseException:
             engine.abort_request([i for i in ids if i not in done])
             raise

@@ -97,7 +97,8 @@ def init_rank(layout: ParallelLayout, rdzv: Rendezvous, num_layers: int,
         destroy_group()
     backend = "nccl" if rdzv.device == "cuda" else "gloo"
     if rdzv.device == "cuda":  # one GPU per rank of a node (NCCL refuses two ranks on one device)
-        torch.cuda.set_device(layout.rank % max(torch.cuda.device_count(), 1))
+        local = int(os.environ.get("LOCAL_RANK", layout.rank))  # torchrun's, else the engine's own numbering
+        torch.cuda.set_device(local % max(torch.cuda.device_count(), 1))
     init = "env://" if rdzv.launched else f"tcp://{rdzv.master_addr}:{rdzv.master_port}"
     dist.init_process_group(backend, init_method=init,
                             rank=layout.rank, world_size=layout.world_size, timeout=timedelta(seconds=rdzv.timeout_s))

@@ -197,6 +197,11 @@ class EngineCore:
     def _executor(self):
         return self.executor if self.executor is not None else self.runner
 
+    def flush(self) -> list[EngineCoreOutput]:
+        """Finish the step whose tokens are still on the device, if any (async scheduling). LLM.generate calls
+        it at the end: a request that stopped on EOS may leave a step in flight for it."""
+        return self._finish_deferred() if self._deferred is not None else []
+
     def _finish_deferred(self) -> list[EngineCoreOutput]:
         sched, result = self._deferred
         self._deferred = None

@@ -61,6 +61,7 @@ class Request:
     mm_items: list = field(default_factory=list)  # multimodal/inputs.py MultiModalItem, in prompt order
     # async scheduling: tokens that steps still in flight sample for it (their ids are not back yet)
     num_pending: int = 0
+    serial: int = 0  # set by the scheduler on admission: tells a reused request id's incarnations apart
 
     @property
     def num_prompt_tokens(self) -> int:

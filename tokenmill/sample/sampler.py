@@ -165,24 +165,49 @@ class Sampler:
     @staticmethod
     def logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> list[TokenLogprobs | None]:
         """Per row that asked: the chosen token's logprob under the raw logits, and the top-N."""
-        lps: list[TokenLogprobs | None] = [None] * len(rows)
+        return Sampler.logprob_rows(rows, Sampler.logprob_tensors(raw_logits, tokens, rows))
+
+    @staticmethod
+    def logprob_tensors(raw_logits: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> tuple:
+        """The device half of `logprobs` (async scheduling copies these back with the tokens)."""
         idx = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        if idx:
-            top_n = max(rows[i].params.logprobs for i in idx)
-            batch = batch_token_logprobs(raw_logits[idx].log_softmax(dim=-1), tokens[idx], top_n)
-            for i, row in zip(idx, batch):
+        if not idx:
+            return ()
+        top_n = max(rows[i].params.logprobs for i in idx)
+        return token_logprob_tensors(raw_logits[idx].log_softmax(dim=-1), tokens[idx], top_n)
+
+    @staticmethod
+    def logprob_rows(rows: list[SampleRow], tensors: tuple) -> list[TokenLogprobs | None]:
+        """The host half: `logprob_tensors`' output (on any device) as rows."""
+        lps: list[TokenLogprobs | None] = [None] * len(rows)
+        if tensors:
+            idx = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+            for i, row in zip(idx, token_logprob_rows(*tensors)):
                 lps[i] = row[: 1 + rows[i].params.logprobs]
         return lps
 
 
-def batch_token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, top_n: int) -> list[TokenLogprobs]:
-    """Per row: the chosen token's logprob and 1-based rank, then the top-N (vLLM's convention).
-    One batched pass and one host transfer for all rows."""
-    lp = logprobs.gather(1, chosen.view(-1, 1))
-    ranks = ((logprobs > lp).sum(dim=1) + 1).tolist()
-    rows = [[(t, v, r)] for t, v, r in zip(chosen.tolist(), lp.view(-1).tolist(), ranks)]
-    if top_n:
-        vals, ids = logprobs.topk(top_n, dim=1)
+def token_logprob_tensors(logprobs: torch.Tensor, chosen: torch.Tensor, top_n: int) -> tuple:
+    """(chosen, its logprob, its 1-based rank[, top-N values, top-N ids]) for every row, on the device."""
+    lp = logprobs.gather(1, chosen.view(-1, 1)).view(-1)
+    ranks = (logprobs > lp.unsqueeze(1)).sum(dim=1) + 1
+    if not top_n:
+        return chosen, lp, ranks
+    vals, ids = logprobs.topk(top_n, dim=1)
+    return chosen, lp, ranks, vals, ids
+
+
+def token_logprob_rows(chosen, lp, ranks, vals=None, ids=None) -> list[TokenLogprobs]:
+    """Per row: [(chosen, logprob, rank), then the top-N as (id, logprob, 1-based position)] (vLLM's
+    convention)."""
+    rows = [[(t, v, r)] for t, v, r in zip(chosen.tolist(), lp.tolist(), ranks.tolist())]
+    if vals is not None:
         for row, tv, ti in zip(rows, vals.tolist(), ids.tolist()):
             row.extend((t, v, j + 1) for j, (t, v) in enumerate(zip(ti, tv)))
     return rows
+
+
+def batch_token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, top_n: int) -> list[TokenLogprobs]:
+    """Per row: the chosen token's logprob and 1-based rank, then the top-N (vLLM's convention).
+    One batched pass and one host transfer per tensor."""
+    return token_logprob_rows(*token_logprob_tensors(logprobs, chosen, top_n))

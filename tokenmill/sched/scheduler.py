@@ -116,6 +116,7 @@ class Scheduler:
         # its input the token that step samples (the worker fills it in on the device); see _may_run_ahead
         self.in_flight: dict[str, int] = {}  # request id -> steps in flight that hold it
         self.async_scheduling = False
+        self._num_added = 0
         self.num_run_ahead = 0  # requests scheduled while an earlier step held them (async scheduling)
         self.sync_output_tokens = False
         self._outputs_sent: dict[str, int] = {}
@@ -126,6 +127,8 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
+        self._num_added += 1
+        req.serial = self._num_added
         self.waiting.add(req)
 
     def abort(self, request_ids) -> list[Request]:
@@ -216,8 +219,8 @@ class Scheduler:
             ahead = self._lookahead(req, n - len(drafts)) if self.spec_lookahead else 0
             # slots of pending tokens are never hashed here: their ids are not known yet
             while not self.kv.allocate_slots(req, n + ahead, num_draft_tokens=len(drafts) + ahead + req.num_pending):
-                victim = self._pick_victim()  # never one in flight; `req` itself is a candidate
-                if victim is None:  # async scheduling: every other request is in flight; this one waits
+                victim = self._pick_victim()  # `req` itself is a candidate
+                if victim is None:  # pipeline stages: every other request is in flight; this one waits
                     break
                 if victim.request_id in scheduled:  # priority policy may pick one already placed
                     budget += scheduled.pop(victim.request_id)
@@ -256,6 +259,8 @@ class Scheduler:
                 req.num_pending += 1
             req.num_computed_tokens += n
             self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
+            if self.async_scheduling:
+                out.serials[rid] = req.serial
         if self.encoder is not None:
             self._prefetch_waiting(out)
         return out
@@ -392,7 +397,11 @@ class Scheduler:
         is the next step's input, filled in on the device. It may not when that token could end it by length
         (max_tokens, max_model_len: known without the token), nor when its sampler reads the output token ids
         (penalties). If the token ends it otherwise (EOS, a stop), the next step's token for it is dropped."""
-        if not self.async_scheduling or req.num_pending > 1 or req.sampling_params.needs_penalties:
+        if not self.async_scheduling:
+            return False
+        if not req.num_pending:  # a prefill chunk in flight: the next one needs no token of it
+            return True
+        if req.num_pending > 1 or req.sampling_params.needs_penalties:
             return False
         max_tokens = req.sampling_params.max_tokens
         ahead = req.num_pending + 1  # after the pending token, this step's
@@ -401,7 +410,11 @@ class Scheduler:
         return req.num_tokens + ahead <= self.max_model_len
 
     def _pick_victim(self) -> Request | None:
-        candidates = [r for r in self.running if r.request_id not in self.in_flight]
+        # Async scheduling runs steps in one stream, in order: a request in the step before may be preempted,
+        # since its freed blocks are written again only after that step (its pending token still arrives).
+        # Pipeline stages run steps side by side: never a request in flight there.
+        candidates = self.running if self.async_scheduling else [
+            r for r in self.running if r.request_id not in self.in_flight]
         if not candidates:
             return None
         if self.policy == "priority":
@@ -529,8 +542,11 @@ class Scheduler:
                 self.in_flight[seq.request_id] = left
             tokens = sampled.get(seq.request_id)
             req = self.requests.get(seq.request_id)
-            if req is not None and seq.num_sampled_positions and self.async_scheduling:
-                req.num_pending -= 1
+            if req is not None and self.async_scheduling:
+                if req.serial != out.serials.get(seq.request_id):
+                    continue  # the step's request finished; this one reuses its id
+                if seq.num_sampled_positions:
+                    req.num_pending -= 1
             if not tokens or req is None:
                 continue
             if seq.num_steps > 1:  # a burst: every token but the last was also an input, its KV written

@@ -47,11 +47,21 @@ class DeferredTokens:
     Request i's token is the placeholder at output_token_ids[slots[i]] of its state until then."""
     step: int
     request_ids: list[str]
+    states: list[RequestState]  # the states the placeholders are in (a reused id or a resumed request gets a new one)
     slots: list[int]
     tokens: torch.Tensor  # [n] on the device: the next step's inputs are filled in from it
     host: torch.Tensor
     event: object = None  # torch.cuda.Event; None on a CPU (the copy is done)
-    logprobs_of: tuple | None = None  # (raw logits, rows) where a row asked for logprobs: made at collect()
+    rows: list = field(default_factory=list)  # SampleRows, for the logprobs where a row asked for them
+    logprobs: tuple = ()  # sampler.logprob_tensors', copied back with the tokens
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor's copy in pinned host memory, started without waiting (done once the stream's next
+    recorded event has passed)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -204,6 +214,10 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.release(sched.finished_ids + sched.preempted_ids)
         self.requests.apply(sched)
+        if self._pending:  # a request installed anew (resumed, or a reused id) has its tokens in its new state
+            for s in sched.seqs:
+                if s.new_request is not None:
+                    self._pending.pop(s.request_id, None)
         # decodes (and verifications, as decode rows) first: the attention backend batches them as one group
         seqs = sorted(sched.seqs, key=lambda s: s.num_new_tokens != 1 and not s.draft_token_ids)
         bursting = any(s.num_steps > 1 for s in seqs)
@@ -283,16 +297,13 @@ class ModelRunner:
         if deferred.event is not None:
             deferred.event.synchronize()
         tokens = deferred.host.tolist()
-        if deferred.logprobs_of is not None:
-            logits, rows = deferred.logprobs_of
-            for rid, lp in zip(deferred.request_ids, self.sampler.logprobs(logits, deferred.tokens, rows)):
+        if deferred.logprobs:
+            for rid, lp in zip(deferred.request_ids, self.sampler.logprob_rows(deferred.rows, deferred.logprobs)):
                 if lp is not None:
                     out.logprobs[rid] = [lp]
-        for rid, slot, tok in zip(deferred.request_ids, deferred.slots, tokens):
+        for rid, st, slot, tok in zip(deferred.request_ids, deferred.states, deferred.slots, tokens):
             out.sampled_token_ids[rid] = [tok]
-            st = self.requests.states.get(rid)
-            if st is not None and slot < len(st.output_token_ids):
-                st.output_token_ids[slot] = tok
+            st.output_token_ids[slot] = tok  # harmless where the state was dropped or replaced since
             pending = self._pending.get(rid)
             if pending is not None and pending[0] is deferred:  # not overridden by a later step's
                 del self._pending[rid]
@@ -367,9 +378,8 @@ class ModelRunner:
                           self.requests.generator(s.request_id)) for s, st in zip(seqs, states)]
         logits = self.model.compute_logits(hidden)
         if self.defer_tokens:
-            self._sample_deferred(out, seqs, states, self.sampler.sample(logits, rows))
-            if any(r.params.logprobs is not None for r in rows):
-                out.deferred.logprobs_of = (logits, rows)
+            tokens = self.sampler.sample(logits, rows)
+            self._sample_deferred(out, seqs, states, tokens, rows, self.sampler.logprob_tensors(logits, tokens, rows))
             return
         res = self.sampler(logits, rows)
         for j, (s, st) in enumerate(zip(seqs, states)):
@@ -379,15 +389,15 @@ class ModelRunner:
                 out.logprobs[s.request_id] = [res.logprobs[j]]
 
     def _sample_deferred(self, out: ModelRunnerOutput, seqs: list[ScheduledRequest], states: list[RequestState],
-                         tokens: torch.Tensor) -> None:
-        """Async scheduling: the tokens start their copy to the host and the states get placeholders; the
-        engine collects them after it has launched the next step."""
+                         tokens: torch.Tensor, rows: list[SampleRow], logprobs: tuple) -> None:
+        """Async scheduling: the tokens (and logprobs) start their copy to the host and the states get
+        placeholders; the engine collects them after it has launched the next step."""
         self.num_deferred_steps += 1
         if tokens.is_cuda:
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
+            host = _to_pinned(tokens)
+            logprobs = tuple(_to_pinned(t) for t in logprobs)
             event = torch.cuda.Event()
-            event.record()
+            event.record()  # after every copy: collect() waits for this, never for a later step's work
         else:
             host, event = tokens, None
         slots = []
@@ -395,7 +405,7 @@ class ModelRunner:
             slots.append(len(st.output_token_ids))
             st.output_token_ids.append(0)  # placeholder: its id arrives in collect()
         ids = [s.request_id for s in seqs]
-        deferred = DeferredTokens(self.num_deferred_steps, ids, slots, tokens, host, event)
+        deferred = DeferredTokens(self.num_deferred_steps, ids, states, slots, tokens, host, event, rows, logprobs)
         # the previous deferred step's requests keep their entries until it is collected; this step's override
         self._pending.update((rid, (deferred, j, slot)) for j, (rid, slot) in enumerate(zip(ids, slots)))
         out.deferred = deferred
