@@ -1,15 +1,22 @@
-"""Everything GPU-specific in one run (issue 15): correctness first, then the timings. Budget: <= 8 minutes on
-one H200. Writes JSON (and a log) to --out-dir and prints a short table last.
+"""Everything GPU-specific in one run (issues 15, 18, 19): correctness first, then the timings. About 3 minutes
+on one H200 (the whole script, 2026-12-04). Writes JSON (and a log) to --out-dir and prints a short table last.
 
-    correctness   Triton kernels against their torch twins on CUDA (paged attention over mixed steps, GQA 1/4/7,
-                  block sizes 16/32, split-KV; the KV write with -1 rows; add+RMSNorm, rotary, SiLU-and-mul;
-                  the AWQ / int8 dequantize-GEMMs), engine greedy tokens Triton == torch backend, and CUDA-graph
-                  replay == eager (enforce_eager) on a tiny random Llama
-    ceilings      device-to-device copy bandwidth (bytes read + written), bf16 GEMM TFLOP/s (random data)
-    timings       batch-1 decode of a Llama-3-8B-shaped dummy bf16 model as a fraction of the HBM roofline
-                  (weight bytes per token / copy bandwidth), prefill TFLOP/s, offline throughput at 128 + 128
-                  tokens and high concurrency (goal >= 15,000 tok/s; TensorRT-LLM FP8 on H200: 27,911), and a
-                  short GPU ladder: torch backend eager -> Triton eager -> Triton + CUDA graphs
+    ceilings        device-to-device copy bandwidth (bytes read + written), bf16 GEMM TFLOP/s (random data)
+    kernels         Triton kernels against their torch twins on CUDA (paged attention over mixed steps, GQA 1/4/7,
+                    block sizes 16/32, split-KV; the KV write with -1 rows; add+RMSNorm, rotary, SiLU-and-mul;
+                    the AWQ / int8 dequantize-GEMMs)
+    engine_greedy   on a tiny random Llama: Triton == torch backend, CUDA graphs == eager, preemption, int8
+                    Triton == twin, async scheduling == none (greedy, and seeded sampling with a penalty, logprobs
+                    and stops), W8A8 on the GPU against the CPU
+    nccl_tp1        issue 19: an NCCL group through the engine's rendezvous, a tp=1 runner through it == plain
+    multimodal      issue 18: the shipped tiny-llava on CUDA, inline / encoder thread on a side stream / int8
+    mm_encoder      the LLaVA-1.5 vision tower in bf16 / int8 / W8A8, ms per image
+    llama8b         Llama-3-8B shape, dummy bf16: batch-1 and batch-64 decode with and without async scheduling
+                    against the bare graph replay, the host's busy time per step (1, 64, 256), batch-1 as a
+                    fraction of the HBM roofline, prefill TFLOP/s, offline 128 + 128 (goal >= 15,000 tok/s;
+                    TensorRT-LLM FP8 on H200: 27,911)
+    ladder          torch eager -> Triton eager -> + CUDA graphs -> + async scheduling, 256 requests
+    offline_scaling offline 128 + 128 with 1,024 requests at max_num_seqs 256 and 512
 
 On the lent machine the image has torch, triton and transformers but not msgspec. Fetch its wheel here once
 (into .whl/, ignored through .git/info/exclude):
@@ -23,7 +30,9 @@ then one device call, with carry=[".whl"]:
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:.;
     PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --out-dir $OUT
 
-Each section is guarded: a failure is recorded (with its traceback) and the script moves on.
+Each section runs in a worker process with its own time limit (LIMITS): a failure is recorded with its
+traceback, a hang dumps the stacks and ends the worker, and the driver starts another for the sections left.
+`--sections` picks some; `--budget-s` skips the later ones past that many seconds.
 """
 from __future__ import annotations
 
