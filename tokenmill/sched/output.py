@@ -120,8 +120,8 @@ class SchedulerOutput:
     # speculation, scheduler-side: the placeholder drafts each request gets after this step (DraftPolicy.plan's
     # priced looks)
     placeholder_drafts: dict[str, int] = field(default_factory=dict)
-    # async scheduling, scheduler-side: each scheduled request's serial, so that a step still in flight when its
-    # request finished never updates a new request that reuses the id
+    # scheduler-side: each scheduled request's serial, so that a step still in flight when its request finished
+    # (async scheduling, pipeline stages) never updates a new request that reuses the id
     serials: dict[str, int] = field(default_factory=dict)
 
     @property

@@ -259,8 +259,7 @@ class Scheduler:
                 req.num_pending += 1
             req.num_computed_tokens += n
             self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
-            if self.async_scheduling:
-                out.serials[rid] = req.serial
+            out.serials[rid] = req.serial
         if self.encoder is not None:
             self._prefetch_waiting(out)
         return out
@@ -542,11 +541,10 @@ class Scheduler:
                 self.in_flight[seq.request_id] = left
             tokens = sampled.get(seq.request_id)
             req = self.requests.get(seq.request_id)
-            if req is not None and self.async_scheduling:
-                if req.serial != out.serials.get(seq.request_id):
-                    continue  # the step's request finished; this one reuses its id
-                if seq.num_sampled_positions:
-                    req.num_pending -= 1
+            if req is not None and req.serial != out.serials.get(seq.request_id):
+                continue  # the step's request finished while it ran (async or pipeline); this one reuses its id
+            if req is not None and seq.num_sampled_positions and self.async_scheduling:
+                req.num_pending -= 1
             if not tokens or req is None:
                 continue
             if seq.num_steps > 1:  # a burst: every token but the last was also an input, its KV written
