@@ -469,11 +469,6 @@ def mm_encoder() -> dict:
     return res
 
 
-def _set_async(llm, on: bool) -> None:
-    core = llm.llm_engine.core
-    core.config.async_scheduling = core.scheduler.async_scheduling = core.runner.defer_tokens = on
-
-
 @section("llama8b")
 def llama8b(copy_gb_s: float, deadline: float) -> dict:
     """Startup, batch-1 and batch-64 decode (engine step against the bare graph replay: the host's share),
@@ -512,9 +507,9 @@ def llama8b(copy_gb_s: float, deadline: float) -> dict:
     for batch, steps in ((1, 256), (64, 128)):
         ms = step_ms(batch, steps)
         res[f"decode_b{batch}_ms"] = round(ms, 3)
-        _set_async(llm, False)
+        llm.llm_engine.core.set_async_scheduling(False)
         res[f"decode_b{batch}_sync_ms"] = round(step_ms(batch, steps), 3)
-        _set_async(llm, True)
+        llm.llm_engine.core.set_async_scheduling(True)
         if graphs is not None and graphs.enabled:
             size = next(s for s in graphs.sizes if s >= batch)
             replay = median_ms(graphs.graphs[size].replay, reps=50)

@@ -108,7 +108,7 @@ class EngineCore:
         self.scheduler.sync_output_tokens = config.pipeline_parallel_size > 1  # stages that do not sample
         # async scheduling: the step whose tokens are still on the device (collected after the next launches)
         self._deferred: tuple | None = None
-        self.scheduler.async_scheduling = self.runner.defer_tokens = bool(config.async_scheduling)
+        self.set_async_scheduling(bool(config.async_scheduling))
         if spec is not None and spec.method == "draft_model":
             self.scheduler.spec_lookahead = spec.num_speculative_tokens
         if config.num_scheduler_steps > 1:
@@ -196,6 +196,12 @@ class EngineCore:
 
     def _executor(self):
         return self.executor if self.executor is not None else self.runner
+
+    def set_async_scheduling(self, on: bool) -> None:
+        """The scheduler runs requests ahead and the runner leaves tokens on the device, or neither (between
+        steps only: no step in flight)."""
+        assert self._deferred is None, "a step is in flight"
+        self.config.async_scheduling = self.scheduler.async_scheduling = self.runner.defer_tokens = on
 
     def flush(self) -> list[EngineCoreOutput]:
         """Finish the step whose tokens are still on the device, if any (async scheduling). LLM.generate calls

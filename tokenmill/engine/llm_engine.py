@@ -74,6 +74,10 @@ class LLMEngine:
             self.core.finish_request(child_id, RequestStatus.FINISHED_STOPPED, stop)
         return outs
 
+    def flush(self) -> list[RequestOutput]:
+        """Finish a step still in flight (async scheduling; EngineCore.flush)."""
+        return self.output_processor.process(self.core.flush(), time.time())[0]
+
     # -- introspection ------------------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
         return self.core.stats()

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.device_copy import to_device
+
 from tokenmill.sampling_params import SamplingParams
 
 # (token_id, logprob, rank) rows: the chosen token first, then the top-N.
@@ -83,12 +85,8 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 
 
 def device_tensor(values: list, dtype: torch.dtype, device) -> torch.Tensor:
-    """A small host list on `device`. On a GPU through pinned memory without waiting for the stream: a plain
-    copy from pageable memory would wait for the step in flight, which async scheduling overlaps."""
-    t = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
+    """A small host list on `device`, without waiting for the step in flight (device_copy.py)."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -403,10 +403,9 @@ class Scheduler:
         if req.num_pending > 1 or req.sampling_params.needs_penalties:
             return False
         max_tokens = req.sampling_params.max_tokens
-        ahead = req.num_pending + 1  # after the pending token, this step's
         if max_tokens is not None and req.num_output_tokens + req.num_pending >= max_tokens:
             return False
-        return req.num_tokens + ahead <= self.max_model_len
+        return req.num_tokens + req.num_pending < self.max_model_len
 
     def _pick_victim(self) -> Request | None:
         # Async scheduling runs steps in one stream, in order: a request in the step before may be preempted,
@@ -513,7 +512,7 @@ class Scheduler:
         else:
             new_blocks = self.kv.block_ids(rid, start=sent)
             self._blocks_sent[rid] = sent + len(new_blocks)
-        out_start, new_outputs = self._new_outputs(req, new is not None) if self.sync_output_tokens else (0, [])
+        out_start, new_outputs = self._new_outputs(req, new is not None)
         return ScheduledRequest(
             request_id=rid, start_pos=start, num_new_tokens=n, new_block_ids=new_blocks,
             num_sampled_positions=1 + len(drafts) if self._samples(req, n) else 0,

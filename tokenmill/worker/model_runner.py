@@ -15,11 +15,13 @@ from __future__ import annotations
 import time
 from array import array
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionBatch
+from tokenmill.device_copy import to_device, to_pinned_host
 from tokenmill.sample.sampler import SampleRow, Sampler, TokenLogprobs, batch_token_logprobs
 from tokenmill.sched.output import ScheduledRequest, SchedulerOutput
 from tokenmill.spec_decode.verify import DraftCheck, accept_greedy, verify
@@ -45,7 +47,6 @@ class ModelRunnerOutput:
 class DeferredTokens:
     """One step's sampled tokens while they copy back to the host: `host` fills once `event` has passed.
     Request i's token is the placeholder at output_token_ids[slots[i]] of its state until then."""
-    step: int
     request_ids: list[str]
     states: list[RequestState]  # the states the placeholders are in (a reused id or a resumed request gets a new one)
     slots: list[int]
@@ -54,14 +55,6 @@ class DeferredTokens:
     event: object = None  # torch.cuda.Event; None on a CPU (the copy is done)
     rows: list = field(default_factory=list)  # SampleRows, for the logprobs where a row asked for them
     logprobs: tuple = ()  # sampler.logprob_tensors', copied back with the tokens
-
-
-def _to_pinned(t: torch.Tensor) -> torch.Tensor:
-    """A device tensor's copy in pinned host memory, started without waiting (done once the stream's next
-    recorded event has passed)."""
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host
 
 
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -154,7 +147,7 @@ class ModelRunner:
         row_seq = np.concatenate([seq_of_token[:nd], np.arange(num_dec_seqs, len(seqs))])
         row_lens = np.concatenate([positions[:nd] + 1, (starts + n_tok)[num_dec_seqs:]])
         row_qsl = np.concatenate([np.arange(nd + 1), qsl[num_dec_seqs + 1:]])
-        dev = self._to_device
+        dev = partial(to_device, device=self.device)
         batch = AttentionBatch(
             slot_mapping=dev(torch.from_numpy(slots)),
             query_start_loc=dev(torch.from_numpy(row_qsl.astype(np.int32))),
@@ -191,23 +184,12 @@ class ModelRunner:
         # arrays, which torch wraps without a per-element conversion (4x cheaper than torch.tensor(list))
         longs = torch.frombuffer(array("q", toks + pos + slots), dtype=torch.int64)
         ints = torch.frombuffer(array("i", list(range(rows + 1)) + lens + tables), dtype=torch.int32)
-        if dev != "cpu":
-            longs, ints = self._to_device(longs), self._to_device(ints)
+        longs, ints = to_device(longs, dev), to_device(ints, dev)
         batch = AttentionBatch(
             slot_mapping=longs[2 * rows:], query_start_loc=ints[:rows + 1], seq_lens=ints[rows + 1:2 * rows + 1],
             block_tables=ints[2 * rows + 1:].view(rows, width), num_decodes=rows, max_seq_len=max(lens),
             max_query_len=1, query_start_loc_host=list(range(rows + 1)), seq_lens_host=lens)
         return longs[:rows], longs[rows:2 * rows], batch, qsl
-
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor of step inputs on the runner's device. On a GPU through pinned memory without waiting
-        for the stream (a copy from pageable memory would wait for the step in flight, which async scheduling
-        overlaps); the caching host allocator keeps the pinned block until the copy has run."""
-        if self.device == "cpu":
-            return t
-        if str(self.device).startswith("cuda"):
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -266,7 +248,7 @@ class ModelRunner:
     def _fill_pending(self, seqs: list[ScheduledRequest], input_ids: torch.Tensor, qsl: list[int]) -> None:
         """Async scheduling: inputs that are tokens the step before sampled and has not sent back yet (the
         placeholders in the states) are copied in on the device, from that step's token tensor."""
-        by_step: dict[int, tuple[DeferredTokens, list[int], list[int]]] = {}
+        by_step: dict[int, tuple[DeferredTokens, list[int], list[int]]] = {}  # id(step) -> its rows, its sources
         for i, s in enumerate(seqs):
             pending = self._pending.get(s.request_id)
             if pending is None:
@@ -274,10 +256,9 @@ class ModelRunner:
             step, src, slot = pending
             pos = len(self.requests[s.request_id].prompt_token_ids) + slot  # the placeholder's position
             if s.start_pos <= pos < s.start_pos + s.num_new_tokens - len(s.draft_token_ids):
-                _, rows, srcs = by_step.setdefault(step.step, (step, [], []))
+                _, rows, srcs = by_step.setdefault(id(step), (step, [], []))
                 rows.append(qsl[i] + pos - s.start_pos)
                 srcs.append(src)
-        dev = input_ids.device
         for step, rows, srcs in by_step.values():  # one step's, in practice: the one just before
             n = len(rows)
             # the same requests in the same order (rows only ever increase): a slice
@@ -286,9 +267,7 @@ class ModelRunner:
                 self.num_pending_fills[0] += 1
                 continue
             self.num_pending_fills[1] += 1
-            idx = torch.tensor(rows + srcs, dtype=torch.int64)
-            if dev.type == "cuda":  # from pinned memory without waiting: the stream orders it
-                idx = idx.pin_memory().to(dev, non_blocking=True)
+            idx = to_device(torch.tensor(rows + srcs, dtype=torch.int64), input_ids.device)
             input_ids[idx[:n]] = step.tokens[idx[n:]]
 
     def collect(self, deferred: DeferredTokens, out: ModelRunnerOutput) -> None:
@@ -394,8 +373,8 @@ class ModelRunner:
         placeholders; the engine collects them after it has launched the next step."""
         self.num_deferred_steps += 1
         if tokens.is_cuda:
-            host = _to_pinned(tokens)
-            logprobs = tuple(_to_pinned(t) for t in logprobs)
+            host = to_pinned_host(tokens)
+            logprobs = tuple(to_pinned_host(t) for t in logprobs)
             event = torch.cuda.Event()
             event.record()  # after every copy: collect() waits for this, never for a later step's work
         else:
@@ -405,7 +384,7 @@ class ModelRunner:
             slots.append(len(st.output_token_ids))
             st.output_token_ids.append(0)  # placeholder: its id arrives in collect()
         ids = [s.request_id for s in seqs]
-        deferred = DeferredTokens(self.num_deferred_steps, ids, states, slots, tokens, host, event, rows, logprobs)
+        deferred = DeferredTokens(ids, states, slots, tokens, host, event, rows, logprobs)
         # the previous deferred step's requests keep their entries until it is collected; this step's override
         self._pending.update((rid, (deferred, j, slot)) for j, (rid, slot) in enumerate(zip(ids, slots)))
         out.deferred = deferred

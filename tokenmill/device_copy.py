@@ -1,0 +1,26 @@
+"""Small host <-> device copies that never wait for the stream (async scheduling overlaps the host with the
+step in flight; a copy from or to pageable memory would wait for it). On a CPU they are no-ops."""
+from __future__ import annotations
+
+import torch
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device`. On a GPU through pinned memory, non-blocking: the caching host allocator
+    keeps the pinned block until the copy has run, and the stream orders it before the kernels that read it."""
+    if device == "cpu":  # the CPU path's common case, per step: no torch.device built
+        return t
+    device = torch.device(device)
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def to_pinned_host(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor's copy in pinned host memory, started without waiting: it is there once an event
+    recorded on the stream after this call has passed."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
