@@ -286,10 +286,57 @@ def test_bursts_need_the_one_call_step_and_exclude_speculation(dirs):
     llm = make_llm(dirs["llama"], num_scheduler_steps=4, enforce_eager=True)
     assert llm.llm_engine.core.scheduler.decode_steps == 1  # warned and ignored
     with pytest.raises(ValueError, match="num_scheduler_steps"):
-        make_llm(dirs["llama"], num_scheduler_steps=0)
+        make_llm(dirs["llama"], num_scheduler_steps=-1)
+    auto = make_llm(dirs["llama"], speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert auto.llm_engine.core.auto_burst is None  # the offline default (0) steps aside for speculation
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         make_llm(dirs["llama"], num_scheduler_steps=4,
                  speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_a_burst_ends_once_every_request_has_made_a_stop_token(dirs):
+    """Stop tokens (EOS, stop_token_ids) end a burst's steps in the C call once every request still stepping has made one:
+    no steps are run past them (counted by the one-call step), and the tokens are the single steps'."""
+    prompts = random_prompts([6, 9], seed=11)
+    free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = make_llm(dirs["llama"], num_scheduler_steps=1).generate(
+        [{"prompt_token_ids": p} for p in prompts], free, use_tqdm=False)
+    toks = [o.outputs[0].token_ids for o in ref]
+    # request 0 stops on a token it first makes at index i0 >= 3, request 1 at i1 > i0 (stop ids join EOS's list)
+    i0 = next(i for i in range(3, 40) if toks[0][i] not in toks[0][:i])
+    i1 = next(i for i in range(i0 + 1, 40) if toks[1][i] not in toks[1][:i])
+    params = [SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[toks[0][i0]]),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[toks[1][i1]])]
+    llm = make_llm(dirs["llama"], num_scheduler_steps=16)
+    outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    assert [o.token_ids for o in outs] == [toks[0][:i0 + 1], toks[1][:i1 + 1]]
+    assert [o.finish_reason for o in outs] == ["stop", "stop"]
+    # one prefill step (a token each), then bursts that stop after the i1 steps request 1 needs (not 40)
+    assert llm.llm_engine.core.runner.decode_step.steps == i1
+    llm.llm_engine.check_invariants()
+
+
+def test_automatic_bursts_fit_the_measured_step_time(dirs):
+    """num_scheduler_steps=0 (the offline LLM's default): bursts as long as fit in AUTO_BURST_MS at the step
+    time the engine measures, so a tiny model bursts and gives the tokens of single steps."""
+    from tokenmill.sched.burst import AUTO_BURST_STEPS, AutoBurst
+
+    burst = AutoBurst(budget_ms=4.0)
+    assert burst.observe(0.010, 1) == 1  # a 10 ms step: no bursts
+    assert all(burst.observe(0.0001 * 16, 16) >= 1 for _ in range(50)) and burst.observe(0.0016, 16) == AUTO_BURST_STEPS
+    assert AutoBurst(budget_ms=4.0).observe(0.002, 2) == 4  # 1 ms per step
+    prompts = random_prompts([5, 17, 9], seed=12)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    runs = []
+    for steps in (1, None):
+        llm = make_llm(dirs["llama"], num_scheduler_steps=steps)
+        runs.append([o.outputs[0].token_ids for o in
+                     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)])
+        core = llm.llm_engine.core
+        assert (core.auto_burst is not None) == (steps is None)
+        assert (core.runner.num_bursts > 0) == (steps is None)
+        llm.llm_engine.check_invariants()
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -307,7 +354,7 @@ def test_greedy_decode_steps_take_the_head_and_argmax_in_the_call(dirs, dtype):
     eager = make_llm(dirs["llama"], dtype=dtype, enforce_eager=True).generate(inputs, params, use_tqdm=False)
     expected = [o.outputs[0].token_ids for o in eager]
     for seats in (1, 4):
-        llm = make_llm(dirs["llama"], dtype=dtype, max_num_seqs=seats)
+        llm = make_llm(dirs["llama"], dtype=dtype, max_num_seqs=seats, num_scheduler_steps=1)  # steps, not bursts
         outs = llm.generate(inputs, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
         runner = llm.llm_engine.core.runner
@@ -315,7 +362,7 @@ def test_greedy_decode_steps_take_the_head_and_argmax_in_the_call(dirs, dtype):
         # step holds a request that needs the sampler
         assert runner.num_argmax_steps == ((n - 1) + (n - 5) if seats == 1 else 0)
         llm.llm_engine.check_invariants()
-    only_greedy = make_llm(dirs["llama"], dtype=dtype, max_num_seqs=4)
+    only_greedy = make_llm(dirs["llama"], dtype=dtype, max_num_seqs=4, num_scheduler_steps=1)
     outs = only_greedy.generate(inputs, params[0], use_tqdm=False)
     ref = make_llm(dirs["llama"], dtype=dtype, enforce_eager=True).generate(inputs, params[0], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]

@@ -10,6 +10,7 @@ import torch
 
 from tokenmill.models.registry import check_architecture
 from tokenmill.quantization.config import resolve_quantization
+from tokenmill.sched.burst import AUTO_BURST_MS, AUTO_BURST_STEPS
 from tokenmill.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("tokenmill")
@@ -166,12 +167,14 @@ class EngineConfig:
                                         "write_through (as they fill)", choices=("evict", "write_through"))
     kv_load_timeout_s: float = option(10.0, "a tier load not done after this long is abandoned; the rest of the "
                                       "prompt is recomputed")
-    num_scheduler_steps: int = option(1, "greedy decoding: up to this many decode steps in one engine step, each "
+    num_scheduler_steps: int | None = option(None, "greedy decoding: up to this many decode steps in one engine step, each "
                                       "step's token fed to the next inside the model runner, so the per-step host "
                                       "work (scheduling, sampling, output handling) is paid once per burst; tokens "
-                                      "stream in bursts (vLLM's name). Runs where every running request decodes "
-                                      "greedily without logprobs, penalties or stop strings and no waiting prompt "
-                                      "could join (none waits, or every seat is taken); "
+                                      "stream in bursts (vLLM's name). 0: automatic, bursts of up to "
+                                      f"{AUTO_BURST_STEPS} steps that last at most {AUTO_BURST_MS:g} ms at the "
+                                      "measured step time. Default: 0 in the offline LLM (and `tokenmill generate`), 1 in the server. Runs where every running "
+                                      "request decodes greedily without logprobs, penalties or stop strings and no "
+                                      "waiting prompt could join (none waits, or every seat is taken); "
                                       "CPU one-call decode step only")
     speculative_config: str | None = option(
         None, "speculative decoding, vLLM's shape, as a dict or JSON: {\"method\": \"ngram\", "
@@ -330,7 +333,7 @@ class EngineConfig:
         blockers = [why for why, on in (
             ("tensor or pipeline parallelism", self.world_size > 1),
             ("speculative decoding", bool(self.speculative_config)),
-            ("num_scheduler_steps > 1", self.num_scheduler_steps > 1),
+            ("num_scheduler_steps > 1", self.num_scheduler_steps > 1),  # 0 (auto) turns off where they do not run
             ("KV tiers", self.kv_tiers_enabled),
             ("a multimodal model", model_config.is_multimodal)) if on]
         if self.async_scheduling is None:
@@ -359,8 +362,10 @@ class EngineConfig:
             self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else self.max_model_len
         if self.batching == "static":  # a static batch prefills all its prompts in one step
             self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_num_seqs * self.max_model_len)
-        if self.num_scheduler_steps < 1:
-            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
+        if self.num_scheduler_steps is None:
+            self.num_scheduler_steps = 1
+        if self.num_scheduler_steps < 0:
+            raise ValueError(f"num_scheduler_steps must be >= 1 (or 0: automatic), got {self.num_scheduler_steps}")
         if self.num_scheduler_steps > 1 and self.speculative_config:
             raise ValueError("num_scheduler_steps > 1 and speculative decoding both run several tokens per step: "
                              "choose one")

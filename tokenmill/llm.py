@@ -13,6 +13,8 @@ from tokenmill.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
+        if kwargs.get("num_scheduler_steps") is None:  # offline: nobody waits on a burst (sched/burst.py)
+            kwargs["num_scheduler_steps"] = 0
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
         # as the server's processes do: the model and imports live as long as the engine, and full collections
         # rescanning them took ~5 % of a long AWQ decode (perf, 2026-12-03)

@@ -17,6 +17,7 @@ from tokenmill.kv.manager import KVCacheManager
 from tokenmill.kv.tiers.build import build_tier_chain
 from tokenmill.models.loader import load_hf_config
 from tokenmill.sample.sampler import TokenLogprobs
+from tokenmill.sched.burst import AutoBurst
 from tokenmill.sched.output import BlockStore
 from tokenmill.worker.build import build_runner
 from tokenmill.worker.kv_transfer import KVTransferWorker
@@ -111,10 +112,15 @@ class EngineCore:
         self.set_async_scheduling(bool(config.async_scheduling))
         if spec is not None and spec.method == "draft_model":
             self.scheduler.spec_lookahead = spec.num_speculative_tokens
-        if config.num_scheduler_steps > 1:
-            if self.executor is None and getattr(self.runner.decode_step, "runs_greedy_steps", False):
-                self.scheduler.decode_steps = config.num_scheduler_steps
-            else:
+        self.auto_burst = None  # num_scheduler_steps=0: burst lengths from measured step times
+        if config.num_scheduler_steps != 1:
+            if (self.executor is None and getattr(self.runner.decode_step, "runs_greedy_steps", False)
+                    and not config.async_scheduling):
+                if config.num_scheduler_steps:
+                    self.scheduler.decode_steps = config.num_scheduler_steps
+                elif spec is None:
+                    self.auto_burst = AutoBurst()
+            elif config.num_scheduler_steps > 1:
                 logger.warning("num_scheduler_steps=%d ignored: bursts of decode steps run on the CPU's one-call "
                                "decode step only (not with enforce_eager, a GPU, or a model split over ranks)",
                                config.num_scheduler_steps)
@@ -188,6 +194,8 @@ class EngineCore:
                 return outputs
             return outputs + self._finish_step(sched, result)
         outputs = self._finish_step(sched, result)
+        if self.auto_burst is not None and sched.num_scheduled_tokens == len(sched.seqs):  # decodes only
+            self.scheduler.decode_steps = self.auto_burst.observe(time.perf_counter() - started, sched.burst_steps)
         if spec is not None:  # the draft policy learns from real step times
             prefill_tokens = sum(s.num_new_tokens - s.num_sampled_positions for s in sched.seqs)
             spec.step_ran(sum(len(t) for t in result.sampled_token_ids.values()), prefill_tokens,

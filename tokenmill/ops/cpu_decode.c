@@ -153,6 +153,14 @@ void tm_decode_rows(const tm_decoder *m, int64_t B, const int64_t *tokens, const
 }
 
 /* index of the first maximum of v[0 .. n) (dtype elements), as torch's max(dim).indices */
+/* Whether any of a request's first s tokens is one of its nstop stop tokens. */
+static int is_stop(const int64_t *toks, int64_t s, const int64_t *stop, int64_t nstop) {
+    for (int64_t i = 0; i < s; i++)
+        for (int64_t j = 0; j < nstop; j++)
+            if (toks[i] == stop[j]) return 1;
+    return 0;
+}
+
 static int64_t argmax_row(const char *v, int64_t n, int bf16) {
     int64_t best = 0;
     float bv = bf16 ? bf16_to_f32(((const uint16_t *)v)[0]) : ((const float *)v)[0];
@@ -176,11 +184,15 @@ static int64_t argmax_row(const char *v, int64_t n, int bf16) {
  *
  * The scheduler reserved those slots (lookahead). drafts [B][kmax]; hidden [MAX_ROWS][hidden] and logits
  * [B][head->n] (dtype) are the caller's scratch. Each step makes the calls that a step from Python makes
- * (decoder, head on the gathered last rows, argmax), so its tokens are the same. */
-void tm_decode_greedy(const tm_decoder *m, const tm_linear *head, int64_t R, const int64_t *tokens,
-                      const int64_t *pos, const int64_t *slot, const int32_t *tables, int64_t table_stride,
-                      const int32_t *seq_lens, int64_t B, const int64_t *last, const int64_t *ks, int64_t kmax,
-                      int64_t *drafts, void *hidden, void *logits, int nt) {
+ * (decoder, head on the gathered last rows, argmax), so its tokens are the same.
+ *
+ * stops [B][nstop] (-1 padded; NULL: none): tokens that end request b (a burst's EOS). Once every request
+ * still stepping has made one, the later steps are skipped. Returns the steps run: request b's tokens are
+ * drafts[b][0 .. min(ks[b], returned) - 1]. */
+int64_t tm_decode_greedy(const tm_decoder *m, const tm_linear *head, int64_t R, const int64_t *tokens,
+                         const int64_t *pos, const int64_t *slot, const int32_t *tables, int64_t table_stride,
+                         const int32_t *seq_lens, int64_t B, const int64_t *last, const int64_t *ks, int64_t kmax,
+                         int64_t *drafts, void *hidden, void *logits, const int64_t *stops, int64_t nstop, int nt) {
     const int bf16 = (int)m->bf16;
     const int64_t e = bf16 ? 2 : 4, D = m->hidden, V = head->n, bs = m->block_size;
     int64_t *tok = malloc(3 * B * sizeof(int64_t)), *p = tok + B, *sl = p + B;
@@ -193,10 +205,18 @@ void tm_decode_greedy(const tm_decoder *m, const tm_linear *head, int64_t R, con
     }
     linear(head, gathered, logits, B, bf16, nt);
     for (int64_t b = 0; b < B; b++) drafts[b * kmax] = argmax_row((const char *)logits + b * V * e, V, bf16);
+    int64_t ran = kmax, stopped = 0;  /* requests 0 .. stopped - 1 have made a stop token */
     for (int64_t s = 1; s < kmax; s++) {
         int64_t n = 0;
         while (n < B && ks[n] > s) n++;
         if (n == 0) break;
+        if (stops) {
+            while (stopped < n && is_stop(drafts + stopped * kmax, s, stops + stopped * nstop, nstop)) stopped++;
+            if (stopped >= n) {
+                ran = s;
+                break;
+            }
+        }
         for (int64_t b = 0; b < n; b++) {
             tok[b] = drafts[b * kmax + s - 1];
             p[b] = pos[last[b]] + s;
@@ -211,4 +231,5 @@ void tm_decode_greedy(const tm_decoder *m, const tm_linear *head, int64_t R, con
     free(tbl);
     free(lens);
     free(gathered);
+    return ran;
 }

@@ -51,8 +51,8 @@ def _library():
     lib.tm_decode_rows.restype = None
     lib.tm_decode_max_rows.restype = _I
     lib.tm_decode_greedy.argtypes = [ctypes.POINTER(_Decoder), ctypes.POINTER(_Linear), _I, _P, _P, _P, _P, _I, _P,
-                                     _I, _P, _P, _I, _P, _P, _P, ctypes.c_int]
-    lib.tm_decode_greedy.restype = None
+                                     _I, _P, _P, _I, _P, _P, _P, _P, _I, ctypes.c_int]
+    lib.tm_decode_greedy.restype = _I
     return lib
 
 
@@ -136,18 +136,25 @@ class DecoderKernel:
         return self.out[:b]
 
     def greedy(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-               seq_lens: torch.Tensor, last: list[int], ks: list[int]) -> list[list[int]]:
+               seq_lens: torch.Tensor, last: list[int], ks: list[int],
+               stops: list[tuple[int, ...]] | None = None) -> list[list[int]]:
         """Greedy steps in one call (cpu_decode.c tm_decode_greedy): the rows as `run` takes them, then request
-        b's ks[b] tokens, its first from row last[b]; ks descending, len(last) <= head.max_rows."""
+        b's ks[b] tokens, its first from row last[b]; ks descending, len(last) <= head.max_rows. With `stops`
+        (request b's stop tokens), the steps end once every request still stepping has made one of its own:
+        a request then gets fewer than ks[b] tokens, the last of them a stop."""
         b, kmax = len(last), ks[0]
         if self._drafts.numel() < b * kmax:
             self._drafts = torch.empty(2 * b * kmax, dtype=torch.int64)
         if self._logits is None:  # made on first use: only a head that runs greedy steps needs it
             self._logits = torch.empty(self.head.max_rows, self.head.out_features, dtype=self.out.dtype)
         idx = torch.frombuffer(array("q", last + ks), dtype=torch.int64)
-        _library().tm_decode_greedy(
+        nstop = max(map(len, stops)) if stops else 0
+        stop_ids = (torch.frombuffer(array("q", [t for st in stops for t in (*st, *[-1] * (nstop - len(st)))]),
+                                     dtype=torch.int64) if nstop else None)
+        ran = _library().tm_decode_greedy(
             self._ref, self._head_ref, tokens.shape[0], tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), b, idx.data_ptr(),
             idx.data_ptr() + 8 * b, kmax, self._drafts.data_ptr(), self.out.data_ptr(), self._logits.data_ptr(),
-            torch.get_num_threads())
+            stop_ids.data_ptr() if nstop else None, nstop, torch.get_num_threads())
+        ks = [min(k, ran) for k in ks]
         return [row[:k] for row, k in zip(self._drafts[:b * kmax].view(b, kmax).tolist(), ks)]

@@ -108,6 +108,7 @@ class KVLoadResult:
 class SchedulerOutput:
     seqs: list[ScheduledRequest] = field(default_factory=list)
     num_scheduled_tokens: int = 0
+    burst_steps: int = 1  # the longest burst among seqs (num_steps), 1 when none
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # finished since the last step: drop their state
     kv_stores: list[BlockStore] = field(default_factory=list)

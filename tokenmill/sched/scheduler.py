@@ -247,6 +247,7 @@ class Scheduler:
         out.seqs = [self._scheduled(self.requests[rid], n, propose.get(rid, 0), steps.get(rid, 1))
                     for rid, n in scheduled.items()]
         out.num_scheduled_tokens = sum(scheduled.values())
+        out.burst_steps = max(steps.values(), default=1)
         self._drafts = {}
         out.kv_stores, out.kv_backups = self.kv.take_stores()
         out.kv_loads, self._new_loads = self._new_loads, []

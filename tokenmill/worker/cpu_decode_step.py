@@ -110,11 +110,13 @@ class CpuDecodeStep:
                 and self.can_run(batch, num_tokens))
 
     def greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, last: list[int],
-               ks: list[int]) -> list[list[int]]:
+               ks: list[int], stops: list[tuple[int, ...]] | None = None) -> list[list[int]]:
         """Greedy steps in one C call, each argmax the next step's input: the rows first (a draft model's
         catch-ups, or a burst's decodes), request b's first token from row last[b], then single-token steps
-        until it has ks[b] (ks descending). A draft model's proposals and the target's bursts."""
-        self.steps += max(ks)
-        self.rows += input_ids.shape[0] + sum(ks) - len(ks)
-        return self.kernel.greedy(input_ids, positions, batch.slot_mapping, batch.block_tables, batch.seq_lens,
-                                  last, ks)
+        until it has ks[b] (ks descending), or until every request still stepping has made one of its `stops`.
+        A draft model's proposals and the target's bursts."""
+        tokens = self.kernel.greedy(input_ids, positions, batch.slot_mapping, batch.block_tables, batch.seq_lens,
+                                    last, ks, stops)
+        self.steps += len(tokens[0])
+        self.rows += input_ids.shape[0] + sum(map(len, tokens)) - len(ks)
+        return tokens
