@@ -6,7 +6,8 @@ included), as llama-batched-bench's e2e figure. tokenmill runs each configuratio
 `--rounds` times alternating, and llama.cpp (bf16, q8_0, through ../shared/anchors/llamacpp.py) in the same
 rounds; best and median of the rounds, and both as ratios against llama.cpp bf16. A
 configuration is a dtype, with ":eager" for enforce_eager (no one-call C decode step: the per-op path), or
-":steps=N" for num_scheduler_steps=N (bursts of N greedy decode steps per engine step), and "@DIR" to run
+":steps=N" for num_scheduler_steps=N (bursts of N greedy decode steps per engine step; 1: none, 0 or no
+":steps": the offline LLM's default, bursts as long as fit in 4 ms), and "@DIR" to run
 it from another source tree (a git worktree of an earlier commit: before / after in the same rounds).
 
     python benchmarks/bench_cpu_vs_llamacpp.py --out benchmarks/results/cpu_vs_llamacpp.json
@@ -54,7 +55,7 @@ def worker(conf: str, batches: list[int], npp: int, ntg: int) -> dict:
     from tokenmill.config import DEFAULT_MODEL
 
     dtype, _, mode = conf.partition(":")
-    steps = int(mode.removeprefix("steps=")) if mode.startswith("steps=") else 1
+    steps = int(mode.removeprefix("steps=")) if mode.startswith("steps=") else None  # None: LLM's default (0)
     llm = LLM(DEFAULT_MODEL, dtype=dtype, max_model_len=512, num_threads=2, enforce_eager=mode == "eager",
               num_scheduler_steps=steps)
     vocab = llm.llm_engine.core.model_config.vocab_size
