@@ -84,9 +84,9 @@ def test_decode_batches_up_to_eight_rows_are_bit_identical(dirs, dtype):
 
 @pytest.mark.parametrize("dtype,quantization", [("bfloat16", None), ("bfloat16", "int8"), ("float32", None)])
 def test_batches_over_eight_rows_where_the_kernels_take_them(dirs, dtype, quantization):
-    """On CPUs without AVX-512, bfloat16 linears (no fast bf16 GEMM) and float32 ones (faster than oneDNN there up
-    to 32 rows) take the few-row kernels beyond 8 rows, in chunks of 8: 12-row decode steps then run in one C
-    call, still bit-identical; elsewhere op by op."""
+    """On CPUs without AVX-512, bfloat16 linears (no fast bf16 GEMM) take the few-row kernels beyond 8 rows, in
+    chunks of 8, and float32 ones everywhere (faster than oneDNN up to 32 rows without AVX-512, 16 with): 12-row
+    decode steps then run in one C call, still bit-identical; elsewhere op by op."""
     prompts = random_prompts([6, 2, 9, 4, 3, 7, 5, 8, 1, 2, 6, 3])
     kw = dict(dtype=dtype, max_num_seqs=12, quantization=quantization)
     fast, runner = _run(dirs["llama"], prompts, **kw)
@@ -104,10 +104,12 @@ def test_more_rows_than_it_takes_go_op_by_op(dirs):
                                                        enforce_eager=True)[0]]
 
 
-def test_verification_rows_take_it_and_speculation_stays_lossless(dirs):
-    """n-gram drafts on a repetitive prompt: each verifying step is 1 + k decode rows of one sequence."""
+@pytest.mark.parametrize("k", [3, 10])
+def test_verification_rows_take_it_and_speculation_stays_lossless(dirs, k):
+    """n-gram drafts on a repetitive prompt: each verifying step is 1 + k decode rows of one sequence (11 rows
+    at k = 10: float32 linears take the few-row kernels up to 16 rows with AVX-512, 32 without)."""
     prompts = [[7, 8, 9, 10] * 6, [11, 12, 13] * 5]
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3,
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 3,
             "adaptive": False}
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     llm = make_llm(dirs["llama"], speculative_config=spec, max_num_seqs=1)
@@ -116,6 +118,7 @@ def test_verification_rows_take_it_and_speculation_stays_lossless(dirs):
     runner = llm.llm_engine.core.runner
     step = runner.decode_step
     assert step.steps > 0 and step.rows > step.steps  # one sequence at a time: several rows = a verification
+    assert step.max_rows >= 1 + k
     # greedy without logprobs: every step after each prompt's prefill verifies with the head and argmax in C
     assert runner.num_argmax_steps == llm.llm_engine.core.num_steps - len(prompts)
     stats = llm.llm_engine.get_stats()
