@@ -289,6 +289,40 @@ def test_draft_policy_learns_when_drafts_pay():
     assert np.mean(np.array(fixed_cost[late]) >= 2) > 0.8
 
 
+def test_useful_depth_follows_runs_that_go_on_once_started():
+    """Copying: a run of drafts either fails at once or goes on (accepted 0.95 past the first draft), so a
+    request accepted ~30 % of the time is still worth 8 drafts, where a geometric 0.3^k stops at one or two; with
+    runs that break at each position like the first, the depth stays short."""
+    rng = np.random.default_rng(3)
+    copying, geometric = DraftPolicy(k_max=8), DraftPolicy(k_max=8)
+    for _ in range(200):
+        started = rng.random() < 0.3
+        copying.record("other", 8, sum(np.cumprod(rng.random(7) < 0.95)) + 1 if started else 0)
+        geometric.record("other", 8, int(sum(np.cumprod(rng.random(8) < 0.3))))
+    for policy in (copying, geometric):
+        for accepted in (0, 0, 1, 0, 0, 1, 0):
+            policy.record("r", 1, accepted)
+        assert 0.2 < policy.acceptance("r") < 0.45
+    assert copying._useful_depth("r", 8) == 8
+    assert geometric._useful_depth("r", 8) <= 2
+
+
+def test_ngram_drafting_is_charged_what_admitting_costs_without_drafts():
+    """A draft model prefills every admitted prompt too, so until drafting has measured its own admissions
+    they are priced at depth 0's cost scaled up; n-gram lookup adds nothing to an admission, so the prior is
+    depth 0's cost itself (charged double, 7K-token documents per 256 new tokens priced n-gram drafting out)."""
+    policies = {model: DraftPolicy(k_max=4, model_proposer=model) for model in (False, True)}
+    for policy in policies.values():
+        for _ in range(20):  # depth 0: decode steps of 10 ms, and a 1,000-token prompt admitted every 10th step
+            policy.bandit.observe(1, 0, 1, 0.010)
+        policy._admission[False] = [1000.0, 0.5]  # 0.5 ms per prompt token at depth 0
+        policy._prefill_per_token = [1000.0, 10.0]
+    plain = policies[False]._admission_surcharge(1, 0)
+    assert plain == pytest.approx(0.05)
+    assert policies[False]._admission_surcharge(1, 4) == pytest.approx(plain)
+    assert policies[True]._admission_surcharge(1, 4) > 1.5 * plain
+
+
 def test_draft_policy_skips_depths_that_acceptance_says_cannot_pay():
     """One draft costs a full step and drafts are accepted 40 % of the time: four drafts could emit at most
     (1 + .4 + .4^2 + .4^3 + .4^4) / 1.4 = 1.19x the tokens of one at no less cost, which still loses to no
