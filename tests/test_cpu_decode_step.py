@@ -340,6 +340,12 @@ def test_automatic_bursts_fit_the_measured_step_time(dirs):
         assert (core.runner.num_bursts > 0) == (steps is None)
         llm.llm_engine.check_invariants()
     assert runs[0] == runs[1]
+    # the server's engine (built from EngineConfig, as the OpenAI server does) keeps single steps by default
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    served = LLMEngine(EngineConfig(model=dirs["llama"], dtype="float32", max_model_len=256)).core
+    assert served.config.num_scheduler_steps == 1 and served.auto_burst is None and served.scheduler.decode_steps == 1
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
