@@ -7,7 +7,7 @@ import torch
 from tests.conftest import make_llm, random_prompts
 from tokenmill import SamplingParams
 from tokenmill.sample.sampler import SampleRow, Sampler
-from tokenmill.spec_decode.adaptive import DraftPolicy
+from tokenmill.spec_decode.adaptive import DraftPolicy, RowCost
 from tokenmill.spec_decode.bandit import DepthBandit
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.ngram import NgramProposer, ngram_propose
@@ -321,6 +321,50 @@ def test_ngram_drafting_is_charged_what_admitting_costs_without_drafts():
     assert plain == pytest.approx(0.05)
     assert policies[False]._admission_surcharge(1, 4) == pytest.approx(plain)
     assert policies[True]._admission_surcharge(1, 4) > 1.5 * plain
+
+
+def _simulate_regimes(row_cost: float, steps: int = 3000, batch: int = 1) -> tuple[list[int], list[int]]:
+    """n-gram-like drafts with per_request depths: each request alternates between copying (every 60 steps of
+    its own: a run starts with chance 0.6 and goes on at 0.95) and free text (drafts rejected); a step takes
+    10 ms plus row_cost per draft row. Returns the drafts planned per step in the second half of each phase, in
+    copying and in free text."""
+    rng = np.random.default_rng(5)
+    policy = DraftPolicy(k_max=8, per_request=True)
+    rids = [f"r{i}" for i in range(batch)]
+    plan, copying_k, free_k = {}, [], []
+    for step in range(steps):
+        verifying, plan = plan, policy.plan(rids)
+        copying = (step // 60) % 2 == 0
+        if step % 60 >= 30:  # the second half of each phase: the request has seen which regime it is in
+            (copying_k if copying else free_k).append(sum(plan.values()))
+        emitted = rows = 0
+        for rid in rids:
+            k, acc = verifying.get(rid, 0), 0
+            if k and copying and rng.random() < 0.6:
+                acc = 1
+                while acc < k and rng.random() < 0.95:
+                    acc += 1
+            if k:
+                policy.record(rid, k, acc)
+            emitted += acc + 1
+            rows += k
+        policy.observe_step(emitted, 0.010 + row_cost * rows + rng.normal(0, 0.0005), 0, 0.0, 0.0, rows)
+    return copying_k, free_k
+
+
+def test_per_request_depth_follows_each_request_between_copying_and_free_text():
+    """Draft rows cost 0.3 ms beside a 10 ms step (one request over a long context): requests draft deep while
+    they copy and stop in free text, apart from probes, learning the row cost from the steps; where a draft
+    row costs as much as the step itself (compute-bound), they barely draft at all."""
+    copying, free = _simulate_regimes(0.0003)
+    assert np.mean(copying[150:]) > 5 and np.mean(free[150:]) < 0.5
+    copying, free = _simulate_regimes(0.010)
+    assert np.mean(copying[150:]) < 2 and np.mean(free[150:]) < 0.2
+    cost = RowCost(1)
+    for rows in (0, 8, 0, 4, 8, 0) * 5:
+        cost.observe(rows, 0.010 + 0.0003 * rows)
+    c0, c1 = cost.line()
+    assert c0 == pytest.approx(0.010, rel=0.05) and c1 == pytest.approx(0.0003, rel=0.15)  # the prior pulls a little
 
 
 def test_draft_policy_skips_depths_that_acceptance_says_cannot_pay():

@@ -56,7 +56,7 @@ PRIOR_PREFILL_TOKENS = 1000  # the weight, in prompt tokens, of the prior on wha
 class DraftPolicy:
     def __init__(self, k_max: int, adaptive: bool = True, prior: float = 0.6, decay: float = 0.8,
                  probe_every: int = 16, min_gain: float = 0.1, min_acceptance_drafts: int = 8,
-                 price_looks: bool = False, model_proposer: bool | None = None):
+                 price_looks: bool = False, model_proposer: bool | None = None, per_request: bool = False):
         self.k_max, self.adaptive = k_max, adaptive
         # price_looks: a proposer whose first drafts after depth 0 cost a catch-up (a draft model) explores
         # with placeholder drafts instead (see plan)
@@ -64,6 +64,11 @@ class DraftPolicy:
         # whether the proposer is a model that runs over every admitted prompt too (a draft model), so that
         # admitting costs more while drafting; n-gram lookup adds nothing to an admission
         self.model_proposer = price_looks if model_proposer is None else model_proposer
+        # per_request: each request's depth from its own acceptance and the measured cost of a draft row
+        # (RowCost), no shared depth; for proposers whose drafts cost nothing to make (n-gram)
+        self.per_request = per_request
+        self.row_cost: dict[int, RowCost] = {}  # bucket -> step seconds as a line in the draft rows verified
+        self._rows_now = 0  # draft rows verified by the step being finished (record / record_placeholder)
         self.placeholders = False  # whether the last plan's drafts are placeholders, made by the scheduler
         self.prior, self.decay, self.probe_every, self.min_gain = prior, decay, probe_every, min_gain
         self.min_acceptance_drafts = min_acceptance_drafts  # verified drafts before their acceptance bounds depths
@@ -100,6 +105,7 @@ class DraftPolicy:
 
     def record(self, rid: str, drafted: int, accepted: int) -> None:
         """A verified step: `accepted` of `drafted` drafts survived (the first rejection ends a run)."""
+        self._rows_now += drafted
         s = self.stats
         s.num_drafts += 1
         s.num_draft_tokens += drafted
@@ -120,6 +126,7 @@ class DraftPolicy:
         """A verified step of placeholder drafts (the worker keeps only the target's own token, so the
         token stream is what a step without drafts makes): not in the metrics or acceptance. It is priced as
         the step the proposer's drafts would have made: the tokens they would emit on average."""
+        self._rows_now += drafted
         a = self._per_draft_acceptance() or 0.0
         self._placeholder_tokens[0] += 1
         self._placeholder_tokens[1] += expected_tokens(a, drafted)
@@ -181,6 +188,8 @@ class DraftPolicy:
         if not self.adaptive:
             return {rid: self.k_max for rid in rids}
         bucket = bucket_of(len(rids))
+        if self.per_request:
+            return self._plan_per_request(bucket, rids)
         acceptance = self._per_draft_acceptance()
         depth = self.bandit.choose(bucket, acceptance)
         # from a bucket whose best is no drafts, the draft model is behind on these requests: price instead
@@ -193,6 +202,42 @@ class DraftPolicy:
         if priced:
             return {rid: depth for rid in rids}
         return {rid: self._useful_depth(rid, depth) for rid in rids}
+
+    def _plan_per_request(self, bucket: int, rids: list[str]) -> dict[str, int]:
+        """Drafts that raise the step's tokens per second: every candidate draft (request r's j-th, reached
+        and accepted with chance p = a_r x the measured continuations before j) in descending p, each taken
+        while p / c1 > tokens / seconds of the step so far (the step's base c0 plus c1 per draft row, measured
+        at this bucket). A request follows its own regime: copying, its a rises and it drafts deep; in free
+        text its drafts fail, a falls and it stops, with a probe of one draft every `probe_every` steps."""
+        cost = self.row_cost.get(bucket)
+        c0, c1 = cost.line() if cost is not None else (None, None)
+        plan = dict.fromkeys(rids, 0)
+        if c0 is None:  # no decode-only step measured at this bucket yet: draft what acceptance says is useful
+            plan = {rid: self._useful_depth(rid, self.k_max) for rid in rids}
+        else:
+            candidates = []
+            for rid in rids:
+                a = self.acceptance(rid)
+                reach = a
+                for j in range(self.k_max):
+                    candidates.append((reach, rid))
+                    reach *= self._continues(j + 1, a) if j + 1 < self.k_max else 0.0
+            candidates.sort(key=lambda c: -c[0])  # per request, reach falls with j: its drafts stay in order
+            tokens, seconds = float(len(rids)), c0
+            for p, rid in candidates:
+                if p * seconds <= c1 * tokens:
+                    break
+                plan[rid] += 1
+                tokens, seconds = tokens + p, seconds + c1
+            for rid, k in plan.items():
+                idle = self._idle.get(rid, 0) + 1 if k == 0 else 0
+                self._idle[rid] = idle
+                if idle and idle % self.probe_every == 0:
+                    plan[rid] = 1  # probe, so a request whose drafts start landing again is noticed
+        depth = max(plan.values(), default=0)
+        self.placeholders = False
+        self._verifying, self._planned = self._planned, (bucket, depth, False)
+        return {rid: k for rid, k in plan.items() if k}
 
     def _draft_seconds(self, bucket: int) -> float | None:
         """One batched draft forward at this bucket: measured there, or scaled from the nearest bucket that
@@ -214,20 +259,21 @@ class DraftPolicy:
         last, self._last_step = self._last_step, None
         if last is None:
             return
-        emitted, prefill_tokens, propose_s, started, ended, catch_up_s = last
+        emitted, prefill_tokens, propose_s, started, ended, catch_up_s, rows = last
         busy = ended - started
         cycle = now - started if now - ended <= busy else busy  # a gap longer than the step is idle time
-        self.observe_step(emitted, cycle - propose_s, prefill_tokens, propose_s, catch_up_s)
+        self.observe_step(emitted, cycle - propose_s, prefill_tokens, propose_s, catch_up_s, rows)
 
     def step_ran(self, emitted: int, prefill_tokens: int, propose_seconds: float, started: float,
                  ended: float, catch_up_seconds: float = 0.0) -> None:
         """A step that ran from `started` to `ended` (its outputs handed back), with `prefill_tokens` prompt
         tokens (0: a decode-only step): credited at the next start. `catch_up_seconds`: the part of the
         proposing spent catching a draft model up over long stale runs."""
-        self._last_step = (emitted, prefill_tokens, propose_seconds, started, ended, catch_up_seconds)
+        self._last_step = (emitted, prefill_tokens, propose_seconds, started, ended, catch_up_seconds, self._rows_now)
+        self._rows_now = 0
 
     def observe_step(self, emitted: int, seconds: float, prefill_tokens: int, propose_seconds: float,
-                     catch_up_seconds: float = 0.0) -> None:
+                     catch_up_seconds: float = 0.0, draft_rows: int | None = None) -> None:
         """One step ran: `emitted` tokens in `seconds` (its own proposing excluded: that belongs to the
         drafts it verifies next). Decode-only steps teach the bandit each depth's decode rate. Steps with
         prefill teach what admitting a prompt costs on top, at depth 0 and while drafting: the prefill
@@ -252,6 +298,8 @@ class DraftPolicy:
             elif priced:
                 self._observe_priced(bucket, depth, emitted, seconds)
             else:
+                if draft_rows is not None:
+                    self.row_cost.setdefault(bucket, RowCost(bucket)).observe(draft_rows, total)
                 self.bandit.observe(bucket, depth, emitted, total, self._switch_s)
                 if depth:
                     self._learn_prices(bucket, depth, emitted / total)
@@ -320,3 +368,31 @@ class DraftPolicy:
             ratio = min(2.0, max(0.25, rate / est))
             old = self._bias.get(bucket)
             self._bias[bucket] = ratio if old is None else self.decay * old + (1 - self.decay) * ratio
+
+
+class RowCost:
+    """A decode-only step's seconds at one batch-size bucket as c0 + c1 x (draft rows it verified), fitted by
+    decayed least squares over its steps. Until the rows have varied, c1 leans on a prior of c0 / (4 x
+    bucket): a draft row costs a quarter of a request's share of the step (cheap at one request, where rows
+    share one read of the weights and the context, dearer as the batch fills)."""
+
+    PRIOR_WEIGHT = 4.0  # the prior's weight, in steps whose rows differ from the mean by one
+
+    def __init__(self, bucket: int, decay: float = 0.98):
+        self.bucket, self.decay = bucket, decay
+        self.n = self.x = self.y = self.xx = self.xy = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        d = self.decay
+        self.n, self.x, self.y = d * self.n + 1, d * self.x + rows, d * self.y + seconds
+        self.xx, self.xy = d * self.xx + rows * rows, d * self.xy + rows * seconds
+
+    def line(self) -> tuple[float | None, float | None]:
+        if self.n < 1:
+            return None, None
+        mx, my = self.x / self.n, self.y / self.n
+        sxx, sxy = self.xx - self.n * mx * mx, self.xy - self.n * mx * my
+        base = my  # before the slope: the mean step as the base
+        prior = base / (4 * self.bucket)
+        c1 = max((sxy + self.PRIOR_WEIGHT * prior) / (sxx + self.PRIOR_WEIGHT), 1e-3 * base)
+        return max(my - c1 * mx, 1e-6), c1

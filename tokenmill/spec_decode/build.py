@@ -54,4 +54,5 @@ def build_draft_policy(spec: SpeculativeConfig | None) -> DraftPolicy | None:
         return None
     # a draft model's first drafts after depth 0 cost it a catch-up over every live context: explore priced
     model = spec.method == "draft_model"
-    return DraftPolicy(spec.num_speculative_tokens, spec.adaptive, price_looks=model, model_proposer=model)
+    return DraftPolicy(spec.num_speculative_tokens, spec.adaptive, price_looks=model, model_proposer=model,
+                       per_request=not model)
