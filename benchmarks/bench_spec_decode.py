@@ -17,7 +17,7 @@ Workloads (each engine configuration in its own process):
           verification costs at a realistic size
 
     python benchmarks/bench_spec_decode.py [--only draft,ngram,sweep,qwen] [--sweep-warmup one|wave]
-        [--sweep-configs off,adaptive] [--sweep-output-jitter 0.25] [--repeats N]
+        [--sweep-configs off,adaptive] [--sweep-output-jitter 0.25] [--sweep-method draft_model|ngram] [--repeats N]
         [--out benchmarks/results/spec_decode.json]
 """
 from __future__ import annotations
@@ -126,6 +126,9 @@ def main() -> None:
                     help="before each timed sweep run: one wave of `concurrency` requests (steady state) or one request (cold)")
     ap.add_argument("--sweep-output-jitter", type=float, default=0.0,
                     help="sweep output lengths uniform in 128 x (1 +- this); 0: all 128 (requests in lockstep)")
+    ap.add_argument("--sweep-method", choices=("draft_model", "ngram"), default="draft_model",
+                    help="the proposer of the load sweep (held-out Shakespeare: n-gram drafts land only where the "
+                         "plays repeat themselves)")
     ap.add_argument("--out", default="benchmarks/results/spec_decode.json")
     args = ap.parse_args()
     if args.worker:
@@ -155,7 +158,8 @@ def main() -> None:
             # process is after its first seconds at a load) or a single request (cold: the first tries of
             # each depth at this load fall inside the timed run)
             warmups = conc if args.sweep_warmup == "wave" else 1
-            configs = {"off": None, "fixed k": dict(draft, adaptive=False), "adaptive": draft}
+            proposer = draft if args.sweep_method == "draft_model" else ngram
+            configs = {"off": None, "fixed k": dict(proposer, adaptive=False), "adaptive": proposer}
             configs = {name: spec for name, spec in configs.items() if name in args.sweep_configs.split(",")}
             out["sweep"][conc] = _ab(f"c={conc}", dict(tiny, max_num_seqs=conc), configs,
                                      _requests("draft", max(32, 8 * conc), 128, args.sweep_output_jitter),

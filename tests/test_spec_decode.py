@@ -355,11 +355,21 @@ def _simulate_regimes(row_cost: float, steps: int = 3000, batch: int = 1) -> tup
 def test_per_request_depth_follows_each_request_between_copying_and_free_text():
     """Draft rows cost 0.3 ms beside a 10 ms step (one request over a long context): requests draft deep while
     they copy and stop in free text, apart from probes, learning the row cost from the steps; where a draft
-    row costs as much as the step itself (compute-bound), they barely draft at all."""
+    row costs as much as the step itself (compute-bound), they barely draft at all. No step is pushed past the
+    rows its fast path takes."""
     copying, free = _simulate_regimes(0.0003)
     assert np.mean(copying[150:]) > 5 and np.mean(free[150:]) < 0.5
     copying, free = _simulate_regimes(0.010)
     assert np.mean(copying[150:]) < 2 and np.mean(free[150:]) < 0.2
+    # a step that keeps its fast path up to 4 rows (the CPU's one-call step): one request drafts at most 3
+    policy = DraftPolicy(k_max=8, per_request=True)
+    policy.max_rows = 4
+    for _ in range(40):
+        k = policy.plan(["r"]).get("r", 0)
+        assert k <= 3
+        policy.record("r", max(k, 1), max(k, 1))
+        policy.observe_step(1 + k, 0.010 + 0.0003 * k, 0, 0.0, 0.0, k)
+    assert policy.row_cost[1].n > 20 and policy.plan(["r"]) == {"r": 3}
     cost = RowCost(1)
     for rows in (0, 8, 0, 4, 8, 0) * 5:
         cost.observe(rows, 0.010 + 0.0003 * rows)

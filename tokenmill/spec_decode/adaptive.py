@@ -69,6 +69,9 @@ class DraftPolicy:
         self.per_request = per_request
         self.row_cost: dict[int, RowCost] = {}  # bucket -> step seconds as a line in the draft rows verified
         self._rows_now = 0  # draft rows verified by the step being finished (record / record_placeholder)
+        # the most rows a step keeps on its fast path (the CPU's one-call decode step; None: no such edge). Past
+        # it a step goes op by op, 2.5x a plain step's time at one request: a cliff, not a slope RowCost fits
+        self.max_rows: int | None = None
         self.placeholders = False  # whether the last plan's drafts are placeholders, made by the scheduler
         self.prior, self.decay, self.probe_every, self.min_gain = prior, decay, probe_every, min_gain
         self.min_acceptance_drafts = min_acceptance_drafts  # verified drafts before their acceptance bounds depths
@@ -207,13 +210,17 @@ class DraftPolicy:
         """Drafts that raise the step's tokens per second: every candidate draft (request r's j-th, reached
         and accepted with chance p = a_r x the measured continuations before j) in descending p, each taken
         while p / c1 > tokens / seconds of the step so far (the step's base c0 plus c1 per draft row, measured
-        at this bucket). A request follows its own regime: copying, its a rises and it drafts deep; in free
-        text its drafts fail, a falls and it stops, with a probe of one draft every `probe_every` steps."""
+        at this bucket), and while the step's rows stay within `max_rows` (if it started there). A request
+        follows its own regime: copying, its a rises and it drafts deep; in free text its drafts fail, a falls
+        and it stops, with a probe of one draft every `probe_every` steps."""
         cost = self.row_cost.get(bucket)
         c0, c1 = cost.line() if cost is not None else (None, None)
         plan = dict.fromkeys(rids, 0)
+        room = self.max_rows - len(rids) if self.max_rows and len(rids) <= self.max_rows else None
         if c0 is None:  # no decode-only step measured at this bucket yet: draft what acceptance says is useful
-            plan = {rid: self._useful_depth(rid, self.k_max) for rid in rids}
+            for rid in rids:
+                plan[rid] = self._useful_depth(rid, self.k_max if room is None else min(self.k_max, room))
+                room = None if room is None else room - plan[rid]
         else:
             candidates = []
             for rid in rids:
@@ -224,7 +231,7 @@ class DraftPolicy:
                     reach *= self._continues(j + 1, a) if j + 1 < self.k_max else 0.0
             candidates.sort(key=lambda c: -c[0])  # per request, reach falls with j: its drafts stay in order
             tokens, seconds = float(len(rids)), c0
-            for p, rid in candidates:
+            for p, rid in candidates[:len(candidates) if room is None else room]:
                 if p * seconds <= c1 * tokens:
                     break
                 plan[rid] += 1
@@ -232,7 +239,7 @@ class DraftPolicy:
             for rid, k in plan.items():
                 idle = self._idle.get(rid, 0) + 1 if k == 0 else 0
                 self._idle[rid] = idle
-                if idle and idle % self.probe_every == 0:
+                if idle and idle % self.probe_every == 0 and (room is None or sum(plan.values()) < room):
                     plan[rid] = 1  # probe, so a request whose drafts start landing again is noticed
         depth = max(plan.values(), default=0)
         self.placeholders = False
