@@ -221,7 +221,7 @@ class DraftPolicy:
             for rid in rids:
                 plan[rid] = self._useful_depth(rid, self.k_max if room is None else min(self.k_max, room))
                 room = None if room is None else room - plan[rid]
-        else:
+        elif max(map(self.acceptance, rids)) * c0 > c1 * len(rids):  # else not even the likeliest draft pays
             candidates = []
             for rid in rids:
                 a = self.acceptance(rid)
@@ -236,6 +236,7 @@ class DraftPolicy:
                     break
                 plan[rid] += 1
                 tokens, seconds = tokens + p, seconds + c1
+        if c0 is not None:
             for rid, k in plan.items():
                 idle = self._idle.get(rid, 0) + 1 if k == 0 else 0
                 self._idle[rid] = idle
