@@ -270,6 +270,21 @@ def test_bursts_fill_blocks_that_later_prompts_hit_in_the_prefix_cache(dirs):
     assert results[0] == results[1]
 
 
+def test_a_request_that_finishes_in_a_burst_leaves_its_blocks_in_the_prefix_cache(dirs):
+    """The blocks a request's last burst filled are registered when it finishes (no next allocation does it):
+    a follow-up made of its prompt and whole output hits as many blocks as after single steps, 48 of 51
+    tokens. 10 prompt tokens, then bursts of 8 from position 10: the last (positions 42-49) fills block 2
+    (32-47) with tokens it makes itself, so no allocation registered it."""
+    prompt = random_prompts([10], seed=13)[0]
+    params = SamplingParams(temperature=0, max_tokens=41, ignore_eos=True)
+    for steps in (1, 8):
+        llm = make_llm(dirs["llama"], num_scheduler_steps=steps, block_size=16)
+        first = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+        follow = llm.generate([{"prompt_token_ids": prompt + first}], params, use_tqdm=False)[0]
+        assert follow.num_cached_tokens == 48, steps
+        llm.llm_engine.check_invariants()
+
+
 def test_bursts_run_while_requests_wait_for_a_seat(dirs):
     """One seat, three requests: the two waiting ones could not join anyway, so the running one bursts. Each
     request: its prefill step (one token), then 12 tokens in three bursts of four."""

@@ -562,6 +562,10 @@ class Scheduler:
                 kept.append(token)
                 status = self._stop_status(req, token)
                 if status is not None:
+                    if (seq.num_steps > 1 or seq.draft_token_ids) and not self.in_flight.get(req.request_id):
+                        # KV is written up to num_computed_tokens (past a stop inside a burst too): what
+                        # matches the kept tokens joins the prefix cache
+                        self.kv.cache_written(req, min(req.num_computed_tokens, req.num_tokens))
                     self.finish(req, status)
                     break
             k = out.placeholder_drafts.get(seq.request_id, 0)
