@@ -222,6 +222,7 @@ class DraftPolicy:
                 plan[rid] = self._useful_depth(rid, self.k_max if room is None else min(self.k_max, room))
                 room = None if room is None else room - plan[rid]
         elif max(map(self.acceptance, rids)) * c0 > c1 * len(rids):  # else not even the likeliest draft pays
+            # (and below min_gain a draft is never proposed, as in _useful_depth)
             candidates = []
             for rid in rids:
                 a = self.acceptance(rid)
@@ -232,7 +233,7 @@ class DraftPolicy:
             candidates.sort(key=lambda c: -c[0])  # per request, reach falls with j: its drafts stay in order
             tokens, seconds = float(len(rids)), c0
             for p, rid in candidates[:len(candidates) if room is None else room]:
-                if p * seconds <= c1 * tokens:
+                if p < self.min_gain or p * seconds <= c1 * tokens:  # min_gain: a noisy c1 near 0 drafts nothing
                     break
                 plan[rid] += 1
                 tokens, seconds = tokens + p, seconds + c1
