@@ -167,15 +167,14 @@ class EngineConfig:
                                         "write_through (as they fill)", choices=("evict", "write_through"))
     kv_load_timeout_s: float = option(10.0, "a tier load not done after this long is abandoned; the rest of the "
                                       "prompt is recomputed")
-    num_scheduler_steps: int | None = option(None, "greedy decoding: up to this many decode steps in one engine step, each "
-                                      "step's token fed to the next inside the model runner, so the per-step host "
-                                      "work (scheduling, sampling, output handling) is paid once per burst; tokens "
-                                      "stream in bursts (vLLM's name). 0: automatic, bursts of up to "
-                                      f"{AUTO_BURST_STEPS} steps that last at most {AUTO_BURST_MS:g} ms at the "
-                                      "measured step time. Default: 0 in the offline LLM (and `tokenmill generate`), 1 in the server. Runs where every running "
-                                      "request decodes greedily without logprobs, penalties or stop strings and no "
-                                      "waiting prompt could join (none waits, or every seat is taken); "
-                                      "CPU one-call decode step only")
+    num_scheduler_steps: int | None = option(
+        None, "greedy decoding: up to this many decode steps in one engine step, each step's token fed to the next "
+        "inside the model runner, so the per-step host work (scheduling, sampling, output handling) is paid once per "
+        f"burst; tokens stream in bursts (vLLM's name). 0: automatic, bursts of up to {AUTO_BURST_STEPS} steps that "
+        f"last at most {AUTO_BURST_MS:g} ms at the measured step time. Default: 0 in the offline LLM (and `tokenmill "
+        "generate`), 1 in the server. Runs where every running request decodes greedily without logprobs, penalties "
+        "or stop strings and no waiting prompt could join (none waits, or every seat is taken); CPU one-call decode "
+        "step only")
     speculative_config: str | None = option(
         None, "speculative decoding, vLLM's shape, as a dict or JSON: {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 5, \"prompt_lookup_min\": 2}; k adapts to "
@@ -333,7 +332,7 @@ class EngineConfig:
         blockers = [why for why, on in (
             ("tensor or pipeline parallelism", self.world_size > 1),
             ("speculative decoding", bool(self.speculative_config)),
-            ("num_scheduler_steps > 1", self.num_scheduler_steps > 1),  # 0 (auto) turns off where they do not run
+            ("num_scheduler_steps > 1", self.num_scheduler_steps > 1),  # 0 (automatic) just stays off (core.py)
             ("KV tiers", self.kv_tiers_enabled),
             ("a multimodal model", model_config.is_multimodal)) if on]
         if self.async_scheduling is None:

@@ -92,6 +92,11 @@ class SamplingParams:
         return self.greedy and self.logprobs is None and not self.needs_penalties
 
     @property
+    def stop_ids(self) -> list[int]:
+        """Token ids that end the request: stop_token_ids, and EOS unless ignore_eos."""
+        return self.stop_token_ids + ([] if self.ignore_eos else list(self.eos_token_ids))
+
+    @property
     def max_stop_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
 

@@ -147,29 +147,25 @@ class KVCacheManager:
                 blocks.extend(self.pool.allocate(need))
         if self.enable_caching and register:
             # Blocks that will be full once this step runs are registered now; their tokens are known.
-            done = self._num_cached.get(req.request_id, 0)
-            full = (total - num_draft_tokens) // self.block_size
-            if full > done:
-                hashes = self._hashes(req, full * self.block_size)
-                for i in range(done, full):
-                    self.pool.cache(blocks[i], hashes[i], hashes[i - 1] if i else None)
-                self._num_cached[req.request_id] = full
+            self._register(req, blocks, (total - num_draft_tokens) // self.block_size)
         return True
+
+    def _register(self, req: Request, blocks: list[KVBlock], full: int) -> None:
+        """Offer the request's first `full` blocks to the prefix cache (those not offered yet)."""
+        done = self._num_cached.get(req.request_id, 0)
+        if full > done:
+            hashes = self._hashes(req, full * self.block_size)
+            for i in range(done, full):
+                self.pool.cache(blocks[i], hashes[i], hashes[i - 1] if i else None)
+            self._num_cached[req.request_id] = full
 
     def cache_written(self, req: Request, num_tokens: int) -> None:
         """Register the full blocks among the first `num_tokens` tokens, whose KV is written and whose ids are
         `req`'s: a request that finishes after a burst or a verification, where the last blocks' slots were
         reserved like drafts' (registered only at a next allocation, which a finished request never makes)."""
         blocks = self.req_blocks.get(req.request_id)
-        if not self.enable_caching or not blocks:
-            return
-        done = self._num_cached.get(req.request_id, 0)
-        full = min(num_tokens // self.block_size, len(blocks))
-        if full > done:
-            hashes = self._hashes(req, full * self.block_size)
-            for i in range(done, full):
-                self.pool.cache(blocks[i], hashes[i], hashes[i - 1] if i else None)
-            self._num_cached[req.request_id] = full
+        if self.enable_caching and blocks:
+            self._register(req, blocks, min(num_tokens // self.block_size, len(blocks)))
 
     def free(self, req: Request, num_valid_tokens: int | None = None) -> None:
         """Give the request's blocks back. With `num_valid_tokens` (a preemption inside the step that

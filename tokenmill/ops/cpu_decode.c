@@ -152,7 +152,6 @@ void tm_decode_rows(const tm_decoder *m, int64_t B, const int64_t *tokens, const
     tm_add_rmsnorm(x, residual, m->final_norm, out, B, D, m->eps, bf16, nt);
 }
 
-/* index of the first maximum of v[0 .. n) (dtype elements), as torch's max(dim).indices */
 /* Whether any of a request's first s tokens is one of its nstop stop tokens. */
 static int is_stop(const int64_t *toks, int64_t s, const int64_t *stop, int64_t nstop) {
     for (int64_t i = 0; i < s; i++)
@@ -161,6 +160,7 @@ static int is_stop(const int64_t *toks, int64_t s, const int64_t *stop, int64_t 
     return 0;
 }
 
+/* index of the first maximum of v[0 .. n) (dtype elements), as torch's max(dim).indices */
 static int64_t argmax_row(const char *v, int64_t n, int bf16) {
     int64_t best = 0;
     float bv = bf16 ? bf16_to_f32(((const uint16_t *)v)[0]) : ((const float *)v)[0];

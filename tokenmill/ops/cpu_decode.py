@@ -137,7 +137,7 @@ class DecoderKernel:
 
     def greedy(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, last: list[int], ks: list[int],
-               stops: list[tuple[int, ...]] | None = None) -> list[list[int]]:
+               stops: list[list[int]] | None = None) -> list[list[int]]:
         """Greedy steps in one call (cpu_decode.c tm_decode_greedy): the rows as `run` takes them, then request
         b's ks[b] tokens, its first from row last[b]; ks descending, len(last) <= head.max_rows. With `stops`
         (request b's stop tokens), the steps end once every request still stepping has made one of its own:
@@ -149,7 +149,7 @@ class DecoderKernel:
             self._logits = torch.empty(self.head.max_rows, self.head.out_features, dtype=self.out.dtype)
         idx = torch.frombuffer(array("q", last + ks), dtype=torch.int64)
         nstop = max(map(len, stops)) if stops else 0
-        stop_ids = (torch.frombuffer(array("q", [t for st in stops for t in (*st, *[-1] * (nstop - len(st)))]),
+        stop_ids = (torch.frombuffer(array("q", [t for st in stops for t in st + [-1] * (nstop - len(st))]),
                                      dtype=torch.int64) if nstop else None)
         ran = _library().tm_decode_greedy(
             self._ref, self._head_ref, tokens.shape[0], tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(),

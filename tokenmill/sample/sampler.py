@@ -57,7 +57,7 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     for i, r in enumerate(rows):
         sp = r.params
         if len(r.output_token_ids) < sp.min_tokens:
-            banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(sp.eos_token_ids))
+            banned = sp.stop_ids
             if banned:
                 logits[i, banned] = float("-inf")
 

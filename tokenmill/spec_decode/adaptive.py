@@ -161,14 +161,19 @@ class DraftPolicy:
             k += 1
             if k < cap:
                 reach *= self._continues(k, a)
-        if k == 0 and cap > 0:
-            idle = self._idle.get(rid, 0) + 1
-            self._idle[rid] = idle
-            if idle % self.probe_every == 0:
-                return 1  # probe, so a recovering request is noticed
-        else:
+        if cap == 0:
             self._idle[rid] = 0
-        return k
+            return 0
+        return self._with_probe(rid, k)
+
+    def _with_probe(self, rid: str, k: int) -> int:
+        """k, or for a request planned at 0 drafts `probe_every` times in a row, one draft: a probe, so that a
+        request whose drafts start landing again is noticed."""
+        if k:
+            self._idle[rid] = 0
+            return k
+        idle = self._idle[rid] = self._idle.get(rid, 0) + 1
+        return 1 if idle % self.probe_every == 0 else 0
 
     # -- per step -----------------------------------------------------------------------------------------
     def plan(self, rids: list[str]) -> dict[str, int]:
@@ -239,10 +244,8 @@ class DraftPolicy:
                 tokens, seconds = tokens + p, seconds + c1
         if c0 is not None:
             for rid, k in plan.items():
-                idle = self._idle.get(rid, 0) + 1 if k == 0 else 0
-                self._idle[rid] = idle
-                if idle and idle % self.probe_every == 0 and (room is None or sum(plan.values()) < room):
-                    plan[rid] = 1  # probe, so a request whose drafts start landing again is noticed
+                if self._with_probe(rid, k) > k and (room is None or sum(plan.values()) < room):
+                    plan[rid] = 1
         depth = max(plan.values(), default=0)
         self.placeholders = False
         self._verifying, self._planned = self._planned, (bucket, depth, False)

@@ -110,7 +110,7 @@ class CpuDecodeStep:
                 and self.can_run(batch, num_tokens))
 
     def greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, last: list[int],
-               ks: list[int], stops: list[tuple[int, ...]] | None = None) -> list[list[int]]:
+               ks: list[int], stops: list[list[int]] | None = None) -> list[list[int]]:
         """Greedy steps in one C call, each argmax the next step's input: the rows first (a draft model's
         catch-ups, or a burst's decodes), request b's first token from row last[b], then single-token steps
         until it has ks[b] (ks descending), or until every request still stepping has made one of its `stops`.

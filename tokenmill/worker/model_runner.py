@@ -330,8 +330,7 @@ class ModelRunner:
         step = self.decode_step
         if step is None or not step.can_draft(batch, len(input_ids), len(seqs)):
             return None
-        params = [self.requests[s.request_id].sampling_params for s in seqs]
-        stops = [(*sp.stop_token_ids, *(() if sp.ignore_eos else sp.eos_token_ids)) for sp in params]
+        stops = [self.requests[s.request_id].sampling_params.stop_ids for s in seqs]
         tokens = step.greedy(input_ids, positions, batch, list(range(len(seqs))), [s.num_steps for s in seqs],
                              stops if any(stops) else None)
         self.num_bursts += 1
