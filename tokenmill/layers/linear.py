@@ -152,9 +152,9 @@ def kernel_rows(dtype: torch.dtype, weight_only_quantized: bool = False, int4: b
     EPYC they beat oneDNN's packed GEMM 1.2-2.3x at 9-20 rows and tie at 32, for the shipped model's shapes and
     Qwen2.5-0.5B's (`benchmarks/bench_float_rows.py`; BENCHMARKS.md, issue 15, "Greedy steps with the LM head and
     argmax in the one call, and float32 steps of up to 32 rows"). With AVX-512 they take them up to
-    F32_AVX512_KERNEL_ROWS: on a Zen 4 EPYC the kernel beat oneDNN 1.3-2.6x at 9-32 rows on the shipped model's
+    F32_AVX512_KERNEL_ROWS: on a Zen 4 EPYC the kernel beat oneDNN 1.3-2.8x at 9-32 rows on the shipped model's
     shapes and tied or won at up to 16 on Qwen2.5-0.5B's, where its 9728 x 896 gate/up lost 15-20 % at 24-32
-    (BENCHMARKS.md, issue 16, "Verifications of up to 16 rows in the one call")."""
+    (BENCHMARKS.md, issue 16, "n-gram at k = 8: verifications of up to 16 rows in the one call")."""
     if dtype == torch.bfloat16 and slow_bf16_gemm():
         if int4:
             return INT4_AVX2_KERNEL_ROWS
