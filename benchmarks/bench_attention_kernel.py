@@ -4,7 +4,8 @@ float32 copy through the block tables, two batched matmuls), timed in the same r
 also builds and times another version of the C file (e.g. the previous commit's) for a before/after.
 
     python benchmarks/bench_attention_kernel.py [--compare-source OLD.c] [--out FILE]
-    python benchmarks/bench_attention_kernel.py --verify-lens 1024 7000 --heads 4 2 --out FILE
+    python benchmarks/bench_attention_kernel.py --verify-lens 1024 7000 --heads 4 2 [--k 0 8 16] [--layers 6]
+        [--compare-source OLD.c] --out FILE
 
 `--verify-lens` times a speculative verification instead: one sequence's 1 + k rows at lengths L-k .. L over
 the same blocks, in one call (the kernel groups them and reads the keys once) against the same rows in 1 + k
@@ -70,27 +71,48 @@ def verify_case(length: int, rows: int, hq: int, hkv: int, d: int, dtype: torch.
 
 
 def verify_rows(args) -> list[dict]:
+    """Per length and k: a verification's 1 + k rows grouped in one call, row by row, and one row alone, each
+    over `--layers` layers' caches in turn (one call per layer, as an engine step makes: with several layers
+    the KV no longer stays in cache between calls)."""
     hq, hkv = args.heads
+    other = build(args.compare_source) if args.compare_source else None
     out = []
     for dname in args.dtypes:
         dtype = getattr(torch, dname)
         for length in args.verify_lens:
-            q, kc, vc, tables, lens, scale = verify_case(length, 1 + args.k, hq, hkv, 64, dtype)
-            grouped = cpu_attention.paged_decode_attention(q, kc, vc, tables, lens, scale)
+            for k in args.k:
+                layers = [verify_case(length, 1 + k, hq, hkv, 64, dtype, seed=i) for i in range(args.layers)]
+                q, tables, lens, scale = layers[0][0], layers[0][3], layers[0][4], layers[0][5]
 
-            def one_by_one():
-                return [cpu_attention.paged_decode_attention(q[i:i + 1], kc, vc, tables[i:i + 1], lens[i:i + 1], scale)
-                        for i in range(len(lens))]
+                def step(rows=slice(None)):
+                    return [cpu_attention.paged_decode_attention(q[rows], kc, vc, tables[rows], lens[rows], scale)
+                            for _, kc, vc, *_ in layers]
 
-            assert torch.equal(grouped, torch.cat(one_by_one()))  # grouping changes no bit
-            t_one = timed(lambda: cpu_attention.paged_decode_attention(q[-1:], kc, vc, tables[-1:], lens[-1:], scale))
-            t_group = timed(lambda: cpu_attention.paged_decode_attention(q, kc, vc, tables, lens, scale))
-            t_rows = timed(one_by_one)
-            row = {"dtype": dname, "heads": f"{hq}/{hkv}x64", "length": length, "rows": 1 + args.k,
-                   "one_row_us": 1e6 * t_one, "grouped_us": 1e6 * t_group, "row_by_row_us": 1e6 * t_rows,
-                   "grouped_vs_one_row": t_group / t_one, "row_by_row_vs_grouped": t_rows / t_group}
-            out.append(row)
-            print(" | ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+                def one_by_one():
+                    return [step(slice(i, i + 1)) for i in range(len(lens))]
+
+                def times():
+                    grouped = step()[0]
+                    assert torch.equal(grouped, torch.cat([r[0] for r in one_by_one()]))  # grouping changes no bit
+                    return timed(lambda: step(slice(-1, None))), timed(step), timed(one_by_one)
+
+                t_one, t_group, t_rows = times()
+                row = {"dtype": dname, "heads": f"{hq}/{hkv}x64", "length": length, "rows": 1 + k,
+                       "layers": args.layers, "one_row_us": 1e6 * t_one, "grouped_us": 1e6 * t_group,
+                       "row_by_row_us": 1e6 * t_rows, "grouped_vs_one_row": t_group / t_one,
+                       "row_by_row_vs_grouped": t_rows / t_group}
+                if other is not None:
+                    real = cpu_attention._kernel
+                    cpu_attention._kernel = lambda: other
+                    try:
+                        o_one, o_group, _ = times()
+                    finally:
+                        cpu_attention._kernel = real
+                    row.update(compare_one_row_us=1e6 * o_one, compare_grouped_us=1e6 * o_group,
+                               one_row_speedup_vs_compare=o_one / t_one, grouped_speedup_vs_compare=o_group / t_group)
+                out.append(row)
+                print(" | ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                      flush=True)
     return out
 
 
@@ -114,7 +136,9 @@ def main() -> None:
     ap.add_argument("--compare-source", help="another version of ops/cpu_attention.c to time as well")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "attention_kernel.json"))
     ap.add_argument("--verify-lens", type=int, nargs="+", help="time a verification's rows at these lengths")
-    ap.add_argument("--k", type=int, default=4, help="drafts per verification (--verify-lens)")
+    ap.add_argument("--k", type=int, nargs="+", default=[4], help="drafts per verification (--verify-lens)")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="--verify-lens: layers' caches per timed step (6: the shipped model's, KV out of cache)")
     ap.add_argument("--heads", type=int, nargs=2, default=[4, 2], metavar=("HQ", "HKV"),
                     help="query and KV heads for --verify-lens (default: the shipped model's)")
     args = ap.parse_args()

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill import SamplingParams
-from tokenmill.attention.torch_backend import decode_attention, gather_kv
+from tokenmill.attention.torch_backend import chunk_attention, decode_attention, gather_kv, prefill_attention
 from tokenmill.layers.linear import Linear, UnquantizedLinearMethod, onednn_linear_available
 from tokenmill.models import loader
 from tokenmill.ops import cpu_attention, cpu_gemv, native
@@ -253,6 +253,53 @@ def test_verification_rows_read_their_blocks_once_and_give_the_same_bits(dtype, 
     ref = _torch_paged_decode(q, key_cache, value_cache, tables, lens, d ** -0.5)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
     torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+
+@needs_attention_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_contexts_split_into_chunks_merge_to_the_same_attention(dtype):
+    """Past CHUNK tokens a sequence is attended in chunks, one task each, whose softmax states are merged:
+    lengths at and around chunk edges match the oracle, and a verification whose rows straddle a chunk
+    edge still gives each row the bits it gets alone."""
+    C = cpu_attention.CHUNK
+    hq, hkv, d, bs = 4, 2, 16, 16
+    g = torch.Generator().manual_seed(11)
+    max_blocks = -(-(3 * C + 40) // bs)
+    num_blocks = max_blocks + 8
+    key_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    value_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    table = torch.randperm(num_blocks, generator=g)[:max_blocks].to(torch.int32)
+    singles = [C - 1, C, C + 1, 2 * C + 7, 3 * C + 40]
+    verify = [2 * C - 3 + i for i in range(6)]  # one sequence at lengths 2C-3 .. 2C+2
+    lens = torch.tensor(singles + verify, dtype=torch.int32)
+    tables = table.repeat(len(lens), 1)
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+    out = cpu_attention.paged_decode_attention(q, key_cache, value_cache, tables, lens, d ** -0.5)
+    ref = _torch_paged_decode(q, key_cache, value_cache, tables, lens, d ** -0.5)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    for i in range(len(lens)):
+        alone = cpu_attention.paged_decode_attention(q[i:i + 1], key_cache, value_cache, tables[i:i + 1],
+                                                     lens[i:i + 1], d ** -0.5)
+        assert torch.equal(out[i], alone[0]), i
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefix,n", [(1, 1), (1, 40), (37, 1), (100, 64), (300, 29)])
+def test_chunk_after_a_cached_prefix_matches_the_masked_attention(dtype, prefix, n):
+    """A prefill chunk after a prefix: two flash calls (prefix unmasked, chunk causal) merged by their
+    log-sum-exps give what one call with the offset causal mask gives, grouped query heads included."""
+    g = torch.Generator().manual_seed(prefix * 7 + n)
+    hq, hkv, d = 6, 2, 32
+    q = torch.randn(hq, n, d, generator=g).to(dtype)
+    k = torch.randn(hkv, prefix + n, d, generator=g).to(dtype)
+    v = torch.randn(hkv, prefix + n, d, generator=g).to(dtype)
+    mask = torch.ones(n, prefix + n, dtype=torch.bool).tril_(diagonal=prefix)
+    ref = prefill_attention(q.float(), k.float(), v.float(), d ** -0.5, mask)
+    out = chunk_attention(q, k, v, d ** -0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(out.float(), ref, **tol)
 
 
 def test_attention_kernel_refuses_what_it_cannot_run():

@@ -1,7 +1,7 @@
 """Pure-torch paged attention: the CPU path and the oracle for GPU kernels."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -14,8 +14,6 @@ from tokenmill.ops import cpu_attention
 class TorchAttentionMetadata:
     batch: AttentionBatch
     fresh_prefill: list[bool]  # per row: a prefill whose whole context is new (plain causal attention)
-    # per prefill row with a cached prefix: bool [new, seq_len] causal mask offset by the prefix
-    prefill_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     decode_mask: torch.Tensor | None = None  # float bias [num_decodes, 1, 1, max_len]: 0 or -inf, built once per step
 
 
@@ -62,6 +60,27 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
                                           scale=scale)[0]
 
 
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """A prefill chunk after a cached prefix: q [Hq, n, D] at positions L - n .. L - 1, k/v [Hkv, L, D].
+    On CPU, as two flash calls, the whole prefix unmasked and the chunk's own keys causal, merged by their
+    log-sum-exps: CPU flash attention with an explicit mask reads the mask and skips no masked block,
+    1.3-1.6x slower than the two calls at 2K-6K tokens (BENCHMARKS.md, "Chunked prefill without masks").
+    Elsewhere (the oracle on GPUs), one call with the offset causal mask."""
+    n, L = q.shape[1], k.shape[1]
+    if q.device.type != "cpu":
+        mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril_(diagonal=L - n)
+        return prefill_attention(q, k, v, scale, mask)
+    group = q.shape[0] // k.shape[0]
+    q4 = q.unsqueeze(0)
+    k4, v4 = k.repeat_interleave(group, 0).unsqueeze(0), v.repeat_interleave(group, 0).unsqueeze(0)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    o1, lse1 = flash(q4, k4[:, :, :L - n], v4[:, :, :L - n], scale=scale)[:2]  # [1, Hq, n, D], [1, Hq, n]
+    o2, lse2 = flash(q4, k4[:, :, L - n:], v4[:, :, L - n:], is_causal=True, scale=scale)[:2]
+    top = torch.maximum(lse1, lse2)
+    w1, w2 = (lse1 - top).exp_().unsqueeze(-1), (lse2 - top).exp_().unsqueeze(-1)
+    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2))[0].to(q.dtype)
+
+
 class TorchAttentionBackend(AttentionBackend):
     """Decodes go through the C paged-attention kernel where it runs (`use_kernel`), else through the
     gather + matmul path below, which is also the kernel's test oracle."""
@@ -73,11 +92,7 @@ class TorchAttentionBackend(AttentionBackend):
         nd = batch.num_decodes
         qsl, lens = batch.query_start_loc_host, batch.seq_lens_host
         fresh = [False] * nd + [lens[i] == qsl[i + 1] - qsl[i] for i in range(nd, len(lens))]
-        # query j of a chunk sits at absolute position L - n + j and sees keys 0 .. L - n + j
-        masks = {i: torch.ones(qsl[i + 1] - qsl[i], lens[i], dtype=torch.bool,
-                               device=batch.seq_lens.device).tril_(diagonal=lens[i] - (qsl[i + 1] - qsl[i]))
-                 for i in range(nd, len(lens)) if not fresh[i]}
-        return TorchAttentionMetadata(batch, fresh, masks)
+        return TorchAttentionMetadata(batch, fresh)
 
     def forward(self, q, k, v, key_cache, value_cache, meta: TorchAttentionMetadata, scale: float):
         batch = meta.batch
@@ -98,7 +113,7 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 ki = gather_kv(key_cache, batch.block_tables[i], lens[i])
                 vi = gather_kv(value_cache, batch.block_tables[i], lens[i])
-                o = prefill_attention(qi, ki, vi, scale, meta.prefill_masks[i])
+                o = chunk_attention(qi, ki, vi, scale)  # query j at position L - n + j sees keys <= it
             out[s:e] = o.transpose(0, 1)
         return out
 

@@ -7,15 +7,23 @@
  *   out          [B][Hq][D]
  *
  * Query head h reads KV head h / (Hq / Hkv). Consecutive rows that read the same blocks (the 1 + k rows of a
- * speculative verification: one sequence at lengths L .. L+k) form one group, and each (group, KV head) pair
- * is one task: its keys and values are read once, 16 tokens (a tile) at a time, and shared by the group's
- * rows times Hq / Hkv query heads, each query masked at its own row's length. So verifying k drafts reads a
- * long context once, not 1 + k times. Each query's arithmetic is what a task of its row alone would do, in
- * the same order, so grouping changes no bit of the output.
+ * speculative verification: one sequence at lengths L .. L+k) form one group, whose keys and values are read
+ * once, 16 tokens (a tile) at a time, and shared by the group's rows times Hq / Hkv query heads, each query
+ * masked at its own row's length. So verifying k drafts reads a long context once, not 1 + k times.
+ *
+ * A group's tokens are cut into chunks of CHUNK at fixed positions, and each (group, chunk) is one task, over
+ * every KV head in turn: so one long sequence keeps every thread streaming its own part of the cache (split
+ * by KV head instead, the threads read alternate 256-byte pieces of the same blocks, and at batch 1 there are
+ * as few tasks as KV heads). A task leaves a softmax state (max, sum, unnormalized output) per query; states
+ * are merged chunk by chunk in order. A group of one chunk writes its output directly.
  *
  *   rows     b0: L      b1: L+1     b2: L+2        same block-table entries up to each row's own length
- *   queries  b0 heads | b1 heads | b2 heads        one task per KV head: tile t0..t0+15 read once,
+ *   tokens   | chunk 0: 0..511 | chunk 1: 512..1023 | ... | chunk c: ..L+2 |     one task each
+ *   queries  b0 heads | b1 heads | b2 heads        per KV head: tile t0..t0+15 read once,
  *                                                  query j scores lanes t0+t < len(j) only
+ *
+ * Each query's arithmetic is what a task of its row alone would do, in the same order (chunk edges do not
+ * depend on the group or the thread count), so grouping changes no bit of the output.
  *
  * Softmax
  * is computed online (running max and sum, FlashAttention-style) in float32, once per tile: 16 scores (from
@@ -30,12 +38,13 @@
  * vectorizes: the tile's keys are transposed once into a buffer (kt[i][t]) so each head's 16 scores are
  * 16-lane FMAs, and the values are added four keys per pass over the head's accumulator row.
  *
- * The task loop, the queries and the prefetch are shared; each path supplies `attend`, one task's tiles.
+ * The task loop, the queries, the merge and the prefetch are shared; each path supplies `attend`, a run of tiles.
  *
  * D must be a multiple of 16 and (Hq / Hkv) * D at most MAX_GROUP_FLOATS (a group takes as many rows as fit).
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -56,6 +65,7 @@ static inline void write_heads(void *out, const float *acc, const float *l, int6
 #define MAX_D 256
 #define MAX_GROUP_FLOATS 4096
 #define TILE 16  /* keys per online-softmax update: one AVX-512 vector of scores */
+#define CHUNK 512  /* tokens per task: a long context is split over threads at fixed positions */
 
 static const float ZERO_ROW[MAX_D];  /* stands in for the missing keys of a short tile */
 
@@ -143,16 +153,16 @@ static inline void transpose16(__m512 r[16]) {
     }
 }
 
-/* one task: g query heads of KV head h over the cached tokens, query j attending keys 0 .. len[j]-1 (L the
- * longest), online softmax state in (m, l, acc), queries qf already scaled */
+/* one task's share of KV head h: g query heads over the cached tokens T0 .. L-1 (T0 a multiple of TILE),
+ * query j attending those before len[j], online softmax state in (m, l, acc), queries qf already scaled */
 static void attend(const float *qf, float *acc, float *m, float *l, const void *key_cache, const void *value_cache,
-                   const int32_t *table, const int64_t *len, int64_t L, int64_t g, int64_t Hkv, int64_t h, int64_t D,
-                   int64_t bs, int bf16) {
+                   const int32_t *table, const int64_t *len, int64_t T0, int64_t L, int64_t g, int64_t Hkv, int64_t h,
+                   int64_t D, int64_t bs, int bf16) {
     const int64_t elem = bf16 ? 2 : 4;
     float kbuf[TILE * MAX_D], vbuf[TILE * MAX_D], s[TILE];
     const float *k[TILE], *v[TILE];
     __m512 sacc[MAX_GROUP_FLOATS / 16];
-    for (int64_t t0 = 0; t0 < L; t0 += TILE) {
+    for (int64_t t0 = T0; t0 < L; t0 += TILE) {
         const int n = (int)(L - t0 < TILE ? L - t0 : TILE);
         /* the tile's key and value rows, as float32, shared by the group's query heads */
         for (int t = 0; t < n; t++) {
@@ -241,17 +251,17 @@ static __attribute__((noinline)) void axpy4(float *restrict y, const float *cons
     for (int64_t i = 0; i < D; i++) y[i] += (a0 * x0[i] + a1 * x1[i]) + (a2 * x2[i] + a3 * x3[i]);
 }
 
-/* one task: g query heads of KV head h over the cached tokens, query j attending keys 0 .. len[j]-1 (L the
- * longest), online softmax state in (m, l, acc), queries qf already scaled */
+/* one task's share of KV head h: g query heads over the cached tokens T0 .. L-1 (T0 a multiple of TILE),
+ * query j attending those before len[j], online softmax state in (m, l, acc), queries qf already scaled */
 static void attend(const float *qf, float *acc, float *m, float *l, const void *key_cache, const void *value_cache,
-                   const int32_t *table, const int64_t *len, int64_t L, int64_t g, int64_t Hkv, int64_t h, int64_t D,
-                   int64_t bs, int bf16) {
+                   const int32_t *table, const int64_t *len, int64_t T0, int64_t L, int64_t g, int64_t Hkv, int64_t h,
+                   int64_t D, int64_t bs, int bf16) {
     const int64_t elem = bf16 ? 2 : 4;
     /* the tile's keys transposed, kt[i][t] = element i of key t, so a head's 16 scores are 16-lane FMAs
      * (no horizontal sums); written once per tile, read by the group's query heads */
     float kt[MAX_D * TILE], vbuf[TILE * MAX_D];
     const float *v[TILE];
-    for (int64_t t0 = 0; t0 < L; t0 += TILE) {
+    for (int64_t t0 = T0; t0 < L; t0 += TILE) {
         const int n = (int)(L - t0 < TILE ? L - t0 : TILE);
         for (int t = 0; t < n; t++) {
             const int64_t row = cache_row(table, t0 + t, bs, Hkv, h, D);
@@ -323,25 +333,83 @@ static int same_blocks(const int32_t *tables, int64_t table_stride, int64_t b0, 
     return memcmp(tables + b0 * table_stride, tables + b * table_stride, ((len + bs - 1) / bs) * sizeof(int32_t)) == 0;
 }
 
+/* The thread-local scratch for partial softmax states, grown as needed and kept: a long context's partials
+ * are rewritten every layer, so allocating them per call would fault fresh pages in each time. */
+static float *partials(size_t floats) {
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (floats > cap) {
+        free(buf);
+        cap = floats + floats / 2;
+        buf = malloc(cap * sizeof(float));
+        if (!buf) cap = 0;
+    }
+    return buf;
+}
+
+/* the group of task `task`: the last grp with first[grp] <= task */
+static int64_t task_group(const int64_t *first, int64_t G, int64_t task) {
+    int64_t lo = 0, hi = G - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (first[mid] <= task) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* softmax partial states (m, l, acc[D]) of one query over its chunks, in order, into out: each chunk's sum
+ * rescaled to the largest max. Chunks past the query's length hold l = 0 and add nothing. */
+static void merge_chunks(const float *part, int64_t nchunks, int64_t chunk_stride, int64_t D, void *out,
+                         int64_t o, int bf16) {
+    float mx = -INFINITY, l = 0.0f, acc[MAX_D];
+    for (int64_t c = 0; c < nchunks; c++)
+        if (part[c * chunk_stride + 1] > 0.0f && part[c * chunk_stride] > mx) mx = part[c * chunk_stride];
+    memset(acc, 0, D * sizeof(float));
+    for (int64_t c = 0; c < nchunks; c++) {
+        const float *pc = part + c * chunk_stride;
+        if (pc[1] == 0.0f) continue;
+        const float w = expf(pc[0] - mx);
+        l += pc[1] * w;
+        for (int64_t i = 0; i < D; i++) acc[i] += pc[2 + i] * w;
+    }
+    write_heads(out, acc, &l, o, 1, D, bf16);
+}
+
 void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_cache, const void *value_cache,
                                const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                                void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
                                float scale, int bf16, int nthreads) {
-    const int64_t g = Hq / Hkv, rows_per_group = MAX_GROUP_FLOATS / (g * D);
+    const int64_t g = Hq / Hkv, rows_per_group = MAX_GROUP_FLOATS / (g * D), state = D + 2;
     int64_t starts[B + 1], G = 0;  /* group i is rows starts[i] .. starts[i+1]-1 */
     for (int64_t b = 0; b < B; b++)
         if (b == 0 || b - starts[G - 1] >= rows_per_group ||
             !same_blocks(block_tables, table_stride, starts[G - 1], b, seq_lens[b], bs))
             starts[G++] = b;
     starts[G] = B;
-    #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(nthreads)
+    /* group grp's chunks are tasks first[grp] .. first[grp+1]-1; its partial states start at part_at[grp] */
+    int64_t first[G + 1], part_at[G + 1], longest[G];
+    first[0] = part_at[0] = 0;
     for (int64_t grp = 0; grp < G; grp++) {
+        longest[grp] = 0;
+        for (int64_t b = starts[grp]; b < starts[grp + 1]; b++)
+            longest[grp] = seq_lens[b] > longest[grp] ? seq_lens[b] : longest[grp];
+        const int64_t chunks = (longest[grp] + CHUNK - 1) / CHUNK;
+        first[grp + 1] = first[grp] + chunks;
+        /* one chunk: its task writes the output itself */
+        part_at[grp + 1] = part_at[grp] + (chunks > 1 ? chunks * Hkv * (starts[grp + 1] - starts[grp]) * g * state : 0);
+    }
+    float *part = part_at[G] ? partials((size_t)part_at[G]) : NULL;
+    if (part_at[G] && !part) return;  /* out of memory: leave the output unwritten rather than crash */
+    #pragma omp parallel for schedule(dynamic) num_threads(nthreads)
+    for (int64_t task = 0; task < first[G]; task++) {
+        const int64_t grp = task_group(first, G, task), c = task - first[grp], chunks = first[grp + 1] - first[grp];
+        const int64_t b0 = starts[grp], nq = (starts[grp + 1] - b0) * g;
+        const int64_t T0 = c * CHUNK, T1 = longest[grp] < T0 + CHUNK ? longest[grp] : T0 + CHUNK;
+        float qf[MAX_GROUP_FLOATS], acc[MAX_GROUP_FLOATS], m[MAX_GROUP_FLOATS / 16], l[MAX_GROUP_FLOATS / 16];
+        int64_t len[MAX_GROUP_FLOATS / 16];
         for (int64_t h = 0; h < Hkv; h++) {
-            float qf[MAX_GROUP_FLOATS], acc[MAX_GROUP_FLOATS], m[MAX_GROUP_FLOATS / 16], l[MAX_GROUP_FLOATS / 16];
-            int64_t len[MAX_GROUP_FLOATS / 16], L = 0;
-            const int64_t b0 = starts[grp], nq = (starts[grp + 1] - b0) * g;
-            for (int64_t b = b0; b < starts[grp + 1]; b++) {
-                L = seq_lens[b] > L ? seq_lens[b] : L;
+            for (int64_t b = b0; b < starts[grp + 1]; b++)
                 for (int64_t j = (b - b0) * g; j < (b - b0 + 1) * g; j++) {
                     row_to_f32(q, b * q_stride + (h * g + j % g) * D, bf16, qf + j * D, D);
                     for (int64_t i = 0; i < D; i++) qf[j * D + i] *= scale;
@@ -349,12 +417,31 @@ void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_
                     l[j] = 0.0f;
                     len[j] = seq_lens[b];
                 }
-            }
             memset(acc, 0, nq * D * sizeof(float));
-            attend(qf, acc, m, l, key_cache, value_cache, block_tables + b0 * table_stride, len, L, nq, Hkv, h, D,
-                   bs, bf16);
-            for (int64_t b = b0; b < starts[grp + 1]; b++)
-                write_heads(out, acc + (b - b0) * g * D, l + (b - b0) * g, (b * Hq + h * g) * D, g, D, bf16);
+            attend(qf, acc, m, l, key_cache, value_cache, block_tables + b0 * table_stride, len, T0, T1, nq, Hkv, h,
+                   D, bs, bf16);
+            if (chunks == 1) {
+                for (int64_t b = b0; b < starts[grp + 1]; b++)
+                    write_heads(out, acc + (b - b0) * g * D, l + (b - b0) * g, (b * Hq + h * g) * D, g, D, bf16);
+                continue;
+            }
+            /* partial states laid out [query j][KV head h][chunk c][m, l, acc]: a query's chunks are adjacent */
+            for (int64_t j = 0; j < nq; j++) {
+                float *dst = part + part_at[grp] + ((j * Hkv + h) * chunks + c) * state;
+                dst[0] = m[j];
+                dst[1] = l[j];
+                memcpy(dst + 2, acc + j * D, D * sizeof(float));
+            }
         }
+    }
+    if (!part) return;
+    #pragma omp parallel for schedule(dynamic) num_threads(nthreads)
+    for (int64_t grp = 0; grp < G; grp++) {
+        const int64_t chunks = first[grp + 1] - first[grp], b0 = starts[grp];
+        if (chunks == 1) continue;
+        for (int64_t j = 0; j < (starts[grp + 1] - b0) * g; j++)
+            for (int64_t h = 0; h < Hkv; h++)
+                merge_chunks(part + part_at[grp] + (j * Hkv + h) * chunks * state, chunks, state, D, out,
+                             ((b0 + j / g) * Hq + h * g + j % g) * D, bf16);
     }
 }

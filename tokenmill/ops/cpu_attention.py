@@ -11,7 +11,7 @@ import torch
 
 from tokenmill.ops import native
 
-MAX_D, MAX_GROUP_FLOATS = 256, 4096  # as in cpu_attention.c
+MAX_D, MAX_GROUP_FLOATS, CHUNK = 256, 4096, 512  # as in cpu_attention.c
 
 
 @lru_cache(maxsize=1)
