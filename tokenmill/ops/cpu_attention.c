@@ -159,7 +159,7 @@ static void attend(const float *qf, float *acc, float *m, float *l, const void *
                    const int32_t *table, const int64_t *len, int64_t T0, int64_t L, int64_t g, int64_t Hkv, int64_t h,
                    int64_t D, int64_t bs, int bf16) {
     const int64_t elem = bf16 ? 2 : 4;
-    float kbuf[TILE * MAX_D], vbuf[TILE * MAX_D], s[TILE];
+    float kbuf[TILE * MAX_D], vbuf[TILE * MAX_D], probs[MAX_GROUP_FLOATS], rescale[MAX_GROUP_FLOATS / 16];
     const float *k[TILE], *v[TILE];
     __m512 sacc[MAX_GROUP_FLOATS / 16];
     for (int64_t t0 = T0; t0 < L; t0 += TILE) {
@@ -192,23 +192,32 @@ static void attend(const float *qf, float *acc, float *m, float *l, const void *
                 sacc[j] = a;
             }
         }
+        /* each query's probabilities (0 past its length) and the rescale of what earlier tiles summed */
+        int live[MAX_GROUP_FLOATS / 16];
         for (int64_t j = 0; j < g; j++) {
             const int nj = tile_keys(len[j], t0);
+            live[j] = nj > 0;
             if (nj == 0) continue;
             const __mmask16 valid = (__mmask16)((1u << nj) - 1);
             const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sacc[j]);
             const float m_new = fmaxf(m[j], _mm512_reduce_max_ps(sv));
-            const float c = expf(m[j] - m_new);  /* rescales what earlier tiles summed; 0 at the start */
+            rescale[j] = expf(m[j] - m_new);  /* 0 at the start */
             const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
-            l[j] = l[j] * c + _mm512_reduce_add_ps(p);
+            l[j] = l[j] * rescale[j] + _mm512_reduce_add_ps(p);
             m[j] = m_new;
-            _mm512_storeu_ps(s, p);
-            float *aj = acc + j * D;
-            for (int64_t i = 0; i < D; i += 16) {
-                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(aj + i), _mm512_set1_ps(c));
-                for (int t = 0; t < nj; t++)
-                    a = _mm512_fmadd_ps(_mm512_set1_ps(s[t]), _mm512_loadu_ps(v[t] + i), a);
-                _mm512_storeu_ps(aj + i, a);
+            _mm512_storeu_ps(probs + j * TILE, p);
+        }
+        /* values 16 elements at a time: the tile's 16 rows stay in registers for every query, which adds
+         * them in key order as alone (a key past a query's length adds p = 0, which leaves the sum as is) */
+        for (int64_t i = 0; i < D; i += 16) {
+            __m512 vr[TILE];
+            for (int t = 0; t < TILE; t++) vr[t] = t < n ? _mm512_loadu_ps(v[t] + i) : _mm512_setzero_ps();
+            for (int64_t j = 0; j < g; j++) {
+                if (!live[j]) continue;
+                const float *pj = probs + j * TILE;
+                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + j * D + i), _mm512_set1_ps(rescale[j]));
+                for (int t = 0; t < TILE; t++) a = _mm512_fmadd_ps(_mm512_set1_ps(pj[t]), vr[t], a);
+                _mm512_storeu_ps(acc + j * D + i, a);
             }
         }
     }
@@ -435,7 +444,8 @@ void tm_paged_decode_attention(const void *q, int64_t q_stride, const void *key_
         }
     }
     if (!part) return;
-    #pragma omp parallel for schedule(dynamic) num_threads(nthreads)
+    /* a few groups' merges (a batch-1 verification: a microsecond) stay on this thread: no second fork */
+    #pragma omp parallel for schedule(dynamic) num_threads(nthreads) if (G >= 4 * nthreads)
     for (int64_t grp = 0; grp < G; grp++) {
         const int64_t chunks = first[grp + 1] - first[grp], b0 = starts[grp];
         if (chunks == 1) continue;
