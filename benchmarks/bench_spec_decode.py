@@ -17,7 +17,8 @@ Workloads (each engine configuration in its own process):
           verification costs at a realistic size
 
     python benchmarks/bench_spec_decode.py [--only draft,ngram,sweep,qwen] [--sweep-warmup one|wave]
-        [--sweep-configs off,adaptive] [--sweep-output-jitter 0.25] [--sweep-method draft_model|ngram] [--repeats N]
+        [--sweep-configs off,adaptive] [--sweep-output-jitter 0.25] [--sweep-method draft_model|ngram]
+        [--sweep-concurrency 1 4 16 32] [--repeats N]
         [--out benchmarks/results/spec_decode.json]
 """
 from __future__ import annotations
@@ -129,6 +130,7 @@ def main() -> None:
     ap.add_argument("--sweep-method", choices=("draft_model", "ngram"), default="draft_model",
                     help="the proposer of the load sweep (held-out Shakespeare: n-gram drafts land only where the "
                          "plays repeat themselves)")
+    ap.add_argument("--sweep-concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     ap.add_argument("--out", default="benchmarks/results/spec_decode.json")
     args = ap.parse_args()
     if args.worker:
@@ -151,7 +153,7 @@ def main() -> None:
                                   _requests("quote", 4, 256), args.repeats)
     if "sweep" in only:
         out["sweep"] = {}
-        for conc in (1, 4, 16, 32):
+        for conc in args.sweep_concurrency:
             print(f"[spec] load sweep, concurrency {conc}", flush=True)
             # warm-up: one wave of `conc` requests at once (--sweep-warmup wave: every configuration starts
             # the timed run in steady state, its depth choices for this load already tried, as a serving
