@@ -9,6 +9,7 @@ from awq_oracle import autoawq_linear_class, write_autoawq_checkpoint
 from conftest import _llama, _qwen2, make_llm, random_prompts, save_random_model
 from tokenmill import SamplingParams
 from tokenmill.ops import cpu_decode
+from tokenmill.spec_decode.ngram import NgramProposer
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="needs gcc and an x86-64 CPU with AVX2 + FMA")
 
@@ -300,16 +301,69 @@ def test_bursts_run_while_requests_wait_for_a_seat(dirs):
     assert runs[0] == runs[1]
 
 
-def test_bursts_need_the_one_call_step_and_exclude_speculation(dirs):
+def test_bursts_need_the_one_call_step_and_automatic_ones_join_speculation(dirs):
     llm = make_llm(dirs["llama"], num_scheduler_steps=4, enforce_eager=True)
     assert llm.llm_engine.core.scheduler.decode_steps == 1  # warned and ignored
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         make_llm(dirs["llama"], num_scheduler_steps=-1)
     auto = make_llm(dirs["llama"], speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    assert auto.llm_engine.core.auto_burst is None  # the offline default (0) steps aside for speculation
+    assert auto.llm_engine.core.auto_burst is not None  # the offline default (0): bursts where nothing drafts
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         make_llm(dirs["llama"], num_scheduler_steps=4,
                  speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+
+
+class _AlwaysWrong(NgramProposer):
+    def propose(self, request_id, prompt, output, k):
+        return [1] * k  # token 1 is never the model's choice here
+
+
+def _greedy_tokens(llm, prompts, sp):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+
+def test_steps_where_no_request_drafts_run_as_bursts(dirs):
+    """With speculation configured, a decode step whose requests plan no drafts may run as a burst of steps
+    (the offline default, num_scheduler_steps=0): once an always-wrong proposer's depth falls to 0, the
+    engine bursts, and the tokens are plain greedy's."""
+    sp = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    prompt = {"prompt_token_ids": random_prompts([20], seed=1)[0]}
+    plain = _greedy_tokens(make_llm(dirs["llama"], max_model_len=256, num_scheduler_steps=1), [prompt], sp)
+    llm = make_llm(dirs["llama"], max_model_len=256, speculative_config=NGRAM)
+    llm.llm_engine.core.runner.proposer = _AlwaysWrong(1, 1)
+    assert _greedy_tokens(llm, [prompt], sp) == plain
+    llm.llm_engine.check_invariants()
+    st = llm.llm_engine.get_stats()
+    assert st.spec_num_draft_tokens > 0 and st.spec_num_accepted_tokens == 0
+    assert llm.llm_engine.core.runner.num_bursts > 0
+
+
+def test_a_draft_model_catches_up_over_bursts(dirs, monkeypatch):
+    """Depths forced to alternate between drafting and none: the draft model (the target itself, so every
+    draft that sees the right context is accepted) falls behind over each burst and catches up over the
+    burst's tokens before drafting again. Tokens are plain greedy's, drafts keep being accepted, every block
+    goes back."""
+    sp = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([14, 23], seed=3)]
+    plain = _greedy_tokens(make_llm(dirs["llama"], max_model_len=256, num_scheduler_steps=1), prompts, sp)
+    spec = {"method": "draft_model", "model": dirs["llama"], "num_speculative_tokens": 4, "adaptive": False}
+    llm = make_llm(dirs["llama"], max_model_len=256, speculative_config=spec)
+    policy, calls = llm.llm_engine.core.scheduler.spec, [0]
+    fixed = policy.plan
+
+    def alternate(rids):
+        calls[0] += 1
+        return fixed(rids) if calls[0] % 4 == 0 else {}
+
+    monkeypatch.setattr(policy, "plan", alternate)
+    assert _greedy_tokens(llm, prompts, sp) == plain
+    llm.llm_engine.check_invariants()
+    st = llm.llm_engine.get_stats()
+    assert llm.llm_engine.core.runner.num_bursts > 0
+    assert st.spec_num_draft_tokens > 0 and st.spec_acceptance_rate > 0.9
 
 
 def test_a_burst_ends_once_every_request_has_made_a_stop_token(dirs):

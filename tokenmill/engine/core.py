@@ -120,7 +120,7 @@ class EngineCore:
                     and not config.async_scheduling):
                 if config.num_scheduler_steps:
                     self.scheduler.decode_steps = config.num_scheduler_steps
-                elif spec is None:
+                else:  # with speculation, steps where no request drafts (DraftPolicy prices them in)
                     self.auto_burst = AutoBurst()
             elif config.num_scheduler_steps > 1:
                 logger.warning("num_scheduler_steps=%d ignored: bursts of decode steps run on the CPU's one-call "
@@ -200,8 +200,9 @@ class EngineCore:
             self.scheduler.decode_steps = self.auto_burst.observe(time.perf_counter() - started, sched.burst_steps)
         if spec is not None:  # the draft policy learns from real step times
             prefill_tokens = sum(s.num_new_tokens - s.num_sampled_positions for s in sched.seqs)
+            steps = max(map(len, result.sampled_token_ids.values()), default=1) if sched.burst_steps > 1 else 1
             spec.step_ran(sum(len(t) for t in result.sampled_token_ids.values()), prefill_tokens,
-                          result.propose_seconds, started, time.perf_counter(), result.catch_up_seconds)
+                          result.propose_seconds, started, time.perf_counter(), result.catch_up_seconds, steps)
         return outputs
 
     def _executor(self):

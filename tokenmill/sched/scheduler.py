@@ -243,7 +243,8 @@ class Scheduler:
         propose = self._plan_drafts(scheduled)
         if self.spec is not None and self.spec.placeholders:  # a priced look: the scheduler makes the drafts
             out.placeholder_drafts, propose = propose, {}
-        steps = self._plan_decode_steps(scheduled) if quiet and not preempted_now else {}
+        drafting = any(propose.values()) or bool(out.placeholder_drafts)  # a step that proposes is a single step
+        steps = self._plan_decode_steps(scheduled) if quiet and not preempted_now and not drafting else {}
         out.seqs = [self._scheduled(self.requests[rid], n, propose.get(rid, 0), steps.get(rid, 1))
                     for rid, n in scheduled.items()]
         out.num_scheduled_tokens = sum(scheduled.values())

@@ -88,6 +88,9 @@ class DraftPolicy:
         self._verifying: tuple[int, int, bool] | None = None
         self._planned: tuple[int, int, bool] | None = None  # (bucket, K, priced) planned this step
         self._draft_cost: dict[int, float] = {}  # bucket -> decayed seconds of one batched draft position
+        # bucket -> decayed seconds per step of a burst (decode steps run N at a time where no request drafts):
+        # what drafting forgoes, since a step that verifies drafts is a single step
+        self._burst_step_s: dict[int, float] = {}
         self._priced: dict[tuple[int, int], float] = {}  # (bucket, K) -> its last priced rate, unbiased
         self._bias: dict[int, float] = {}  # bucket -> decayed real rate / priced rate, where both were seen
         self._placeholder_tokens = [0, 0.0]  # this step's placeholder verifications: tokens emitted, priced
@@ -242,6 +245,9 @@ class DraftPolicy:
                     break
                 plan[rid] += 1
                 tokens, seconds = tokens + p, seconds + c1
+            burst = self._burst_step_s.get(bucket)
+            if burst is not None and tokens * burst <= len(rids) * seconds:  # bursts without drafts emit faster
+                plan = dict.fromkeys(rids, 0)
         if c0 is not None:
             for rid, k in plan.items():
                 if self._with_probe(rid, k) > k and (room is None or sum(plan.values()) < room):
@@ -271,21 +277,23 @@ class DraftPolicy:
         last, self._last_step = self._last_step, None
         if last is None:
             return
-        emitted, prefill_tokens, propose_s, started, ended, catch_up_s, rows = last
+        emitted, prefill_tokens, propose_s, started, ended, catch_up_s, rows, steps = last
         busy = ended - started
         cycle = now - started if now - ended <= busy else busy  # a gap longer than the step is idle time
-        self.observe_step(emitted, cycle - propose_s, prefill_tokens, propose_s, catch_up_s, rows)
+        self.observe_step(emitted, cycle - propose_s, prefill_tokens, propose_s, catch_up_s, rows, steps)
 
     def step_ran(self, emitted: int, prefill_tokens: int, propose_seconds: float, started: float,
-                 ended: float, catch_up_seconds: float = 0.0) -> None:
+                 ended: float, catch_up_seconds: float = 0.0, steps: int = 1) -> None:
         """A step that ran from `started` to `ended` (its outputs handed back), with `prefill_tokens` prompt
         tokens (0: a decode-only step): credited at the next start. `catch_up_seconds`: the part of the
-        proposing spent catching a draft model up over long stale runs."""
-        self._last_step = (emitted, prefill_tokens, propose_seconds, started, ended, catch_up_seconds, self._rows_now)
+        proposing spent catching a draft model up over long stale runs. `steps` > 1: a burst of that many
+        decode steps."""
+        self._last_step = (emitted, prefill_tokens, propose_seconds, started, ended, catch_up_seconds, self._rows_now,
+                           steps)
         self._rows_now = 0
 
     def observe_step(self, emitted: int, seconds: float, prefill_tokens: int, propose_seconds: float,
-                     catch_up_seconds: float = 0.0, draft_rows: int | None = None) -> None:
+                     catch_up_seconds: float = 0.0, draft_rows: int | None = None, steps: int = 1) -> None:
         """One step ran: `emitted` tokens in `seconds` (its own proposing excluded: that belongs to the
         drafts it verifies next). Decode-only steps teach the bandit each depth's decode rate. Steps with
         prefill teach what admitting a prompt costs on top, at depth 0 and while drafting: the prefill
@@ -310,7 +318,11 @@ class DraftPolicy:
             elif priced:
                 self._observe_priced(bucket, depth, emitted, seconds)
             else:
-                if draft_rows is not None:
+                if steps > 1:  # a burst: cheaper per step than a single one (RowCost fits single steps)
+                    before = self._burst_step_s.get(bucket)
+                    per_step = total / steps
+                    self._burst_step_s[bucket] = per_step if before is None else 0.9 * before + 0.1 * per_step
+                elif draft_rows is not None:
                     self.row_cost.setdefault(bucket, RowCost(bucket)).observe(draft_rows, total)
                 self.bandit.observe(bucket, depth, emitted, total, self._switch_s)
                 if depth:
