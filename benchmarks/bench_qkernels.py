@@ -43,6 +43,7 @@ def main():
     ap.add_argument("--k", type=int, default=896)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kernel-max-rows", type=int, default=32, help="time the multi-row kernels (chunks of 8) up to here")
     ap.add_argument("--out", default="benchmarks/results/qkernels.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -80,7 +81,7 @@ def main():
             "bf16 oneDNN": timed(lambda: [onednn_linear(x, p, None) for p in packed], L) if onednn_bf16 else nan,
             "int8 GEMV per row": timed(lambda: [per_row(lambda v: cpu_qgemv.gemv_int8(v, p, s), x) for p, s in s8], L),
             "int8 multi-row kernel": timed(lambda: [cpu_qgemv.gemv_int8(x, p, s) for p, s in s8], L)
-            if m <= 32 else nan,  # above 8 rows in chunks of at most 8
+            if m <= a.kernel_max_rows else nan,  # above 8 rows in chunks of at most 8
             "int8 AMX-BF16 GEMM": timed(lambda: [cpu_qgemm_amx.gemm_int8(x, p, s) for p, s in s8], L)
             if amx_bf16 else nan,
             "int8 dequant + GEMM": timed(lambda: [linear_in(x, cpu_qgemv.dequant_int8(p, s, matmul_dtype(x)), None)
@@ -88,7 +89,7 @@ def main():
             "int8 torch int8pack": timed(lambda: [torch._weight_int8pack_mm(x, q, s) for q, s in t8], L),
             "int4 GEMV per row": timed(lambda: [per_row(lambda v: cpu_qgemv.gemv_int4(v, *p, g), x) for p in u4], L),
             "int4 multi-row kernel": timed(lambda: [cpu_qgemv.gemv_int4(x, *p, g) for p in u4], L)
-            if m <= 32 else nan,
+            if m <= a.kernel_max_rows else nan,
             "int4 AMX-BF16 GEMM": timed(lambda: [cpu_qgemm_amx.gemm_int4(x, *p, g) for p in u4], L)
             if amx_bf16 else nan,
             "int4 dequant + GEMM": timed(lambda: [linear_in(x, cpu_qgemv.dequant_int4(*p, g, matmul_dtype(x)), None)

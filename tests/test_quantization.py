@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from tokenmill import SamplingParams
-from tokenmill.ops import cpu_qgemm_amx
+from tokenmill.ops import cpu_qgemm_amx, native
 from tokenmill.quantization import int8 as int8_module
 from awq_oracle import autoawq_linear_class, write_autoawq_checkpoint
 from conftest import build_model, hf_greedy, make_llm, random_prompts
@@ -265,16 +265,22 @@ def test_bfloat16_weight_only_steps_above_four_rows_take_amx_at_least_as_exact(s
     assert err_amx.mean() <= 1.25 * err_plain.mean() + 1e-3 and err_amx.max() < 0.25, (err_amx, err_plain)
 
 
-def test_bfloat16_awq_prefill_takes_the_int4_kernels_in_chunks_without_a_fast_bf16_gemm(shipped_awq, monkeypatch):
-    """Where torch has no fast bf16 GEMM (AVX2), AWQ layers take prefill chunks of up to INT4_AVX2_KERNEL_ROWS rows
-    through the int4 kernels, 8 rows per weight pass, instead of dequantizing the weight to float32 per call. Forced
-    here on any CPU (the kernels exist everywhere): the long prompts must reach the kernels with more than 64 rows,
-    and the engine must follow the float32 engine (the same quantized weights, float32 math) as far as the
-    dequantizing path does, with prompt logprobs as close."""
+@pytest.mark.parametrize("cpu", ["avx2", "avx512"])
+def test_bfloat16_awq_prefill_takes_the_int4_kernels_in_chunks(shipped_awq, monkeypatch, cpu):
+    """Where torch has no fast bf16 GEMM (AVX2), and with AVX-512 without the AMX GEMM, AWQ layers take prefill
+    chunks of up to INT4_AVX2_KERNEL_ROWS / INT4_AVX512_KERNEL_ROWS rows through the int4 kernels, 8 rows per
+    weight pass, instead of dequantizing the weight per call. AVX2's rule is forced here on any CPU (the kernels
+    exist everywhere): the long prompts must reach the kernels with more than 64 rows, and the engine must follow
+    the float32 engine (the same quantized weights, float32 math) as far as the dequantizing path does, with
+    prompt logprobs as close."""
     from tokenmill.layers import linear as linear_module
     from tokenmill.ops import cpu_qgemv
 
-    monkeypatch.setattr(linear_module, "slow_bf16_gemm", lambda: True)
+    if cpu == "avx2":
+        monkeypatch.setattr(linear_module, "slow_bf16_gemm", lambda: True)
+    elif "avx512f" not in native.cpu_flags() or linear_module.slow_bf16_gemm():
+        pytest.skip("needs AVX-512 and torch's fast bf16 GEMM")
+    limit = "INT4_AVX2_KERNEL_ROWS" if cpu == "avx2" else "INT4_AVX512_KERNEL_ROWS"
     monkeypatch.setattr(int8_module, "amx_rows_kernel", lambda *a, **k: False)
     prompts = random_prompts([70 + 9 * i for i in range(6)] + [3, 11], seed=23, vocab=4096)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
@@ -293,7 +299,7 @@ def test_bfloat16_awq_prefill_takes_the_int4_kernels_in_chunks_without_a_fast_bf
     calls.clear()
     kernel_tokens, kernel_lp = run("bfloat16")
     assert max(calls) > 64, sorted(set(calls))
-    monkeypatch.setattr(linear_module, "INT4_AVX2_KERNEL_ROWS", 64)
+    monkeypatch.setattr(linear_module, limit, 64)
     calls.clear()
     dequant_tokens, dequant_lp = run("bfloat16")
     assert all(c <= 64 for c in calls), calls

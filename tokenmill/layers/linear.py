@@ -131,6 +131,8 @@ class DecodeRowsKernel:
 
 
 INT4_AVX2_KERNEL_ROWS = 512
+INT4_AVX512_KERNEL_ROWS = 512
+INT8_AVX512_KERNEL_ROWS = 256
 BF16_AVX2_KERNEL_ROWS = 128
 F32_AVX2_KERNEL_ROWS = 32
 F32_AVX512_KERNEL_ROWS = 16
@@ -154,13 +156,20 @@ def kernel_rows(dtype: torch.dtype, weight_only_quantized: bool = False, int4: b
     argmax in the one call, and float32 steps of up to 32 rows"). With AVX-512 they take them up to
     F32_AVX512_KERNEL_ROWS: on a Zen 4 EPYC the kernel beat oneDNN 1.3-2.8x at 9-32 rows on the shipped model's
     shapes and tied or won at up to 16 on Qwen2.5-0.5B's, where its 9728 x 896 gate/up lost 15-20 % at 24-32
-    (BENCHMARKS.md, issue 16, "n-gram at k = 8: verifications of up to 16 rows in the one call")."""
+    (BENCHMARKS.md, issue 16, "n-gram at k = 8: verifications of up to 16 rows in the one call"). Weight-only
+    bfloat16 layers with AVX-512 (and no AMX GEMM) take them up to INT4_AVX512_KERNEL_ROWS (AWQ) or
+    INT8_AVX512_KERNEL_ROWS (int8): on a Zen 4 EPYC at Qwen2.5-0.5B's 4864 x 896, chunks of 8 rows beat
+    dequantizing + oneDNN 1.7x at 128 rows for both, 1.3x (int4) and 1.2x (int8) at 256, and tied at 512 (int4)
+    or lost 10 % there (int8), so a 128-token prompt's prefill stays on the kernels (BENCHMARKS.md, issue 14,
+    "Weight-only prefill on the kernels")."""
     if dtype == torch.bfloat16 and slow_bf16_gemm():
         if int4:
             return INT4_AVX2_KERNEL_ROWS
         return 64 if weight_only_quantized else BF16_AVX2_KERNEL_ROWS
     if dtype == torch.float32 and not weight_only_quantized:
         return F32_AVX512_KERNEL_ROWS if "avx512f" in native.cpu_flags() else F32_AVX2_KERNEL_ROWS
+    if weight_only_quantized and dtype == torch.bfloat16 and "avx512f" in native.cpu_flags():
+        return INT4_AVX512_KERNEL_ROWS if int4 else INT8_AVX512_KERNEL_ROWS
     return 32 if weight_only_quantized else cpu_gemv.MAX_ROWS
 
 
