@@ -18,7 +18,7 @@ Workloads (each engine configuration in its own process):
 
     python benchmarks/bench_spec_decode.py [--only draft,ngram,sweep,qwen] [--sweep-warmup one|wave]
         [--sweep-configs off,adaptive] [--sweep-output-jitter 0.25] [--sweep-method draft_model|ngram]
-        [--sweep-concurrency 1 4 16 32] [--repeats N]
+        [--sweep-concurrency 1 4 16 32] [--num-scheduler-steps 0] [--repeats N]
         [--out benchmarks/results/spec_decode.json]
 """
 from __future__ import annotations
@@ -131,6 +131,9 @@ def main() -> None:
                     help="the proposer of the load sweep (held-out Shakespeare: n-gram drafts land only where the "
                          "plays repeat themselves)")
     ap.add_argument("--sweep-concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    ap.add_argument("--num-scheduler-steps", type=int, default=None,
+                    help="every engine's num_scheduler_steps (0: automatic bursts, the offline LLM's default); "
+                         "default: the engine's own (1, single steps, as the server runs)")
     ap.add_argument("--out", default="benchmarks/results/spec_decode.json")
     args = ap.parse_args()
     if args.worker:
@@ -141,6 +144,8 @@ def main() -> None:
     ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     draft = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": k}
     tiny = dict(model=MODEL, max_model_len=512)
+    if args.num_scheduler_steps is not None:
+        tiny["num_scheduler_steps"] = args.num_scheduler_steps
     if "draft" in only:
         print("[spec] draft model, batch 1, held-out Shakespeare", flush=True)
         out["draft_batch1"] = _ab("draft", dict(tiny, max_num_seqs=1),
