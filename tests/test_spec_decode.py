@@ -419,6 +419,35 @@ def _noisy_world(gain: float, z: float, seed: int, steps: int = 3000) -> tuple[f
     return float(np.mean(bests[500:])), sum(a != b for a, b in zip(bests, bests[1:]))
 
 
+def test_bandit_returns_to_no_drafts_when_it_clearly_beats_the_depth_played():
+    """Depth 2 is played; depth 1's rate tops the table but from three noisy steps, so it never clears the test
+    against 2; depth 0 beats 2 steadily. The bandit must go back to 0 rather than wait on 1."""
+    b = DepthBandit(k_max=4)
+    rng = np.random.default_rng(0)
+    for k, rate, n in ((0, 2400, 20), (2, 1700, 20), (3, 1000, 3), (4, 1000, 3)):
+        for _ in range(n):
+            b.observe(1, k, 1.0, (1 + 0.01 * rng.standard_normal()) / rate)
+    for rate in (6000, 1200, 6000):
+        b.observe(1, 1, 1.0, 1 / rate)
+    assert b.rate(1, 1) > b.rate(1, 0) > b.rate(1, 2)
+    b._best[1] = 2
+    b.choose(1)
+    assert b.best(1) == 0
+
+
+def test_a_bursting_engines_depth_zero_steps_count_at_a_bursts_cost():
+    """With bursts, a depth-0 step that proposes drafts (a look, or a first try's neighbour) is a single step only
+    because of them; it is charged a burst's step, so depth 0 is rated at what it gives here."""
+    policy = DraftPolicy(k_max=4)
+    policy._verifying = (1, 0, False)
+    policy.observe_step(10, 0.002, 0, 0.0, steps=10)  # a burst: 10 tokens, 0.2 ms a step
+    policy.observe_step(1, 0.0005, 0, 0.0, burst_forgone=True)  # a single step that proposed
+    d = policy.bandit.decay
+    assert policy.bandit.rate(1, 0) == pytest.approx((d * 10 + 1) / (d * 0.002 + 0.0002))
+    policy.observe_step(1, 0.0005, 0, 0.0)  # a single step that could not have burst counts as it ran
+    assert policy.bandit.rate(1, 0) == pytest.approx((d * d * 10 + d + 1) / (d * d * 0.002 + d * 0.0002 + 0.0005))
+
+
 def test_bandit_changes_depth_on_evidence_not_on_a_few_lucky_steps():
     """With the steps' own spread, a challenger must win by 1.5 standard errors as well as by the margin:
     where two depths run equally fast the best flaps far less, and a real 15 % gain is still played."""

@@ -197,12 +197,15 @@ class EngineCore:
             return outputs + self._finish_step(sched, result)
         outputs = self._finish_step(sched, result)
         if self.auto_burst is not None and sched.num_scheduled_tokens == len(sched.seqs):  # decodes only
-            self.scheduler.decode_steps = self.auto_burst.observe(time.perf_counter() - started, sched.burst_steps)
+            # less the drafts' proposing (a draft model catching up over a burst's tokens is no decode step)
+            seconds = time.perf_counter() - started - result.propose_seconds
+            self.scheduler.decode_steps = self.auto_burst.observe(seconds, sched.burst_steps)
         if spec is not None:  # the draft policy learns from real step times
             prefill_tokens = sum(s.num_new_tokens - s.num_sampled_positions for s in sched.seqs)
             steps = max(map(len, result.sampled_token_ids.values()), default=1) if sched.burst_steps > 1 else 1
             spec.step_ran(sum(len(t) for t in result.sampled_token_ids.values()), prefill_tokens,
-                          result.propose_seconds, started, time.perf_counter(), result.catch_up_seconds, steps)
+                          result.propose_seconds, started, time.perf_counter(), result.catch_up_seconds, steps,
+                          sched.burst_forgone)
         return outputs
 
     def _executor(self):

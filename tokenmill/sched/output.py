@@ -109,6 +109,9 @@ class SchedulerOutput:
     seqs: list[ScheduledRequest] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     burst_steps: int = 1  # the longest burst among seqs (num_steps), 1 when none
+    # a single step only because it proposes drafts: without them it would have been a burst (a depth-0 step
+    # of a bursting engine that says nothing about what depth 0 gives; DraftPolicy leaves it out)
+    burst_forgone: bool = False
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # finished since the last step: drop their state
     kv_stores: list[BlockStore] = field(default_factory=list)

@@ -245,6 +245,8 @@ class Scheduler:
             out.placeholder_drafts, propose = propose, {}
         drafting = any(propose.values()) or bool(out.placeholder_drafts)  # a step that proposes is a single step
         steps = self._plan_decode_steps(scheduled) if quiet and not preempted_now and not drafting else {}
+        out.burst_forgone = (quiet and not preempted_now and drafting
+                             and all(self._may_burst(rid, n) for rid, n in scheduled.items()))
         out.seqs = [self._scheduled(self.requests[rid], n, propose.get(rid, 0), steps.get(rid, 1))
                     for rid, n in scheduled.items()]
         out.num_scheduled_tokens = sum(scheduled.values())
@@ -480,11 +482,10 @@ class Scheduler:
         never hashed until their tokens are known (as drafts' slots), or one step where blocks are short."""
         plan = {}
         for rid, n in scheduled.items():
+            if not self._may_burst(rid, n):
+                return {}
             req = self.requests[rid]
             sp = req.sampling_params
-            if (n != 1 or rid in self._drafts or not self._samples(req, n) or not sp.argmax_only or sp.stop
-                    or req.num_output_tokens < sp.min_tokens):
-                return {}
             room = self.max_model_len - req.num_tokens
             if sp.max_tokens is not None:
                 room = min(room, sp.max_tokens - req.num_output_tokens)
@@ -493,6 +494,13 @@ class Scheduler:
             if k > 1 and not self.kv.allocate_slots(self.requests[rid], k, num_draft_tokens=k - 1):
                 plan[rid] = 1
         return plan
+
+    def _may_burst(self, rid: str, n: int) -> bool:
+        """Whether this step's `n` tokens of request `rid` are one greedy decode the worker could continue."""
+        req = self.requests[rid]
+        sp = req.sampling_params
+        return (n == 1 and rid not in self._drafts and self._samples(req, n) and sp.argmax_only and not sp.stop
+                and req.num_output_tokens >= sp.min_tokens)
 
     def set_drafts(self, drafts: dict[str, list[int]]) -> None:
         """The proposer's drafts, to verify at each request's next step."""

@@ -277,23 +277,24 @@ class DraftPolicy:
         last, self._last_step = self._last_step, None
         if last is None:
             return
-        emitted, prefill_tokens, propose_s, started, ended, catch_up_s, rows, steps = last
+        emitted, prefill_tokens, propose_s, started, ended, catch_up_s, rows, steps, forgone = last
         busy = ended - started
         cycle = now - started if now - ended <= busy else busy  # a gap longer than the step is idle time
-        self.observe_step(emitted, cycle - propose_s, prefill_tokens, propose_s, catch_up_s, rows, steps)
+        self.observe_step(emitted, cycle - propose_s, prefill_tokens, propose_s, catch_up_s, rows, steps, forgone)
 
     def step_ran(self, emitted: int, prefill_tokens: int, propose_seconds: float, started: float,
-                 ended: float, catch_up_seconds: float = 0.0, steps: int = 1) -> None:
+                 ended: float, catch_up_seconds: float = 0.0, steps: int = 1, burst_forgone: bool = False) -> None:
         """A step that ran from `started` to `ended` (its outputs handed back), with `prefill_tokens` prompt
         tokens (0: a decode-only step): credited at the next start. `catch_up_seconds`: the part of the
         proposing spent catching a draft model up over long stale runs. `steps` > 1: a burst of that many
-        decode steps."""
+        decode steps; `burst_forgone`: a single step only because it proposed drafts."""
         self._last_step = (emitted, prefill_tokens, propose_seconds, started, ended, catch_up_seconds, self._rows_now,
-                           steps)
+                           steps, burst_forgone)
         self._rows_now = 0
 
     def observe_step(self, emitted: int, seconds: float, prefill_tokens: int, propose_seconds: float,
-                     catch_up_seconds: float = 0.0, draft_rows: int | None = None, steps: int = 1) -> None:
+                     catch_up_seconds: float = 0.0, draft_rows: int | None = None, steps: int = 1,
+                     burst_forgone: bool = False) -> None:
         """One step ran: `emitted` tokens in `seconds` (its own proposing excluded: that belongs to the
         drafts it verifies next). Decode-only steps teach the bandit each depth's decode rate. Steps with
         prefill teach what admitting a prompt costs on top, at depth 0 and while drafting: the prefill
@@ -324,6 +325,11 @@ class DraftPolicy:
                     self._burst_step_s[bucket] = per_step if before is None else 0.9 * before + 0.1 * per_step
                 elif draft_rows is not None:
                     self.row_cost.setdefault(bucket, RowCost(bucket)).observe(draft_rows, total)
+                if burst_forgone and not depth and bucket in self._burst_step_s:
+                    # depth 0 bursts here; this step did not only because the next one drafts (a look away
+                    # from 0, or the first tries alternating with it): counted as the single step it was, it
+                    # made depth 0 look slower than it is, so it is charged a burst's step
+                    total = min(total, self._burst_step_s[bucket])
                 self.bandit.observe(bucket, depth, emitted, total, self._switch_s)
                 if depth:
                     self._learn_prices(bucket, depth, emitted / total)

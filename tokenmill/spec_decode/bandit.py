@@ -116,6 +116,10 @@ class DepthBandit:
         challenger = max(tried, key=rate)
         if challenger != best and self._clearly_better(bucket, challenger, best):
             best = self._best[bucket] = challenger
+        if best and self._clearly_better(bucket, 0, best):
+            # no drafts beats the depth played, weighed on its own: the top rate may be a neighbour's few noisy
+            # steps that never clear the test, which held the shipped pair at depth 2 for whole runs (0.77x)
+            best = self._best[bucket] = 0
         # track drift: look now and then at the depths next to the best one, and at 0 (seen only in its first
         # tries, it could never win back from a depth that won its own first steps by luck: the shipped pair at
         # one request sat at depth 3 for whole runs, 0.73-0.84x of no drafts); from 0, at the depths first tried
