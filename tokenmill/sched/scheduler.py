@@ -477,7 +477,7 @@ class Scheduler:
     # -- bursts of decode steps (num_scheduler_steps) -------------------------------------------------------
     def _plan_decode_steps(self, scheduled: dict[str, int]) -> dict[str, int]:
         """Steps per request when every scheduled request is a decode that the worker can continue on its own
-        (greedy, no logprobs, penalties, stop strings or pending min_tokens: its argmax is the whole sampler),
+        (greedy, no logprobs, penalties or pending min_tokens: its argmax is the whole sampler),
         as many as max_tokens and max_model_len leave; {} otherwise. Each gets slots for its extra inputs,
         never hashed until their tokens are known (as drafts' slots), or one step where blocks are short."""
         plan = {}
@@ -499,7 +499,9 @@ class Scheduler:
         """Whether this step's `n` tokens of request `rid` are one greedy decode the worker could continue."""
         req = self.requests[rid]
         sp = req.sampling_params
-        return (n == 1 and rid not in self._drafts and self._samples(req, n) and sp.argmax_only and not sp.stop
+        # stop strings may: the output processor cuts a step's tokens at one and finishes the request, as after
+        # an accepted run of drafts (a burst runs at most its length past it)
+        return (n == 1 and rid not in self._drafts and self._samples(req, n) and sp.argmax_only
                 and req.num_output_tokens >= sp.min_tokens)
 
     def set_drafts(self, drafts: dict[str, list[int]]) -> None:
