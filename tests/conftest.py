@@ -101,6 +101,25 @@ def hf_llama(model_dirs):
     return model_dirs["llama"][1]
 
 
+@pytest.fixture
+def stop_cuts(monkeypatch):
+    """Spies on the detokenizer: for each matched stop string, how many of its step's tokens came past it (> 0
+    where a stop string landed inside a multi-token step: a burst, an accepted run of drafts)."""
+    from tokenmill.engine import detokenizer
+
+    cuts = []
+    real_update = detokenizer.IncrementalDetokenizer.update
+
+    def spy(self, new_token_ids):
+        stop = real_update(self, new_token_ids)
+        if stop is not None:
+            cuts.append(len(new_token_ids) - self.num_used)
+        return stop
+
+    monkeypatch.setattr(detokenizer.IncrementalDetokenizer, "update", spy)
+    return cuts
+
+
 def make_llm(path: str, **kw):
     from tokenmill import LLM
 
