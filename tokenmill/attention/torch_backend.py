@@ -64,7 +64,7 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     """A prefill chunk after a cached prefix: q [Hq, n, D] at positions L - n .. L - 1, k/v [Hkv, L, D].
     On CPU, as two flash calls, the whole prefix unmasked and the chunk's own keys causal, merged by their
     log-sum-exps: CPU flash attention with an explicit mask reads the mask and skips no masked block,
-    1.3-1.6x slower than the two calls at 2K-6K tokens (BENCHMARKS.md, "Chunked prefill without masks").
+    1.3-1.6x slower than the two calls at 2K-6K tokens (BENCHMARKS.md, "Long contexts on CPU").
     Elsewhere (the oracle on GPUs), one call with the offset causal mask."""
     n, L = q.shape[1], k.shape[1]
     if q.device.type != "cpu":

@@ -109,8 +109,8 @@ class SchedulerOutput:
     seqs: list[ScheduledRequest] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     burst_steps: int = 1  # the longest burst among seqs (num_steps), 1 when none
-    # a single step only because it proposes drafts: without them it would have been a burst (a depth-0 step
-    # of a bursting engine that says nothing about what depth 0 gives; DraftPolicy leaves it out)
+    # a single step only because it proposes drafts: without them it would have been a burst (DraftPolicy
+    # charges such a depth-0 step what a burst's step costs, which is what depth 0 gives here)
     burst_forgone: bool = False
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # finished since the last step: drop their state
