@@ -302,6 +302,24 @@ def test_chunk_after_a_cached_prefix_matches_the_masked_attention(dtype, prefix,
     torch.testing.assert_close(out.float(), ref, **tol)
 
 
+def test_weight_streams_prefetch_in_software_except_on_amd(monkeypatch):
+    """ops/stream.h's software prefetch is built in on Intel CPUs and left out on AMD ones (a Zen 4's hardware
+    prefetchers read the stream faster alone); TOKENMILL_STREAM_PREFETCH decides instead, and the flag is part
+    of the build's cache key, so both builds can sit in the cache."""
+    monkeypatch.delenv("TOKENMILL_STREAM_PREFETCH", raising=False)
+    for vendor, prefetch in (("GenuineIntel", True), ("AuthenticAMD", False)):
+        monkeypatch.setattr(native, "cpu_vendor", lambda vendor=vendor: vendor)
+        assert native.stream_prefetch() is prefetch
+        assert ("-DTM_NO_STREAM_PREFETCH" in native.compile_flags()) is not prefetch
+    src = [Path(native.__file__).with_name("cpu_gemv.c")]
+    paths = set()
+    for env in ("0", "1"):
+        monkeypatch.setenv("TOKENMILL_STREAM_PREFETCH", env)
+        assert native.stream_prefetch() is (env == "1")
+        paths.add(native.library_path(src))
+    assert len(paths) == 2
+
+
 def test_attention_kernel_refuses_what_it_cannot_run():
     q = torch.zeros(2, 4, 16)
     assert not cpu_attention.supports(torch.zeros(2, 4, 12), torch.zeros(4, 16, 2, 12))  # D % 16

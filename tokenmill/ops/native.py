@@ -53,7 +53,30 @@ def cpu_supported() -> bool:
 
 
 def compile_flags() -> list[str]:
-    return FLAGS + (PORTABLE_FLAGS if os.environ.get("TOKENMILL_NATIVE_PORTABLE") else [])
+    return (FLAGS + (PORTABLE_FLAGS if os.environ.get("TOKENMILL_NATIVE_PORTABLE") else [])
+            + ([] if stream_prefetch() else ["-DTM_NO_STREAM_PREFETCH"]))
+
+
+def stream_prefetch() -> bool:
+    """Whether the weight-streaming kernels ask for their stream's lines ahead in software (ops/stream.h). On an
+    Intel AMX VM that tripled the int4 GEMV's stream; on a Zen 4 EPYC the hardware prefetchers do better alone:
+    the bf16 GEMV read 48-53 GB/s without it against 37-41 with it, with the read probe at 50-55 (BENCHMARKS.md,
+    "Weight streams without software prefetch on AMD"). So off on AMD CPUs; TOKENMILL_STREAM_PREFETCH=0 or 1
+    decides instead."""
+    env = os.environ.get("TOKENMILL_STREAM_PREFETCH")
+    if env in ("0", "1"):
+        return env == "1"
+    return cpu_vendor() != "AuthenticAMD"
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD); empty elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
 
 
 @functools.cache

@@ -15,5 +15,10 @@
 #define STREAM_LOCALITY 2
 #endif
 
-/* call once per 64-byte line read from a stream; locality 2 = prefetcht1 */
+/* call once per 64-byte line read from a stream; locality 2 = prefetcht1. Built without it on AMD CPUs
+ * (ops/native.py stream_prefetch): on a Zen 4 the hardware prefetchers alone read the stream 1.2-1.3x faster. */
+#ifdef TM_NO_STREAM_PREFETCH
+#define STREAM_PREFETCH(p) ((void)(p))
+#else
 #define STREAM_PREFETCH(p) __builtin_prefetch((const char *)(p) + STREAM_AHEAD, 0, STREAM_LOCALITY)
+#endif
