@@ -6,7 +6,7 @@ tokenmill formats: bf16, int8 (W8A16), awq (4-bit g128, round-to-nearest packed 
 Each format runs in its own process, which also reports its resident memory. llama.cpp: bf16, q8_0, q4_0
 through ../shared/anchors/llamacpp.py.
 
-    python benchmarks/bench_quant.py --out benchmarks/results/quant.json [--formats bf16,int8,awq,w8a8]
+    python benchmarks/bench_quant.py --out benchmarks/results/quant.json [--formats bf16,int8,awq,w8a8] [--interleave]
         [--batches 1,32] [--rounds 2] [--no-llamacpp]
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ from common import QWEN25_05B, machine, read_bandwidth_gbs, write_json  # noqa: 
 
 ROOT = os.path.join("/tmp", "tokenmill-bench")
 ANCHOR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "anchors", "llamacpp.py")
+LLAMACPP_TYPE = {"bf16": "bf16", "int8": "q8_0", "awq": "q4_0"}  # the llama.cpp type of each format's size
 ENGINE = {"bf16": {}, "int8": {"quantization": "int8"}, "awq": {}, "w8a8": {"quantization": "w8a8"},
           "int8+head": {"quantization": "int8", "quantize_lm_head": True}, "awq+head": {"quantize_lm_head": True},
           "w8a8+head": {"quantization": "w8a8", "quantize_lm_head": True}}
@@ -128,6 +129,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--llamacpp-types", default="bf16,q8_0,q4_0")
+    ap.add_argument("--interleave", action="store_true",
+                    help="run llama.cpp's matching type right after each tokenmill format (bf16 -> bf16, int8* -> "
+                         "q8_0, awq* -> q4_0), so the two meet the same minute of a noisy machine; medians per format")
     ap.add_argument("--out", default="benchmarks/results/quant.json")
     ap.add_argument("--worker")
     ap.add_argument("--model")
@@ -144,12 +148,11 @@ def main():
         for f, m in models.items():
             rnd["tokenmill"][f] = run_worker(f, m, batches, a.threads)
             print(f"round {r} tokenmill {f}: {rnd['tokenmill'][f]}", flush=True)
-        if not a.no_llamacpp:
-            out = subprocess.run([sys.executable, ANCHOR, "bench", src, "--types", a.llamacpp_types, "--batches",
-                                  a.batches, "--threads", str(a.threads), "--dummy-vocab"],
-                                 capture_output=True, text=True, check=True)
-            rnd["llamacpp"] = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"round {r} llama.cpp: {rnd['llamacpp']}", flush=True)
+            if a.interleave and not a.no_llamacpp and LLAMACPP_TYPE.get(f.split("+")[0]):
+                rnd.setdefault("llamacpp", {}).update(run_llamacpp(src, LLAMACPP_TYPE[f.split("+")[0]], a))
+        if not a.no_llamacpp and not a.interleave:
+            rnd["llamacpp"] = run_llamacpp(src, a.llamacpp_types, a)
+        print(f"round {r} llama.cpp: {rnd.get('llamacpp')}", flush=True)
         rnd["bandwidth_gbs_after"] = read_bandwidth_gbs(a.threads)
         result["rounds"].append(rnd)
     if not a.no_llamacpp:
@@ -160,7 +163,30 @@ def main():
         # LLAMA_ARG_REPACK=0: llama.cpp without its repacked (AMX / AVX-512) quantized kernels, which
         # segfaulted on the AMX machine of 2026-12-02 (BENCHMARKS.md)
         result["llamacpp_env"] = {k: v for k, v in os.environ.items() if k.startswith(("LLAMA_ARG_", "GGML_"))}
+        result["ratio_medians"] = ratio_medians(result["rounds"], batches)
+        print(json.dumps(result["ratio_medians"], indent=1))
     write_json(result, a.out)
+
+
+def ratio_medians(rounds: list[dict], batches: list[int]) -> dict:
+    """Per tokenmill format and batch: its output tok/s over llama.cpp's matching type, each round, and the median."""
+    import statistics
+
+    out = {}
+    for f in rounds[0]["tokenmill"]:
+        t = LLAMACPP_TYPE.get(f.split("+")[0])
+        for b in batches:
+            r = [rnd["tokenmill"][f][str(b)]["output_tok_s"] / rnd["llamacpp"][t][str(b)]["e2e_out_tok_s"]
+                 for rnd in rounds if t in rnd.get("llamacpp", {}) and str(b) in rnd["llamacpp"][t]]
+            if r:
+                out[f"{f} / llama.cpp {t}, batch {b}"] = {"rounds": r, "median": statistics.median(r)}
+    return out
+
+
+def run_llamacpp(src: str, types: str, a) -> dict:
+    out = subprocess.run([sys.executable, ANCHOR, "bench", src, "--types", types, "--batches", a.batches,
+                          "--threads", str(a.threads), "--dummy-vocab"], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
