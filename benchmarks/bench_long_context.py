@@ -19,14 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_spec_decode import MODEL, _requests  # noqa: E402
 from bench_spec_decode import _worker as serve_worker  # noqa: E402
-from common import machine, serve_job, write_json  # noqa: E402
+from common import machine, run_job, serve_job, write_json  # noqa: E402
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
@@ -65,17 +63,6 @@ def worker(job: dict) -> dict:
     return prefill_worker(job) if job["kind"] == "prefill" else serve_worker(job)
 
 
-def run_tree(tree: str, job: dict) -> dict:
-    """This script's worker in a fresh process that imports tokenmill from `tree`."""
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as j, tempfile.NamedTemporaryFile("r", suffix=".json") as f:
-        json.dump({**job, "warmups": 1, "result": f.name}, j)
-        j.flush()
-        subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", j.name], check=True, env=env,
-                       cwd=tree)
-        return json.load(open(f.name))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", help="(internal) run one job file")
@@ -97,7 +84,7 @@ def main() -> None:
     for r in range(args.repeats):
         for c, job in configs.items():
             for t, tree in (trees.items() if r % 2 == 0 else reversed(trees.items())):
-                res = run_tree(tree, dict(job, requests=requests))
+                res = run_job(__file__, dict(job, requests=requests, warmups=1), tree)
                 runs[c][t].append(res)
                 print(f"round {r} {c:<7} {t:<9} " + "  ".join(f"{k} {v:.4g}" for k, v in res.items()
                                                             if isinstance(v, float)), flush=True)

@@ -11,7 +11,6 @@ import argparse
 import ctypes
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch

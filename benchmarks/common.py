@@ -69,15 +69,17 @@ def write_json(result: dict, path: str) -> None:
     print(f"wrote {path}")
 
 
-def run_job(script: str, job: dict) -> dict:
+def run_job(script: str, job: dict, tree: str | None = None) -> dict:
     """Run `python script --worker JOBFILE` in a fresh process (its own memory, warm caches and threads) and
-    return the dict it wrote. The job travels in a file: long prompts are too big for a command line."""
+    return the dict it wrote. The job travels in a file: long prompts are too big for a command line. `tree`:
+    another checkout whose tokenmill the process imports (an A/B of two commits)."""
     import sys
 
+    env = None if tree is None else dict(os.environ, PYTHONPATH=os.path.abspath(tree))
     with tempfile.NamedTemporaryFile("w", suffix=".json") as j, tempfile.NamedTemporaryFile("r", suffix=".json") as f:
         json.dump({**job, "result": f.name}, j)
         j.flush()
-        subprocess.run([sys.executable, script, "--worker", j.name], check=True)
+        subprocess.run([sys.executable, os.path.abspath(script), "--worker", j.name], check=True, env=env, cwd=tree)
         return json.load(open(f.name))
 
 

@@ -54,10 +54,15 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     """q [Hq, n, D], k/v [Hkv, L, D] -> [Hq, n, D]; causal when no mask is given. KV heads are expanded
     to the query heads and the batch dim added because CPU SDPA takes its flash kernel only for 4-D
     inputs without `enable_gqa`; otherwise it falls back to the math path, 3-6x slower for long prompts."""
-    group = q.shape[0] // k.shape[0]
-    k, v = k.repeat_interleave(group, 0).unsqueeze(0), v.repeat_interleave(group, 0).unsqueeze(0)
+    k, v = _batched_query_heads(q, k, v)
     return F.scaled_dot_product_attention(q.unsqueeze(0), k, v, attn_mask=mask, is_causal=mask is None,
                                           scale=scale)[0]
+
+
+def _batched_query_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k/v [Hkv, L, D] expanded to q's Hq heads with a batch dim, [1, Hq, L, D]: the form CPU flash attention takes."""
+    group = q.shape[0] // k.shape[0]
+    return k.repeat_interleave(group, 0).unsqueeze(0), v.repeat_interleave(group, 0).unsqueeze(0)
 
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -70,9 +75,7 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     if q.device.type != "cpu":
         mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril_(diagonal=L - n)
         return prefill_attention(q, k, v, scale, mask)
-    group = q.shape[0] // k.shape[0]
-    q4 = q.unsqueeze(0)
-    k4, v4 = k.repeat_interleave(group, 0).unsqueeze(0), v.repeat_interleave(group, 0).unsqueeze(0)
+    q4, (k4, v4) = q.unsqueeze(0), _batched_query_heads(q, k, v)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     o1, lse1 = flash(q4, k4[:, :, :L - n], v4[:, :, :L - n], scale=scale)[:2]  # [1, Hq, n, D], [1, Hq, n]
     o2, lse2 = flash(q4, k4[:, :, L - n:], v4[:, :, L - n:], is_causal=True, scale=scale)[:2]

@@ -38,13 +38,19 @@ def cpu_has_avx512_bf16() -> bool:
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+def _cpuinfo(field: str) -> str:
+    """The first `field` line's value in /proc/cpuinfo (Linux; empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(field)), "")
     except OSError:
-        return frozenset()
+        return ""
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags."""
+    return frozenset(_cpuinfo("flags").split())
 
 
 def cpu_supported() -> bool:
@@ -69,14 +75,9 @@ def stream_prefetch() -> bool:
     return cpu_vendor() != "AuthenticAMD"
 
 
-@functools.cache
 def cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD); empty elsewhere."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        return ""
+    """GenuineIntel, AuthenticAMD, ...; empty where /proc/cpuinfo does not say."""
+    return _cpuinfo("vendor_id")
 
 
 @functools.cache
