@@ -172,9 +172,9 @@ class EngineConfig:
         "inside the model runner, so the per-step host work (scheduling, sampling, output handling) is paid once per "
         f"burst; tokens stream in bursts (vLLM's name). 0: automatic, bursts of up to {AUTO_BURST_STEPS} steps that "
         f"last at most {AUTO_BURST_MS:g} ms at the measured step time. Default: 0 in the offline LLM (and `tokenmill "
-        "generate`), 1 in the server. Runs where every running request decodes greedily without logprobs, penalties "
-        "or stop strings and no waiting prompt could join (none waits, or every seat is taken); CPU one-call decode "
-        "step only")
+        "generate`), 1 in the server. Runs where every running request decodes greedily without logprobs or "
+        "penalties and no waiting prompt could join (none waits, or every seat is taken); with speculation, in "
+        "steps where no request drafts; CPU one-call decode step only")
     speculative_config: str | None = option(
         None, "speculative decoding, vLLM's shape, as a dict or JSON: {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 5, \"prompt_lookup_min\": 2}; k adapts to "
