@@ -22,7 +22,7 @@
  *
  * One int4 dword line (8 k of 16 rows, cpu_qgemv.c) gives 4 such rows: pair (2 t, 2 t + 1) of the line sits at
  * bits 4 t and 16 + 4 t of each row's dword, one shift and mask away from two 16-bit lanes, and a table lookup
- * (vpermw) turns q - z + 16 into bfloat16. An int8 panel's k-pair line gives a row from one k pair of 32 bytes.
+ * (vpermw) turns q - z + 16 into bfloat16. An int8 panel's k-quad line gives two rows, one per k pair.
  *
  * x is [Mp, K] with Mp a multiple of 16 (the tiles read whole row blocks; padding rows are not written out).
  * Tiles: C[2 row blocks][2 panels] in 0-3, A in 4-5, B in 6-7. */
@@ -38,16 +38,23 @@
 #define INLINE static inline __attribute__((always_inline))
 #define ROW_CHUNK_BYTES (1024 * 1024)  /* x rows per chunk: about this many bytes (L2) */
 
-/* int8 panel in k-pair lines (ops/cpu_qgemv.c), k in [k0, k1) -> (k1 - k0) / 32 B tiles. The 32 bytes of a
- * pair are already a tile row's order (16 x (w[k], w[k + 1])): widened to float32 as rows 0-7 and 8-15, they
- * round to bfloat16 exactly (|q| <= 128) and in place. */
+/* int8 panel in k-quad lines (ops/cpu_qgemv.c), k in [k0, k1) -> (k1 - k0) / 32 B tiles. The low (high) word
+ * of each row's dword, narrowed (vpmovdw) and flipped back to signed codes, is a tile row's order for the pair
+ * k, k + 1 (k + 2, k + 3): 16 x (w[k], w[k + 1]). Widened to float32 as rows 0-7 and 8-15, they round to
+ * bfloat16 exactly (|q| <= 128) and in place. */
 static void widen_s8(const int8_t *blk, int64_t k0, int64_t k1, uint8_t *tiles) {
-    for (int64_t k = k0; k < k1; k += 2) {
-        const int8_t *pair = blk + k * 16;
-        STREAM_PREFETCH(pair);
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)pair)));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(pair + 16))));
-        _mm512_store_si512(tiles + (k - k0) * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));  /* tile (k - k0) / 32 */
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    for (int64_t k = k0; k < k1; k += 4) {
+        const int8_t *line = blk + k * 16;
+        STREAM_PREFETCH(line);
+        const __m512i d = _mm512_loadu_si512(line);
+        for (int h = 0; h < 2; h++) {
+            const __m256i pair = _mm256_xor_si256(_mm512_cvtepi32_epi16(h ? _mm512_srli_epi32(d, 16) : d), flip);
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(pair)));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(pair, 1)));
+            /* tile (k + 2h - k0) / 32 */
+            _mm512_store_si512(tiles + (k + 2 * h - k0) * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
     }
 }
 
@@ -107,7 +114,7 @@ INLINE void scale_into(float c[4][16][16], int two, const __m512 s[2], float *ac
     }
 }
 
-/* bits 8 or 4. int8: P k-pair lines [N/16][K/2][16][2], S float32 [N], Z unused, G = K. int4: P dword lines [N/16][K/2][16],
+/* bits 8 or 4. int8: P k-quad lines [N/16][K/4][16][4], S float32 [N], Z unused, G = K. int4: P dword lines [N/16][K/2][16],
  * S float16 and Z uint8 [N/16][K/G][16]. bias float32 [N] or NULL.
  *
  * Two loop orders. A chunk of at most 2 row blocks (decode batches): per panel pair, per unit of k (an int4

@@ -38,7 +38,7 @@ def _library():
 @lru_cache(maxsize=1)
 def available() -> bool:
     """Built with AMX-BF16, the kernel granted the tile state, and the panels in the AVX-512 layouts (int8
-    k-pair lines, int4 dword lines)."""
+    k-quad lines, int4 dword lines)."""
     lib = _library()
     return lib is not None and "amx_bf16" in native.cpu_flags() and bool(lib.tm_qgemm_amx_available()) and \
         cpu_qgemv.available() and cpu_qgemv.int4_layout() == 1 and cpu_qgemv.int8_layout() == 1

@@ -3,16 +3,16 @@
  * of 16-row panels and widened to float32 in registers.
  *
  * int8, symmetric per output row (W[n,k] = q[n,k] * s[n]), 16-row panels in one of two layouts
- * (S8_PAIR_LINES; ops/cpu_qgemv.py pack_int8 asks the build which, tm_qgemv_s8_layout):
+ * (S8_QUAD_LINES; ops/cpu_qgemv.py pack_int8 asks the build which, tm_qgemv_s8_layout):
  *
- *   k lines (portable build):    P[N/16][K][16] int8       P[b][k][r] = q[16 b + r][k]       (16 bytes per k)
- *   pair lines (AVX-512 build):  P[N/16][K/2][16][2] int8  P[b][k2][r][j] = q[16 b + r][2 k2 + j]
+ *   k lines (portable build):    P[N/16][K][16] int8        P[b][k][r] = q[16 b + r][k]       (16 bytes per k)
+ *   quad lines (AVX-512 build):  P[N/16][K/4][16][4] uint8  P[b][k4][r][j] = q[16 b + r][4 k4 + j] + 128
  *
- *       one 64-byte line, k = 4c .. 4c + 3:   bytes  0-31: (q[r][4c], q[r][4c+1])     r = 0..15
- *                                             bytes 32-63: (q[r][4c+2], q[r][4c+3])   r = 0..15
+ *       one 64-byte line, k = 4c .. 4c + 3:   dword r = (q[r][4c], .., q[r][4c+3]) + 128    r = 0..15
  *
- *     so 32 bytes sign-extended to words are 16 dword lanes, one row's k pair each: one vpdpwssd
- *     against the broadcast pair (x[k], x[k+1]) as int16 (below) takes 16 rows x 2 k.
+ *     so a line is 16 dword lanes of 4 unsigned bytes, one row's k quad each: one vpdpbusd (u8 x s8, 4
+ *     products per lane) against a broadcast quad of x bytes takes 16 rows x 4 k, with no widening. The
+ *     offset codes c = q + 128 (q ^ 0x80 as a byte) are undone once per block: sum c x = sum q x + 128 sum x.
  *     y[n] = s[n] * sum_k x[k] q[n,k]
  *
  * int4 with groups of G along K and zero points (AWQ: W[n,k] = (q[n,k] - z[g,n]) * s[g,n], g = k / G):
@@ -32,8 +32,8 @@
  * x is float32, or bfloat16: rounded to int16 per group for the integer paths (below), else widened once per
  * call into a float32 copy.
  *
- * Two paths, same functions: AVX-512 intrinsics (bfloat16 x through VNNI integer dot products, int8 x int16
- * with vpdpwssd and int4 nibbles x bytes with vpdpbusd; the int4 fallback for rows the integer path declines
+ * Two paths, same functions: AVX-512 intrinsics (bfloat16 x through VNNI integer dot products: int8 codes and
+ * int4 nibbles x bytes of x with vpdpbusd; the int4 fallback for rows the integer path declines
  * makes exact AVX512-BF16 pairs), and portable C that gcc vectorizes over the 16 rows of a
  * panel (AVX2 here): int8 / nibbles widened to float32 lane-wise, float32 FMAs, bfloat16 x widened to float32
  * first, or integer dot products for bfloat16 x on AVX2. The dequantizing passes (more rows than the GEMVs
@@ -106,8 +106,10 @@ static const float *widen(const void *x, int64_t K, int x_bf16, float **owned) {
  *   XI_BYTES (AVX-512 int4, vpdpbusd): xi = 256 xh + xl with xl in [-128, 127], xh in [-64, 64], as signed
  *            bytes in the nibble order of a dword line (xe [K/8][4] int32 per line of 8 k at k0):
  *                [0] xh at k0 + (0, 4, 1, 5)   [1] xh at k0 + (2, 6, 3, 7)   [2], [3] the same of xl
- *            (the low nibbles of a line's bytes hold k0 + 0, 4, 1, 5, the high ones k0 + 2, 6, 3, 7) */
-enum { XI_PAIRS, XI_BYTES };
+ *            (the low nibbles of a line's bytes hold k0 + 0, 4, 1, 5, the high ones k0 + 2, 6, 3, 7)
+ *   XI_QUADS (AVX-512 int8, vpdpbusd): the same bytes in k order, per quad of k at k0 (xe [K/4][2] int32):
+ *                [0] xh at k0 + (0, 1, 2, 3)   [1] xl at k0 + (0, 1, 2, 3) */
+enum { XI_PAIRS, XI_BYTES, XI_QUADS };
 
 static void pack_xi(const int16_t *xi, int64_t G, int layout, int32_t *dst) {
     if (layout == XI_PAIRS) {
@@ -121,14 +123,15 @@ static void pack_xi(const int16_t *xi, int64_t G, int layout, int32_t *dst) {
         }
         return;
     }
-    static const int order[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+    static const int order[2][8] = {{0, 4, 1, 5, 2, 6, 3, 7}, {0, 1, 2, 3, 4, 5, 6, 7}};
+    const int quads = layout == XI_QUADS;
     for (int64_t l = 0; l < G / 8; l++) {
-        int8_t b[16];  /* xh low-nibble order, xh high, xl low, xl high */
+        int8_t b[16];  /* XI_BYTES: xh low-nibble order, xh high, xl low, xl high; XI_QUADS: xh, xl, xh, xl */
         for (int j = 0; j < 8; j++) {
-            const int v = xi[l * 8 + order[j]];
-            const int xl = ((v + 128) & 255) - 128;
-            b[j] = (int8_t)((v - xl) / 256);
-            b[8 + j] = (int8_t)xl;
+            const int v = xi[l * 8 + order[quads][j]];
+            const int xl = ((v + 128) & 255) - 128, at = quads ? (j / 4) * 8 + j % 4 : j;
+            b[at] = (int8_t)((v - xl) / 256);
+            b[at + (quads ? 4 : 8)] = (int8_t)xl;
         }
         memcpy(dst + l * 4, b, 16);
     }
@@ -183,7 +186,7 @@ static int rows_to_int16(const uint16_t *x, int64_t M, int64_t K, int64_t G, int
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #define U4_DWORD_LINES 1
-#define S8_PAIR_LINES 1
+#define S8_QUAD_LINES 1
 
 /* 16 fp16 scales / 16 uint8 zero points -> float32 */
 static inline __m512 load_s16(const uint16_t *s) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s)); }
@@ -220,103 +223,114 @@ static inline void line_to_bf16_pairs(const void *line, __m512i w[4]) {
  * count (1 or 2), so that their accumulators stay in registers. */
 #define ROWS_INLINE static inline __attribute__((always_inline))
 
-/* int8 pair lines, float32 x rows x0 (and x1 when two), k in [0, K), K even. 16 bytes widened to float32 are
- * 8 rows x one k pair, against the broadcast pair (x[k], x[k + 1]); lane 2i of lo (hi) holds row i's (8 + i's)
- * even-k sum, lane 2i + 1 its odd-k sum. k pairs 4c and 4c + 2 go to separate accumulators so that one row's
- * FMA chains overlap. */
-ROWS_INLINE void s8_pairs_f32(const int8_t *blk, const float *x0, const float *x1, const int two, int64_t K,
-                              __m512 lo[2], __m512 hi[2]) {
+/* int8 quad lines, float32 x rows x0 (and x1 when two), k in [0, K), K % 4 == 0. Each 16 bytes of a line,
+ * back to signed codes and widened to float32, are 4 rows x 4 k (lane 4i + j: row 4 v + i, k + j for quarter v)
+ * against the broadcast quad x[k .. k + 3]; a[v] sums rows 4v .. 4v + 3, 4 lanes each, added up at the end. */
+ROWS_INLINE void s8_quads_f32(const uint8_t *blk, const float *x0, const float *x1, const int two, int64_t K,
+                              __m512 out[2]) {
+    const __m128i flip = _mm_set1_epi8((char)0x80);
     __m512 a[2][4];
     for (int m = 0; m < 2; m++)
-        for (int j = 0; j < 4; j++) a[m][j] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 4) {  /* one line: pairs k (accumulators 0, 1) and k + 2 (2, 3) */
-        const int8_t *line = blk + k * 16;
+        for (int v = 0; v < 4; v++) a[m][v] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 4) {
+        const uint8_t *line = blk + k * 16;
         STREAM_PREFETCH(line);
-        for (int h = 0; h < 2 && k + 2 * h < K; h++) {  /* K % 4 == 2: the last line holds one pair */
-            const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(line + 32 * h))));
-            const __m512 w1 =
-                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(line + 32 * h + 16))));
-            for (int m = 0; m < 1 + two; m++) {
-                double pair;  /* (x[k'], x[k' + 1]) as one 64-bit broadcast */
-                memcpy(&pair, (m ? x1 : x0) + k + 2 * h, 8);
-                const __m512 xv = _mm512_castpd_ps(_mm512_set1_pd(pair));
-                a[m][2 * h] = _mm512_fmadd_ps(w0, xv, a[m][2 * h]);
-                a[m][2 * h + 1] = _mm512_fmadd_ps(w1, xv, a[m][2 * h + 1]);
-            }
+        __m512 w[4];
+        for (int v = 0; v < 4; v++)
+            w[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_xor_si128(_mm_loadu_si128((const __m128i *)(line + 16 * v)), flip)));
+        for (int m = 0; m < 1 + two; m++) {
+            const __m512 xv = _mm512_broadcast_f32x4(_mm_loadu_ps((m ? x1 : x0) + k));
+            for (int v = 0; v < 4; v++) a[m][v] = _mm512_fmadd_ps(w[v], xv, a[m][v]);
         }
     }
+    /* lanes 4i .. 4i + 3 of a[v] -> row 4v + i: two in-lane swaps leave each row's sum in lane 4i, then two
+     * two-source permutes and one 128-bit shuffle put rows 0-15 in order */
+    const __m512i pick = _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
     for (int m = 0; m < 1 + two; m++) {
-        lo[m] = _mm512_add_ps(a[m][0], a[m][2]);
-        hi[m] = _mm512_add_ps(a[m][1], a[m][3]);
+        __m512 t[4];
+        for (int v = 0; v < 4; v++) {
+            t[v] = _mm512_add_ps(a[m][v], _mm512_permute_ps(a[m][v], _MM_SHUFFLE(2, 3, 0, 1)));
+            t[v] = _mm512_add_ps(t[v], _mm512_permute_ps(t[v], _MM_SHUFFLE(1, 0, 3, 2)));
+        }
+        out[m] = _mm512_shuffle_f32x4(_mm512_permutex2var_ps(t[0], pick, t[1]),
+                                      _mm512_permutex2var_ps(t[2], pick, t[3]), 0x44);
     }
 }
 
-static void qgemm_s8_f32(const int8_t *P, const float *scales, const float *x, const float *bias, void *y, int64_t M,
-                         int64_t N, int64_t K, int y_bf16, int nthreads) {
-    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+static void qgemm_s8_f32(const uint8_t *P, const float *scales, const float *x, const float *bias, void *y,
+                         int64_t M, int64_t N, int64_t K, int y_bf16, int nthreads) {
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < N / 16; b++) {
         const __m512 s = _mm512_loadu_ps(scales + b * 16);
         for (int64_t m = 0; m < M; m += 2) {
-            __m512 lo[2], hi[2];
+            __m512 acc[2];
             const float *x0 = x + m * K;
-            if (m + 1 < M) s8_pairs_f32(P + b * K * 16, x0, x0 + K, 1, K, lo, hi);
-            else s8_pairs_f32(P + b * K * 16, x0, NULL, 0, K, lo, hi);
-            for (int64_t i = m; i < M && i < m + 2; i++) {  /* even + odd lanes: rows 0-15 in order */
-                const __m512 acc = _mm512_add_ps(_mm512_permutex2var_ps(lo[i - m], even, hi[i - m]),
-                                                 _mm512_permutex2var_ps(lo[i - m], odd, hi[i - m]));
-                store_row(_mm512_mul_ps(acc, s), bias, b * 16,
+            if (m + 1 < M) s8_quads_f32(P + b * K * 16, x0, x0 + K, 1, K, acc);
+            else s8_quads_f32(P + b * K * 16, x0, NULL, 0, K, acc);
+            for (int64_t i = m; i < M && i < m + 2; i++)
+                store_row(_mm512_mul_ps(acc[i - m], s), bias, b * 16,
                           y_bf16 ? (void *)((uint16_t *)y + i * N) : (void *)((float *)y + i * N), y_bf16);
-            }
         }
     }
 }
 
-/* int8 pair lines against int16 x rows (rows_to_int16's xe, x0 and x1 when two), k in [k0, k1) (one block):
- * per 64-byte line two vpmovsxbw and, per row, two vpdpwssd (pair 4c into d0, 4c + 2 into d1). One lane sums
- * at most S8_BLOCK / 4 * 2 * 128 * 2^14 < 2^27 per block. */
-ROWS_INLINE void s8_pairs_int16(const int8_t *blk, const int32_t *xe0, const int32_t *xe1, const int two, int64_t k0,
-                                int64_t k1, __m512 dot[2]) {
-    __m512i d0[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, d1[2] = {d0[0], d0[0]};
-    for (int64_t k = k0; k < k1; k += 4) {
-        const int8_t *line = blk + k * 16;
+/* int8 quad lines against int16 x rows in XI_QUADS (x0, and x1 when two), k in [k0, k1) (one block): per
+ * 64-byte line and row, two vpdpbusd (the offset codes against the quad's high and low bytes of xi), two lines
+ * per step so that four chains of accumulators overlap. The result is exact in int32, the same integer as
+ * sum_k q xi: 256 sum(c xh) + sum(c xl) - 128 sum(xi), with |sum(c xh)| <= S8_BLOCK * 255 * 64 < 2^21 and
+ * |sum(c xl)| < 2^22 per block. */
+ROWS_INLINE void s8_quads_int16(const uint8_t *blk, const int32_t *xq0, const int32_t *xq1, const int two, int64_t k0,
+                                int64_t k1, const int32_t xsum[2], __m512i dot[2]) {
+    __m512i h[2][2], l[2][2];
+    for (int m = 0; m < 2; m++) h[m][0] = h[m][1] = l[m][0] = l[m][1] = _mm512_setzero_si512();
+    for (int64_t k = k0; k < k1; k += 8) {
+        const uint8_t *line = blk + k * 16;
         STREAM_PREFETCH(line);
-        const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)line));
-        const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(line + 32)));
+        STREAM_PREFETCH(line + 64);
+        const __m512i w0 = _mm512_loadu_si512(line), w1 = _mm512_loadu_si512(line + 64);
         for (int m = 0; m < 1 + two; m++) {
-            const int32_t *xc = (m ? xe1 : xe0) + (k / 4) * 8;  /* pair 4c at [0], 4c + 2 at [4] */
-            d0[m] = _mm512_dpwssd_epi32(d0[m], w0, _mm512_set1_epi32(xc[0]));
-            d1[m] = _mm512_dpwssd_epi32(d1[m], w1, _mm512_set1_epi32(xc[4]));
+            const int32_t *q = (m ? xq1 : xq0) + (k / 4) * 2;  /* quad k: xh q[0], xl q[1]; quad k + 4: q[2], q[3] */
+            h[m][0] = _mm512_dpbusd_epi32(h[m][0], w0, _mm512_set1_epi32(q[0]));
+            l[m][0] = _mm512_dpbusd_epi32(l[m][0], w0, _mm512_set1_epi32(q[1]));
+            h[m][1] = _mm512_dpbusd_epi32(h[m][1], w1, _mm512_set1_epi32(q[2]));
+            l[m][1] = _mm512_dpbusd_epi32(l[m][1], w1, _mm512_set1_epi32(q[3]));
         }
     }
-    for (int m = 0; m < 1 + two; m++) dot[m] = _mm512_cvtepi32_ps(_mm512_add_epi32(d0[m], d1[m]));
+    for (int m = 0; m < 1 + two; m++) {
+        const __m512i hh = _mm512_add_epi32(h[m][0], h[m][1]), ll = _mm512_add_epi32(l[m][0], l[m][1]);
+        dot[m] = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hh, 8), ll), _mm512_set1_epi32(128 * xsum[m]));
+    }
 }
 
 /* bfloat16 x as int16 (blocks of S8_BLOCK), M <= MAX_ROWS rows; 0 (nothing written) when a row holds a NaN or
  * an infinity, or K is not a multiple of S8_BLOCK */
-static int qgemm_s8_int16(const int8_t *P, const float *scales, const uint16_t *x, const float *bias, uint16_t *y,
+static int qgemm_s8_int16(const uint8_t *P, const float *scales, const uint16_t *x, const float *bias, uint16_t *y,
                           int64_t M, int64_t N, int64_t K, int nthreads) {
     if (K % S8_BLOCK) return 0;
     const int64_t nblocks = K / S8_BLOCK;
     int32_t *xe;
     float *xs;
-    const int ok = rows_to_int16(x, M, K, S8_BLOCK, XI_PAIRS, &xe, &xs);
+    const int ok = rows_to_int16(x, M, K, S8_BLOCK, XI_QUADS, &xe, &xs);
     if (ok) {
+        const float *xsum = xs + M * nblocks;  /* exact: at most S8_BLOCK * 2^14 */
         #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int64_t b = 0; b < N / 16; b++) {
-            const int8_t *blk = P + b * K * 16;
+            const uint8_t *blk = P + b * K * 16;
             __m512 acc[MAX_ROWS];
             for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
             for (int64_t g = 0; g < nblocks; g++)
                 for (int64_t m = 0; m < M; m += 2) {
-                    __m512 dot[2];
+                    __m512i dot[2];
                     const int32_t *xe0 = xe + m * K * 2;
                     const int64_t k0 = g * S8_BLOCK, k1 = k0 + S8_BLOCK;
-                    if (m + 1 < M) s8_pairs_int16(blk, xe0, xe0 + K * 2, 1, k0, k1, dot);
-                    else s8_pairs_int16(blk, xe0, NULL, 0, k0, k1, dot);
+                    const int32_t sums[2] = {(int32_t)xsum[m * nblocks + g],
+                                             m + 1 < M ? (int32_t)xsum[(m + 1) * nblocks + g] : 0};
+                    if (m + 1 < M) s8_quads_int16(blk, xe0, xe0 + K * 2, 1, k0, k1, sums, dot);
+                    else s8_quads_int16(blk, xe0, NULL, 0, k0, k1, sums, dot);
                     for (int64_t i = m; i < M && i < m + 2; i++)
-                        acc[i] = _mm512_fmadd_ps(dot[i - m], _mm512_set1_ps(xs[i * nblocks + g]), acc[i]);
+                        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i - m]), _mm512_set1_ps(xs[i * nblocks + g]),
+                                                 acc[i]);
                 }
             const __m512 s = _mm512_loadu_ps(scales + b * 16);
             for (int64_t m = 0; m < M; m++) store_row(_mm512_mul_ps(acc[m], s), bias, b * 16, y + m * N, 1);
@@ -329,10 +343,10 @@ static int qgemm_s8_int16(const int8_t *P, const float *scales, const uint16_t *
 
 static void qgemm_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t M,
                      int64_t N, int64_t K, int y_bf16, int nthreads) {
-    if (y_bf16 && qgemm_s8_int16(P, scales, x_in, bias, y, M, N, K, nthreads)) return;
+    if (y_bf16 && qgemm_s8_int16((const uint8_t *)P, scales, x_in, bias, y, M, N, K, nthreads)) return;
     float *owned;
     const float *x = widen(x_in, M * K, y_bf16, &owned);
-    qgemm_s8_f32(P, scales, x, bias, y, M, N, K, y_bf16, nthreads);
+    qgemm_s8_f32((const uint8_t *)P, scales, x, bias, y, M, N, K, y_bf16, nthreads);
     free(owned);
 }
 
@@ -503,7 +517,7 @@ void tm_qgemv_u4(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const vo
 
 #else
 #define U4_DWORD_LINES 0
-#define S8_PAIR_LINES 0
+#define S8_QUAD_LINES 0
 /* Portable path. Weights are widened 32 bytes (two panel lines) at a time into small float arrays: a loop
  * over 32 bytes is one 256-bit load and 256-bit conversions, while over a 16-byte line gcc picks 128-bit
  * vectors for the whole loop. The arrays stay in registers; the FMAs then run over the 16 rows of a panel. */
@@ -891,10 +905,10 @@ void tm_dequant_s8(const int8_t *P, const float *scales, void *out, int64_t N, i
         const float *s = scales + b * 16;
         for (int64_t k = 0; k < K; k++) {
             float w[16];
-#if S8_PAIR_LINES
-            const int8_t *pair = blk + (k / 2) * 32 + (k & 1);  /* row r's code at pair[2 r] */
+#if S8_QUAD_LINES
+            const uint8_t *quad = (const uint8_t *)blk + (k / 4) * 64 + (k & 3);  /* row r's code at quad[4 r] */
             #pragma omp simd
-            for (int r = 0; r < 16; r++) w[r] = (float)pair[2 * r] * s[r];
+            for (int r = 0; r < 16; r++) w[r] = (float)(quad[4 * r] - 128) * s[r];
 #else
             #pragma omp simd
             for (int r = 0; r < 16; r++) w[r] = (float)blk[k * 16 + r] * s[r];
@@ -941,12 +955,12 @@ void tm_dequant_u4(const uint8_t *P, const uint16_t *S, const uint8_t *Z, void *
 /* which int4 panel layout this build reads (ops/cpu_qgemv.py pack_int4): 1 for dword lines */
 int tm_qgemv_u4_layout(void) { return U4_DWORD_LINES; }
 
-/* which int8 panel layout this build reads (ops/cpu_qgemv.py pack_int8): 1 for pair lines */
-int tm_qgemv_s8_layout(void) { return S8_PAIR_LINES; }
+/* which int8 panel layout this build reads (ops/cpu_qgemv.py pack_int8): 1 for quad lines */
+int tm_qgemv_s8_layout(void) { return S8_QUAD_LINES; }
 
 /* whether the int8 and int4 kernels multiply bfloat16 rows in integers (ops/cpu_qgemv.py int16_rows) */
 int tm_qgemv_int16_rows(void) {
-#if S8_PAIR_LINES || defined(INT16_ROWS)
+#if S8_QUAD_LINES || defined(INT16_ROWS)
     return 1;
 #else
     return 0;

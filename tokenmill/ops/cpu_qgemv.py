@@ -1,6 +1,6 @@
 """Batch-1 GEMVs over int8 and int4 weights (ops/cpu_qgemv.c), for decoding with quantized weights.
 
-Layouts (see the C file): int8 [N/16, K, 16] bytes, 16-row panels of k lines or (AVX-512) k-pair lines; int4
+Layouts (see the C file): int8 [N/16, K, 16] bytes, 16-row panels of k lines or (AVX-512) k-quad lines; int4
 [N/16, K/2, 16] bytes holding two k each, with per-group scales (float16) and zero points (uint8)
 [N/16, K/G, 16]. The pure-torch twins are the
 dequantizing references in quantization/int8.py and quantization/awq_format.py; `int4_reference`
@@ -62,8 +62,8 @@ def int16_twin(x: torch.Tensor, group_size: int) -> torch.Tensor:
 def supports(n: int, k: int, group_size: int | None = None) -> bool:
     if n % 16:
         return False
-    if group_size is None:  # int8: k-pair lines hold whole pairs
-        return k % 2 == 0
+    if group_size is None:  # int8: k-quad lines hold whole quads, the portable kernels read k in pairs
+        return k % (4 if int8_layout() == 1 else 2) == 0
     return k % group_size == 0 and group_size % 16 == 0
 
 
@@ -73,16 +73,18 @@ def int4_layout() -> int:
 
 
 def int8_layout() -> int:
-    """The int8 panel layout this build reads: 1 for k-pair lines (AVX-512), 0 for k lines."""
+    """The int8 panel layout this build reads: 1 for k-quad lines (AVX-512), 0 for k lines."""
     return _library().tm_qgemv_s8_layout() if _library() is not None else 0
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
     """int8 [N, K] -> bytes [N/16, K, 16] in the layout the build reads (ops/cpu_qgemv.c):
-    k lines P[b][k][r] = q[16 b + r][k], or k-pair lines P[b][k/2][r][k % 2] (K even)."""
+    k lines P[b][k][r] = q[16 b + r][k], or k-quad lines P[b][k/4][r][k % 4] = q + 128 (K % 4 == 0; stored as
+    q ^ 0x80 in an int8 tensor, the same byte)."""
     n, k = q.shape
     if int8_layout() == 1:
-        return q.view(n // 16, 16, k // 2, 2).transpose(1, 2).reshape(n // 16, k, 16).contiguous()
+        flipped = (q.view(torch.uint8) ^ 0x80).view(torch.int8)
+        return flipped.view(n // 16, 16, k // 4, 4).transpose(1, 2).reshape(n // 16, k, 16).contiguous()
     return q.view(n // 16, 16, k).transpose(1, 2).contiguous()
 
 
