@@ -314,7 +314,10 @@ static int qgemm_s8_int16(const uint8_t *P, const float *scales, const uint16_t 
     const int ok = rows_to_int16(x, M, K, S8_BLOCK, XI_QUADS, &xe, &xs);
     if (ok) {
         const float *xsum = xs + M * nblocks;  /* exact: at most S8_BLOCK * 2^14 */
-        #pragma omp parallel for num_threads(nthreads) schedule(static)
+        /* guided: two threads' halves stream at different speeds; long chunks first keep each stream long, short
+         * ones last even out the finish (1.06-1.10x over static on the 0.5B decoder's linears at ~60 GB/s; a
+         * fixed chunk of 4 panels, interleaving the threads, lost 20 %) */
+        #pragma omp parallel for num_threads(nthreads) schedule(guided)
         for (int64_t b = 0; b < N / 16; b++) {
             const uint8_t *blk = P + b * K * 16;
             __m512 acc[MAX_ROWS];
