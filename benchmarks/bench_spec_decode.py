@@ -18,7 +18,7 @@ Workloads (each engine configuration in its own process):
 
     python benchmarks/bench_spec_decode.py [--only draft,ngram,sweep,qwen] [--sweep-warmup one|wave]
         [--sweep-configs off,adaptive] [--sweep-output-jitter 0.25] [--sweep-method draft_model|ngram]
-        [--sweep-concurrency 1 4 16 32] [--num-scheduler-steps 0] [--repeats N]
+        [--sweep-concurrency 1 4 16 32] [--sweep-paired] [--num-scheduler-steps 0] [--repeats N]
         [--out benchmarks/results/spec_decode.json]
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -79,12 +80,25 @@ def _requests(kind: str, n: int, output_len: int, jitter: float = 0.0) -> list[d
 def _worker(job: dict) -> dict:
     import tokenmill  # noqa: F401  (before torch: OpenMP settings)
     from tokenmill.bench.datasets import SampleRequest
-    from tokenmill.bench.offline import run_offline
+    from tokenmill.bench.offline import build_engine, run_offline
 
     reqs = [SampleRequest(r["prompt"], 0, r["output_len"]) for r in job["requests"]]
-    res = run_offline(reqs, job["engine"], request_rate=float("inf"), seed=0, ignore_eos=True, disable_tqdm=True,
-                      sampling={"temperature": 0.0}, num_warmups=job.get("warmups", 1))
-    return {k: res.get(k) for k in KEEP}
+
+    def run(engine, warmups):
+        res = run_offline(reqs, engine=engine, request_rate=float("inf"), seed=0, ignore_eos=True,
+                          disable_tqdm=True, sampling={"temperature": 0.0}, num_warmups=warmups)
+        return {k: res.get(k) for k in KEEP}
+
+    if "engines" not in job:
+        return run(build_engine(job["engine"]), job.get("warmups", 1))
+    # paired: every configuration's engine in this one process, the workload run through each in turn, the order
+    # reversed every other round (ABBA), so that both meet the same minutes of a machine whose speed drifts
+    engines = {name: build_engine(kw) for name, kw in job["engines"].items()}
+    rounds = []
+    for r in range(job["rounds"]):
+        names = list(engines) if r % 2 == 0 else list(engines)[::-1]
+        rounds.append({name: run(engines[name], job.get("warmups", 1) if r == 0 else 0) for name in names})
+    return {"rounds": rounds}
 
 
 def _run(label: str, engine: dict, requests: list[dict], warmups: int = 1) -> dict:
@@ -112,8 +126,26 @@ def _ab(label: str, base: dict, specs: dict[str, dict | None], requests: list[di
         t = [s["median_tpot_ms"] / o["median_tpot_ms"] for s, o in zip(runs[name], runs["off"])]
         f = [s["median_ttft_ms"] / o["median_ttft_ms"] for s, o in zip(runs[name], runs["off"])]
         ratios[name] = {"output_tok_s_vs_off": r, "median_tpot_vs_off": t, "median_ttft_vs_off": f,
-                        "mean_output_tok_s_vs_off": sum(r) / len(r)}
+                        "mean_output_tok_s_vs_off": sum(r) / len(r), "median_output_tok_s_vs_off": statistics.median(r)}
     return {"runs": runs, "ratios": ratios}
+
+
+def _paired(label: str, base: dict, specs: dict[str, dict | None], requests: list[dict], rounds: int) -> dict:
+    """All configurations in one process, alternating (`_worker`), prefix caching off (a round must not hit the
+    blocks of the one before). Round 0 starts cold (a fresh engine, one warm-up request); later rounds find each
+    engine as the one before left it, its depth choices already learnt: a server some seconds into a load."""
+    base = dict(base, enable_prefix_caching=False)
+    engines = {name: dict(base, **({"speculative_config": spec} if spec else {})) for name, spec in specs.items()}
+    res = run_job(__file__, {"engines": engines, "requests": requests, "rounds": rounds})["rounds"]
+    ratios = {}
+    for name in specs:
+        if name == "off":
+            continue
+        r = [x[name]["output_throughput"] / x["off"]["output_throughput"] for x in res]
+        ratios[name] = {"output_tok_s_vs_off": r, "cold": r[0], "median_output_tok_s_vs_off": statistics.median(r[1:]),
+                        "mean_output_tok_s_vs_off": sum(r[1:]) / len(r[1:])}
+        print(f"  {label}: {name} / off per round (round 0 cold): {' '.join(f'{x:.3f}' for x in r)}", flush=True)
+    return {"runs": res, "ratios": ratios}
 
 
 def main() -> None:
@@ -131,6 +163,9 @@ def main() -> None:
                     help="the proposer of the load sweep (held-out Shakespeare: n-gram drafts land only where the "
                          "plays repeat themselves)")
     ap.add_argument("--sweep-concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    ap.add_argument("--sweep-paired", action="store_true",
+                    help="the sweep's configurations in one process, alternating ABBA for --repeats rounds (round 0 "
+                         "cold, the rest in steady state), instead of one process per run")
     ap.add_argument("--num-scheduler-steps", type=int, default=None,
                     help="every engine's num_scheduler_steps (0: automatic bursts, the offline LLM's default); "
                          "default: the engine's own (1, single steps, as the server runs)")
@@ -168,9 +203,13 @@ def main() -> None:
             proposer = draft if args.sweep_method == "draft_model" else ngram
             configs = {"off": None, "fixed k": dict(proposer, adaptive=False), "adaptive": proposer}
             configs = {name: spec for name, spec in configs.items() if name in args.sweep_configs.split(",")}
-            out["sweep"][conc] = _ab(f"c={conc}", dict(tiny, max_num_seqs=conc), configs,
-                                     _requests("draft", max(32, 8 * conc), 128, args.sweep_output_jitter),
-                                     args.repeats, warmups)
+            reqs = _requests("draft", max(32, 8 * conc), 128, args.sweep_output_jitter)
+            if args.sweep_paired:
+                out["sweep"][conc] = _paired(f"c={conc}", dict(tiny, max_num_seqs=conc), configs, reqs,
+                                             1 + args.repeats)
+            else:
+                out["sweep"][conc] = _ab(f"c={conc}", dict(tiny, max_num_seqs=conc), configs, reqs, args.repeats,
+                                         warmups)
     if "qwen" in only:
         print("[spec] Qwen2.5-0.5B shape, n-gram, batch 1", flush=True)
         qwen = dict(model=dummy_model_dir(QWEN25_05B), load_format="dummy", dtype="bfloat16", max_model_len=1024,
@@ -183,6 +222,8 @@ def main() -> None:
             for conc, b in block.items():
                 for cfg, r in b["ratios"].items():
                     summary[f"sweep c={conc} {cfg}: output tok/s vs off"] = r["mean_output_tok_s_vs_off"]
+                    summary[f"sweep c={conc} {cfg}: median of rounds"] = r["median_output_tok_s_vs_off"]
+                    summary[f"sweep c={conc} {cfg}: rounds"] = [round(x, 3) for x in r["output_tok_s_vs_off"]]
         else:
             for cfg, r in block["ratios"].items():
                 summary[f"{name} {cfg}: output tok/s vs off"] = r["mean_output_tok_s_vs_off"]
