@@ -73,7 +73,9 @@ def test_int8_gemv_of_bfloat16_rows_matches_its_integer_twin(rows):
     product rounded once to bfloat16, also where it cancels; a NaN row stays NaN and spares the others."""
     n, k = 48, 4 * cpu_qgemv.INT8_BLOCK
     g = torch.Generator().manual_seed(11)
-    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    q[:16] = -128  # a panel at each extreme of the codes (AVX-512 stores them offset by 128)
+    q[16:32] = 127
     s = torch.rand(n, generator=g) * 0.01
     w = q.double() * s.double()[:, None]
     x = (torch.randn(rows, k, generator=g) * torch.exp2(torch.randint(-20, 4, (rows, k), generator=g).float()))
@@ -86,11 +88,37 @@ def test_int8_gemv_of_bfloat16_rows_matches_its_integer_twin(rows):
     assert y[0].isnan().all() and not y[1:].isnan().any()
 
 
+def test_int8_bfloat16_rows_at_the_edges():
+    """bfloat16 rows through the int8 kernels: K a multiple of 4 but not of INT8_BLOCK (the float path), a block of
+    subnormals beside normal ones (its scale 2^(14 - e) must not overflow), and an infinity, which makes its own
+    row non-finite and leaves the others alone."""
+    g = torch.Generator().manual_seed(5)
+    n = 32
+    for k in (68, 2 * cpu_qgemv.INT8_BLOCK):
+        q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+        s = (torch.rand(n, generator=g) + 0.5) * 1e28  # so that row 1's products are normal numbers
+        x = torch.randn(3, k, generator=g).bfloat16()
+        x[1] = (torch.randn(k, generator=g) * 2.0 ** -130).bfloat16()  # subnormal bfloat16
+        y = cpu_qgemv.gemv_int8(x, cpu_qgemv.pack_int8(q), s).double()
+        ref = w8a16_linear_ref(x.double(), q, s, None).double()
+        for row in range(3):
+            torch.testing.assert_close(y[row], ref[row], atol=1e-5 * ref[row].abs().max().item(), rtol=2 ** -7)
+        x[2, 3] = float("inf")
+        y = cpu_qgemv.gemv_int8(x, cpu_qgemv.pack_int8(q), s)
+        assert not y[2].isfinite().any() and y[:2].isfinite().all()  # as the float product (inf or NaN)
+
+
+def test_int8_panels_unpack_to_their_codes():
+    q = torch.randint(-128, 128, (48, 200), dtype=torch.int8, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(cpu_qgemv.unpack_int8(cpu_qgemv.pack_int8(q)), q)
+
+
 def test_unsupported_shapes_are_declined():
     assert not cpu_qgemv.supports(40, 64)  # rows come in panels of 16
     assert not cpu_qgemv.supports(32, 100, 64)  # K must split into whole groups
     assert not cpu_qgemv.supports(32, 99)  # int8 lines hold whole k pairs (portable) or quads (AVX-512)
     assert cpu_qgemv.supports(32, 100)
+    assert cpu_qgemv.supports(32, 98) == (cpu_qgemv.int8_layout() == 0)  # k quads (AVX-512) hold 4 k each
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

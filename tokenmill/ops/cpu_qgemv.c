@@ -154,12 +154,13 @@ static int x_to_int16(const uint16_t *x, int64_t K, int64_t G, int layout, int32
         if (probe != 0.f) return 0;  /* the float path carries them through */
         int e;
         frexpf(amax, &e);
-        const float inv = ldexpf(1.f, 14 - e);
+        /* 2^(14 - e) in two factors: for a block of bfloat16 subnormals (e down to -132) one would overflow */
+        const float inv_a = ldexpf(1.f, (14 - e) / 2), inv_b = ldexpf(1.f, 14 - e - (14 - e) / 2);
         int16_t xi[G];
         int32_t sum = 0;
         #pragma omp simd reduction(+ : sum)
         for (int64_t k = 0; k < G; k++) {
-            const float v = bf16_to_f32(xg[k]) * inv;
+            const float v = bf16_to_f32(xg[k]) * inv_a * inv_b;
             xi[k] = (int16_t)(v + copysignf(0.5f, v));  /* round half away from zero */
             sum += xi[k];
         }

@@ -88,6 +88,15 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
     return q.view(n // 16, 16, k).transpose(1, 2).contiguous()
 
 
+def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int8's panels -> int8 [N, K] codes."""
+    blocks, k, _ = packed.shape
+    if int8_layout() == 1:
+        q = packed.view(blocks, k // 4, 16, 4).transpose(1, 2).reshape(blocks * 16, k)
+        return (q.view(torch.uint8) ^ 0x80).view(torch.int8)
+    return packed.transpose(1, 2).reshape(blocks * 16, k)
+
+
 def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int):
     """q [N, K] in 0..15, scales (float16 values) and zeros [K/G, N] -> (bytes [N/16, K/2, 16], S float16 and
     Z uint8 [N/16, K/G, 16]): AWQ's own scales and zero points, 3 bytes per row and group.

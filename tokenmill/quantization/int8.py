@@ -136,8 +136,7 @@ class Int8LinearMethod(LinearMethod):
         """int8 [N, K], whichever layout is stored."""
         if layer.amx_panels is not None:
             return cpu_w8a8.unpack_amx(layer.amx_panels)
-        q = layer.qweight
-        return q.transpose(1, 2).reshape(-1, q.shape[1]) if layer.gemv_panels else q
+        return cpu_qgemv.unpack_int8(layer.qweight) if layer.gemv_panels else layer.qweight
 
     def apply(self, layer, x):
         if self.activations:
