@@ -179,10 +179,21 @@ static void attend(const float *qf, float *acc, float *m, float *l, const void *
             }
         }
         for (int t = n; t < TILE; t++) k[t] = ZERO_ROW;
-        prefetch_tile(key_cache, value_cache, table, t0 + TILE, L, bs, Hkv, h, D, elem);
+        /* the next tile's rows (byte offsets), asked for a slice of each at a time below: spread over this tile's
+         * compute rather than 8 lines per row at once, which left the loads waiting for the prefetches */
+        const int64_t t1 = t0 + TILE;
+        const int n1 = t1 < L ? (int)(L - t1 < TILE ? L - t1 : TILE) : 0;
+        int64_t next[TILE];
+        if (bs % TILE == 0) {  /* the tile lies in one block: one lookup, then a stride (the engine's block sizes) */
+            const int64_t base = n1 ? cache_row(table, t1, bs, Hkv, h, D) * elem : 0;
+            for (int t = 0; t < n1; t++) next[t] = base + t * Hkv * D * elem;
+        } else {
+            for (int t = 0; t < n1; t++) next[t] = cache_row(table, t1 + t, bs, Hkv, h, D) * elem;
+        }
         /* scores: every head's 16 at once, from the tile transposed 16 elements at a time */
         for (int64_t j = 0; j < g; j++) sacc[j] = _mm512_setzero_ps();
         for (int64_t i = 0; i < D; i += 16) {
+            for (int t = 0; t < n1; t++) __builtin_prefetch((const char *)key_cache + next[t] + i * elem, 0, 3);
             __m512 col[16];
             for (int t = 0; t < TILE; t++) col[t] = _mm512_loadu_ps(k[t] + i);
             transpose16(col);
@@ -224,6 +235,7 @@ static void attend(const float *qf, float *acc, float *m, float *l, const void *
         /* values 16 elements at a time: the tile's 16 rows stay in registers for every query, which adds
          * them in key order as alone (a key past a query's length adds p = 0, which leaves the sum as is) */
         for (int64_t i = 0; i < D; i += 16) {
+            for (int t = 0; t < n1; t++) __builtin_prefetch((const char *)value_cache + next[t] + i * elem, 0, 3);
             __m512 vr[TILE];
             for (int t = 0; t < TILE; t++) vr[t] = t < n ? _mm512_loadu_ps(v[t] + i) : _mm512_setzero_ps();
             for (int64_t j = 0; j < g; j++) {
