@@ -29,7 +29,9 @@
  * is computed online (running max and sum, FlashAttention-style) in float32, once per tile: 16 scores (from
  * the tile's keys transposed in registers, so no horizontal sums), one vector exp and one rescale of the
  * accumulator, so nothing of size seq_len is materialized. Float32 rows are read in place; bfloat16 rows
- * are widened into a per-tile buffer. The next tile's rows are prefetched: they sit in scattered blocks.
+ * are widened into a per-tile buffer. The next tile's rows are prefetched: they sit in scattered blocks. The
+ * AVX-512 path asks for one 64-byte slice of each row beside each slice of this tile's arithmetic, so that the
+ * loads overlap it; the portable path asks for all of them at the tile's start (`prefetch_tile`).
  *
  *   tile over token positions t0 .. t0+15 of sequence b, KV head h (bs = 16 shown):
  *     pos -> block tables[b][pos / bs], slot pos % bs -> row ((block * bs + slot) * Hkv + h) * D
@@ -38,7 +40,7 @@
  * vectorizes: the tile's keys are transposed once into a buffer (kt[i][t]) so each head's 16 scores are
  * 16-lane FMAs, and the values are added four keys per pass over the head's accumulator row.
  *
- * The task loop, the queries, the merge and the prefetch are shared; each path supplies `attend`, a run of tiles.
+ * The task loop, the queries and the merge are shared; each path supplies `attend`, a run of tiles.
  *
  * D must be a multiple of 16 and (Hq / Hkv) * D at most MAX_GROUP_FLOATS (a group takes as many rows as fit).
  */
@@ -74,7 +76,8 @@ static inline int64_t cache_row(const int32_t *table, int64_t pos, int64_t bs, i
     return (((int64_t)table[pos / bs] * bs + pos % bs) * Hkv + h) * D;
 }
 
-/* the next tile's rows are scattered over blocks: ask for them while this one computes (prefetcht0) */
+/* the next tile's rows are scattered over blocks: ask for them while this one computes (prefetcht0; the
+ * portable path) */
 static inline void prefetch_tile(const void *key_cache, const void *value_cache, const int32_t *table, int64_t t0,
                                  int64_t L, int64_t bs, int64_t Hkv, int64_t h, int64_t D, int64_t elem) {
     for (int64_t pos = t0; pos < t0 + TILE && pos < L; pos++) {
