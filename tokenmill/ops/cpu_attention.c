@@ -29,9 +29,10 @@
  * is computed online (running max and sum, FlashAttention-style) in float32, once per tile: 16 scores (from
  * the tile's keys transposed in registers, so no horizontal sums), one vector exp and one rescale of the
  * accumulator, so nothing of size seq_len is materialized. Float32 rows are read in place; bfloat16 rows
- * are widened into a per-tile buffer. The next tile's rows are prefetched: they sit in scattered blocks. The
- * AVX-512 path asks for one 64-byte slice of each row beside each slice of this tile's arithmetic, so that the
- * loads overlap it; the portable path asks for all of them at the tile's start (`prefetch_tile`).
+ * are widened into a per-tile buffer. The next tile's rows are prefetched: they sit in scattered blocks. Both
+ * paths spread the prefetches over the tile's work, so that the loads overlap it (the AVX-512 path one 64-byte
+ * slice of each row beside each slice of its arithmetic, the portable path a row beside each row it reads);
+ * asked for all at the tile's start they were no better than none.
  *
  *   tile over token positions t0 .. t0+15 of sequence b, KV head h (bs = 16 shown):
  *     pos -> block tables[b][pos / bs], slot pos % bs -> row ((block * bs + slot) * Hkv + h) * D
@@ -74,20 +75,6 @@ static const float ZERO_ROW[MAX_D];  /* stands in for the missing keys of a shor
 /* element offset of token `pos`'s row for KV head h: through the block table, then [bs][Hkv][D] */
 static inline int64_t cache_row(const int32_t *table, int64_t pos, int64_t bs, int64_t Hkv, int64_t h, int64_t D) {
     return (((int64_t)table[pos / bs] * bs + pos % bs) * Hkv + h) * D;
-}
-
-/* the next tile's rows are scattered over blocks: ask for them while this one computes (prefetcht0; the
- * portable path) */
-static inline void prefetch_tile(const void *key_cache, const void *value_cache, const int32_t *table, int64_t t0,
-                                 int64_t L, int64_t bs, int64_t Hkv, int64_t h, int64_t D, int64_t elem) {
-    for (int64_t pos = t0; pos < t0 + TILE && pos < L; pos++) {
-        const int64_t row = cache_row(table, pos, bs, Hkv, h, D);
-        const char *kr = (const char *)key_cache + row * elem, *vr = (const char *)value_cache + row * elem;
-        for (int64_t off = 0; off < D * elem; off += 64) {
-            __builtin_prefetch(kr + off, 0, 3);
-            __builtin_prefetch(vr + off, 0, 3);
-        }
-    }
 }
 
 /* keys of this tile that query j attends: those before its row's length (0 when the tile is past it) */
@@ -302,8 +289,18 @@ static void attend(const float *qf, float *acc, float *m, float *l, const void *
     const float *v[TILE];
     for (int64_t t0 = T0; t0 < L; t0 += TILE) {
         const int n = (int)(L - t0 < TILE ? L - t0 : TILE);
+        /* the next tile's rows, asked for one at a time beside this tile's rows as they are read (not all at once) */
+        const int64_t t1 = t0 + TILE;
+        const int n1 = t1 < L ? (int)(L - t1 < TILE ? L - t1 : TILE) : 0;
         for (int t = 0; t < n; t++) {
             const int64_t row = cache_row(table, t0 + t, bs, Hkv, h, D);
+            if (t < n1) {
+                const int64_t nr = cache_row(table, t1 + t, bs, Hkv, h, D) * elem;
+                for (int64_t off = 0; off < D * elem; off += 64) {
+                    __builtin_prefetch((const char *)key_cache + nr + off, 0, 3);
+                    __builtin_prefetch((const char *)value_cache + nr + off, 0, 3);
+                }
+            }
             if (bf16) {
                 const uint16_t *kr = (const uint16_t *)key_cache + row;
                 for (int64_t i = 0; i < D; i++) kt[i * TILE + t] = bf16_to_f32(kr[i]);
@@ -317,7 +314,6 @@ static void attend(const float *qf, float *acc, float *m, float *l, const void *
         }
         for (int t = n; t < TILE; t++)  /* a short last tile: defined values in lanes masked below */
             for (int64_t i = 0; i < D; i++) kt[i * TILE + t] = 0.0f;
-        prefetch_tile(key_cache, value_cache, table, t0 + TILE, L, bs, Hkv, h, D, elem);
         for (int64_t j = 0; j < g; j++) {
             const int nj = tile_keys(len[j], t0);
             if (nj == 0) continue;
