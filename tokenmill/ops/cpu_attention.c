@@ -77,6 +77,22 @@ static inline int64_t cache_row(const int32_t *table, int64_t pos, int64_t bs, i
     return (((int64_t)table[pos / bs] * bs + pos % bs) * Hkv + h) * D;
 }
 
+/* The element offsets of the rows of the tile at t0 (a multiple of TILE) for KV head h, before L; returns how
+ * many (0 past L). When blocks hold whole tiles (bs % TILE == 0, the engine's block sizes) one block-table lookup
+ * and a stride, else a lookup per row. Each tile's rows are found once: as the next tile's, to prefetch them, and
+ * then used as the current tile's. */
+static inline int tile_rows(const int32_t *table, int64_t t0, int64_t L, int64_t bs, int64_t Hkv, int64_t h,
+                            int64_t D, int64_t rows[TILE]) {
+    const int n = t0 < L ? (int)(L - t0 < TILE ? L - t0 : TILE) : 0;
+    if (n && bs % TILE == 0) {
+        const int64_t base = cache_row(table, t0, bs, Hkv, h, D);
+        for (int t = 0; t < n; t++) rows[t] = base + t * Hkv * D;
+    } else {
+        for (int t = 0; t < n; t++) rows[t] = cache_row(table, t0 + t, bs, Hkv, h, D);
+    }
+    return n;
+}
+
 /* keys of this tile that query j attends: those before its row's length (0 when the tile is past it) */
 static inline int tile_keys(int64_t len, int64_t t0) {
     return (int)(len - t0 >= TILE ? TILE : len - t0 > 0 ? len - t0 : 0);
@@ -153,11 +169,12 @@ static void attend(const float *qf, float *acc, float *m, float *l, const void *
     const float *k[TILE], *v[TILE];
     __m512 sacc[MAX_GROUP_FLOATS / 16], lsum[MAX_GROUP_FLOATS / 16];  /* lsum: each query's l, 16 lanes to add up */
     for (int64_t j = 0; j < g; j++) lsum[j] = _mm512_mask_mov_ps(_mm512_setzero_ps(), 1, _mm512_set1_ps(l[j]));
+    int64_t rows[TILE], next[TILE];
+    int n = tile_rows(table, T0, L, bs, Hkv, h, D, rows);
     for (int64_t t0 = T0; t0 < L; t0 += TILE) {
-        const int n = (int)(L - t0 < TILE ? L - t0 : TILE);
         /* the tile's key and value rows, as float32, shared by the group's query heads */
         for (int t = 0; t < n; t++) {
-            const int64_t row = cache_row(table, t0 + t, bs, Hkv, h, D);
+            const int64_t row = rows[t];
             if (bf16) {
                 row_to_f32(key_cache, row, 1, kbuf + t * D, D);
                 row_to_f32(value_cache, row, 1, vbuf + t * D, D);
@@ -169,21 +186,13 @@ static void attend(const float *qf, float *acc, float *m, float *l, const void *
             }
         }
         for (int t = n; t < TILE; t++) k[t] = ZERO_ROW;
-        /* the next tile's rows (byte offsets), asked for a slice of each at a time below: spread over this tile's
-         * compute rather than 8 lines per row at once, which left the loads waiting for the prefetches */
-        const int64_t t1 = t0 + TILE;
-        const int n1 = t1 < L ? (int)(L - t1 < TILE ? L - t1 : TILE) : 0;
-        int64_t next[TILE];
-        if (bs % TILE == 0) {  /* the tile lies in one block: one lookup, then a stride (the engine's block sizes) */
-            const int64_t base = n1 ? cache_row(table, t1, bs, Hkv, h, D) * elem : 0;
-            for (int t = 0; t < n1; t++) next[t] = base + t * Hkv * D * elem;
-        } else {
-            for (int t = 0; t < n1; t++) next[t] = cache_row(table, t1 + t, bs, Hkv, h, D) * elem;
-        }
+        /* the next tile's rows, asked for a slice of each at a time below: spread over this tile's compute
+         * rather than 8 lines per row at once, which left the loads waiting for the prefetches */
+        const int n1 = tile_rows(table, t0 + TILE, L, bs, Hkv, h, D, next);
         /* scores: every head's 16 at once, from the tile transposed 16 elements at a time */
         for (int64_t j = 0; j < g; j++) sacc[j] = _mm512_setzero_ps();
         for (int64_t i = 0; i < D; i += 16) {
-            for (int t = 0; t < n1; t++) __builtin_prefetch((const char *)key_cache + next[t] + i * elem, 0, 3);
+            for (int t = 0; t < n1; t++) __builtin_prefetch((const char *)key_cache + (next[t] + i) * elem, 0, 3);
             __m512 col[16];
             for (int t = 0; t < TILE; t++) col[t] = _mm512_loadu_ps(k[t] + i);
             transpose16(col);
@@ -198,15 +207,12 @@ static void attend(const float *qf, float *acc, float *m, float *l, const void *
          * exp (a libm expf per query was ~15 % of a nine-row verification), ~1e-38 rather than 0 at the start,
          * where it multiplies zeros; then each query's probabilities (0 past its length), its sum kept as a
          * vector until the task ends */
-        int live[MAX_GROUP_FLOATS / 16];
+        __mmask16 valid[MAX_GROUP_FLOATS / 16];  /* the keys each query attends (0: none, the tile is past it) */
         float m_new[MAX_GROUP_FLOATS / 16];
         for (int64_t j = 0; j < g; j++) {
-            const int nj = tile_keys(len[j], t0);
-            live[j] = nj > 0;
-            m_new[j] = m[j];
-            if (nj == 0) continue;
-            const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), (__mmask16)((1u << nj) - 1), sacc[j]);
-            m_new[j] = fmaxf(m[j], _mm512_reduce_max_ps(sv));
+            valid[j] = (__mmask16)((1u << tile_keys(len[j], t0)) - 1);
+            sacc[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[j], sacc[j]);
+            m_new[j] = valid[j] ? fmaxf(m[j], _mm512_reduce_max_ps(sacc[j])) : m[j];
         }
         for (int64_t j0 = 0; j0 < g; j0 += 16) {
             const __mmask16 lanes = (__mmask16)(g - j0 >= 16 ? 0xFFFF : (1u << (g - j0)) - 1);
@@ -214,10 +220,8 @@ static void attend(const float *qf, float *acc, float *m, float *l, const void *
             _mm512_mask_storeu_ps(rescale + j0, lanes, exp512(diff));
         }
         for (int64_t j = 0; j < g; j++) {
-            if (!live[j]) continue;
-            const __mmask16 valid = (__mmask16)((1u << tile_keys(len[j], t0)) - 1);
-            const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sacc[j]);
-            const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(m_new[j]))));
+            if (!valid[j]) continue;
+            const __m512 p = _mm512_maskz_mov_ps(valid[j], exp512(_mm512_sub_ps(sacc[j], _mm512_set1_ps(m_new[j]))));
             lsum[j] = _mm512_fmadd_ps(lsum[j], _mm512_set1_ps(rescale[j]), p);
             m[j] = m_new[j];
             _mm512_storeu_ps(probs + j * TILE, p);
@@ -225,17 +229,19 @@ static void attend(const float *qf, float *acc, float *m, float *l, const void *
         /* values 16 elements at a time: the tile's 16 rows stay in registers for every query, which adds
          * them in key order as alone (a key past a query's length adds p = 0, which leaves the sum as is) */
         for (int64_t i = 0; i < D; i += 16) {
-            for (int t = 0; t < n1; t++) __builtin_prefetch((const char *)value_cache + next[t] + i * elem, 0, 3);
+            for (int t = 0; t < n1; t++) __builtin_prefetch((const char *)value_cache + (next[t] + i) * elem, 0, 3);
             __m512 vr[TILE];
             for (int t = 0; t < TILE; t++) vr[t] = t < n ? _mm512_loadu_ps(v[t] + i) : _mm512_setzero_ps();
             for (int64_t j = 0; j < g; j++) {
-                if (!live[j]) continue;
+                if (!valid[j]) continue;
                 const float *pj = probs + j * TILE;
                 __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + j * D + i), _mm512_set1_ps(rescale[j]));
                 for (int t = 0; t < TILE; t++) a = _mm512_fmadd_ps(_mm512_set1_ps(pj[t]), vr[t], a);
                 _mm512_storeu_ps(acc + j * D + i, a);
             }
         }
+        memcpy(rows, next, sizeof(rows));  /* the next tile's rows are the next iteration's */
+        n = n1;
     }
     for (int64_t j = 0; j < g; j++) l[j] = _mm512_reduce_add_ps(lsum[j]);
 }
@@ -287,18 +293,17 @@ static void attend(const float *qf, float *acc, float *m, float *l, const void *
      * (no horizontal sums); written once per tile, read by the group's query heads */
     float kt[MAX_D * TILE], vbuf[TILE * MAX_D];
     const float *v[TILE];
+    int64_t rows[TILE], next[TILE];
+    int n = tile_rows(table, T0, L, bs, Hkv, h, D, rows);
     for (int64_t t0 = T0; t0 < L; t0 += TILE) {
-        const int n = (int)(L - t0 < TILE ? L - t0 : TILE);
         /* the next tile's rows, asked for one at a time beside this tile's rows as they are read (not all at once) */
-        const int64_t t1 = t0 + TILE;
-        const int n1 = t1 < L ? (int)(L - t1 < TILE ? L - t1 : TILE) : 0;
+        const int n1 = tile_rows(table, t0 + TILE, L, bs, Hkv, h, D, next);
         for (int t = 0; t < n; t++) {
-            const int64_t row = cache_row(table, t0 + t, bs, Hkv, h, D);
+            const int64_t row = rows[t];
             if (t < n1) {
-                const int64_t nr = cache_row(table, t1 + t, bs, Hkv, h, D) * elem;
                 for (int64_t off = 0; off < D * elem; off += 64) {
-                    __builtin_prefetch((const char *)key_cache + nr + off, 0, 3);
-                    __builtin_prefetch((const char *)value_cache + nr + off, 0, 3);
+                    __builtin_prefetch((const char *)key_cache + next[t] * elem + off, 0, 3);
+                    __builtin_prefetch((const char *)value_cache + next[t] * elem + off, 0, 3);
                 }
             }
             if (bf16) {
@@ -358,6 +363,8 @@ static void attend(const float *qf, float *acc, float *m, float *l, const void *
             for (; t < nj; t++) axpy4(aj, (const float *[4]){v[t], ZERO_ROW, ZERO_ROW, ZERO_ROW},
                                      (const float[4]){p[t], 0.0f, 0.0f, 0.0f}, D);
         }
+        memcpy(rows, next, sizeof(rows));  /* the next tile's rows are the next iteration's */
+        n = n1;
     }
 }
 #endif
