@@ -83,6 +83,8 @@ def test_int8_gemv_of_bfloat16_rows_matches_its_integer_twin(rows):
     y = cpu_qgemv.gemv_int8(x, cpu_qgemv.pack_int8(q), s).double()
     twin = (cpu_qgemv.int16_twin(x, cpu_qgemv.INT8_BLOCK) if cpu_qgemv.int16_rows() else x.double()) @ w.t()
     torch.testing.assert_close(y, twin, atol=1e-5, rtol=2 ** -8)
+    for r in range(rows):  # one row alone (its own kernel at batch 1) gives the bits it gets in a batch
+        assert torch.equal(cpu_qgemv.gemv_int8(x[r:r + 1], cpu_qgemv.pack_int8(q), s).double()[0], y[r])
     x[0, 5] = float("nan")
     y = cpu_qgemv.gemv_int8(x, cpu_qgemv.pack_int8(q), s)
     assert y[0].isnan().all() and not y[1:].isnan().any()
