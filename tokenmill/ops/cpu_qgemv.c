@@ -189,6 +189,11 @@ static int rows_to_int16(const uint16_t *x, int64_t M, int64_t K, int64_t G, int
  * decode batches cost little more than one row. x [M, K] and y [M, N] are row-major. */
 #define MAX_ROWS 8
 
+/* The integer and int8 kernels below take rows two at a time through helpers inlined with a constant row
+ * count (1 or 2), so that their accumulators stay in registers (and on AVX-512 their panels through helpers
+ * inlined with M = 1 for a batch of one). */
+#define ROWS_INLINE static inline __attribute__((always_inline))
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #define U4_DWORD_LINES 1
 #define S8_QUAD_LINES 1
@@ -224,9 +229,6 @@ static inline void line_to_bf16_pairs(const void *line, __m512i w[4]) {
     w[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(d, 12), mask, one28, 0xEA);
 }
 
-/* The integer and int8 kernels below take rows two at a time through helpers inlined with a constant row
- * count (1 or 2), so that their accumulators stay in registers. */
-#define ROWS_INLINE static inline __attribute__((always_inline))
 
 /* int8 quad lines, float32 x rows x0 (and x1 when two), k in [0, K), K % 4 == 0. Each 16 bytes of a line,
  * back to signed codes and widened to float32, are 4 rows x 4 k (lane 4i + j: row 4 v + i, k + j for quarter v)
@@ -312,70 +314,48 @@ ROWS_INLINE void s8_quads_int16(const uint8_t *blk, const int32_t *xq0, const in
     }
 }
 
+/* Panel b of qgemm_s8_int16 for M rows (xe, xs: rows_to_int16's). Inlined with M = 1 for a batch of one, so that
+ * the row's float accumulator stays in a register across the blocks: with M a runtime value it lived in memory,
+ * a load, an FMA and a store per block (~30 % of the one-row kernel in `perf`; 1.1x in cache without). */
+ROWS_INLINE void s8_int16_panel(const uint8_t *P, const float *scales, const int32_t *xe, const float *xs,
+                                const float *bias, uint16_t *y, int64_t b, const int64_t M, int64_t N, int64_t K) {
+    const int64_t nblocks = K / S8_BLOCK;
+    const float *xsum = xs + M * nblocks;  /* exact: at most S8_BLOCK * 2^14 */
+    const uint8_t *blk = P + b * K * 16;
+    __m512 acc[MAX_ROWS];
+    for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < nblocks; g++)
+        for (int64_t m = 0; m < M; m += 2) {
+            __m512i dot[2];
+            const int32_t *xe0 = xe + m * K * 2;
+            const int64_t k0 = g * S8_BLOCK, k1 = k0 + S8_BLOCK;
+            const int32_t sums[2] = {(int32_t)xsum[m * nblocks + g],
+                                     m + 1 < M ? (int32_t)xsum[(m + 1) * nblocks + g] : 0};
+            if (m + 1 < M) s8_quads_int16(blk, xe0, xe0 + K * 2, 1, k0, k1, sums, dot);
+            else s8_quads_int16(blk, xe0, NULL, 0, k0, k1, sums, dot);
+            for (int64_t i = m; i < M && i < m + 2; i++)
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i - m]), _mm512_set1_ps(xs[i * nblocks + g]), acc[i]);
+        }
+    const __m512 s = _mm512_loadu_ps(scales + b * 16);
+    for (int64_t m = 0; m < M; m++) store_row(_mm512_mul_ps(acc[m], s), bias, b * 16, y + m * N, 1);
+}
+
 /* bfloat16 x as int16 (blocks of S8_BLOCK), M <= MAX_ROWS rows; 0 (nothing written) when a row holds a NaN or
  * an infinity, or K is not a multiple of S8_BLOCK */
 static int qgemm_s8_int16(const uint8_t *P, const float *scales, const uint16_t *x, const float *bias, uint16_t *y,
                           int64_t M, int64_t N, int64_t K, int nthreads) {
     if (K % S8_BLOCK) return 0;
-    const int64_t nblocks = K / S8_BLOCK;
     int32_t *xe;
     float *xs;
     const int ok = rows_to_int16(x, M, K, S8_BLOCK, XI_QUADS, &xe, &xs);
     if (ok) {
-        const float *xsum = xs + M * nblocks;  /* exact: at most S8_BLOCK * 2^14 */
         /* guided: two threads' halves stream at different speeds; long chunks first keep each stream long, short
          * ones last even out the finish (1.06-1.10x over static on the 0.5B decoder's linears at ~60 GB/s; a
          * fixed chunk of 4 panels, interleaving the threads, lost 20 %) */
         #pragma omp parallel for num_threads(nthreads) schedule(guided)
         for (int64_t b = 0; b < N / 16; b++) {
-            const uint8_t *blk = P + b * K * 16;
-            __m512 acc[MAX_ROWS];
-            for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-            for (int64_t g = 0; g < nblocks; g++)
-                for (int64_t m = 0; m < M; m += 2) {
-                    __m512i dot[2];
-                    const int32_t *xe0 = xe + m * K * 2;
-                    const int64_t k0 = g * S8_BLOCK, k1 = k0 + S8_BLOCK;
-                    const int32_t sums[2] = {(int32_t)xsum[m * nblocks + g],
-                                             m + 1 < M ? (int32_t)xsum[(m + 1) * nblocks + g] : 0};
-                    if (m + 1 < M) s8_quads_int16(blk, xe0, xe0 + K * 2, 1, k0, k1, sums, dot);
-                    else s8_quads_int16(blk, xe0, NULL, 0, k0, k1, sums, dot);
-                    for (int64_t i = m; i < M && i < m + 2; i++)
-                        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i - m]), _mm512_set1_ps(xs[i * nblocks + g]),
-                                                 acc[i]);
-                }
-            const __m512 s = _mm512_loadu_ps(scales + b * 16);
-            for (int64_t m = 0; m < M; m++) store_row(_mm512_mul_ps(acc[m], s), bias, b * 16, y + m * N, 1);
-        }
-    }
-    free(xe);
-    free(xs);
-    return ok;
-}
-
-/* One row (decode at batch 1): qgemm_s8_int16 with M = 1 known to the compiler, so that the row's float
- * accumulator stays in a register across the blocks (the M-row loop kept it in memory: a load, an FMA and a
- * store per block, and row bookkeeping) - 1.1x in cache. The same operations, so bit-identical to it. */
-static int qgemv_s8_int16_row(const uint8_t *P, const float *scales, const uint16_t *x, const float *bias, uint16_t *y,
-                              int64_t N, int64_t K, int nthreads) {
-    if (K % S8_BLOCK) return 0;
-    const int64_t nblocks = K / S8_BLOCK;
-    int32_t *xe;
-    float *xs;
-    const int ok = rows_to_int16(x, 1, K, S8_BLOCK, XI_QUADS, &xe, &xs);
-    if (ok) {
-        const float *xsum = xs + nblocks;
-        #pragma omp parallel for num_threads(nthreads) schedule(guided)  /* guided: see qgemm_s8_int16 */
-        for (int64_t b = 0; b < N / 16; b++) {
-            const uint8_t *blk = P + b * K * 16;
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t g = 0; g < nblocks; g++) {
-                __m512i dot[2];
-                const int32_t sums[2] = {(int32_t)xsum[g], 0};
-                s8_quads_int16(blk, xe, NULL, 0, g * S8_BLOCK, (g + 1) * S8_BLOCK, sums, dot);
-                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[0]), _mm512_set1_ps(xs[g]), acc);
-            }
-            store_row(_mm512_mul_ps(acc, _mm512_loadu_ps(scales + b * 16)), bias, b * 16, y, 1);
+            if (M == 1) s8_int16_panel(P, scales, xe, xs, bias, y, b, 1, N, K);
+            else s8_int16_panel(P, scales, xe, xs, bias, y, b, M, N, K);
         }
     }
     free(xe);
@@ -385,7 +365,6 @@ static int qgemv_s8_int16_row(const uint8_t *P, const float *scales, const uint1
 
 static void qgemm_s8(const int8_t *P, const float *scales, const void *x_in, const float *bias, void *y, int64_t M,
                      int64_t N, int64_t K, int y_bf16, int nthreads) {
-    if (y_bf16 && M == 1 && qgemv_s8_int16_row((const uint8_t *)P, scales, x_in, bias, y, N, K, nthreads)) return;
     if (y_bf16 && qgemm_s8_int16((const uint8_t *)P, scales, x_in, bias, y, M, N, K, nthreads)) return;
     float *owned;
     const float *x = widen(x_in, M * K, y_bf16, &owned);
@@ -442,34 +421,31 @@ ROWS_INLINE void u4_vnni_dots(const uint8_t *blk, const int32_t *xq0, const int3
     }
 }
 
-/* qgemm_u4_vnni at one row (decode at batch 1), its accumulator in a register (see qgemv_s8_int16_row);
- * bit-identical to it */
-static int qgemv_u4_vnni_row(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const uint16_t *x, const float *bias,
-                             uint16_t *y, int64_t N, int64_t K, int64_t G, int nthreads) {
+/* Panel b of qgemm_u4_vnni for M rows, inlined with M = 1 for a batch of one (see s8_int16_panel) */
+ROWS_INLINE void u4_vnni_panel(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const int32_t *xq, const float *xs,
+                               const float *bias, uint16_t *y, int64_t b, const int64_t M, int64_t N, int64_t K,
+                               int64_t G) {
     const int64_t ngroups = K / G;
-    int32_t *xq;
-    float *xs;
-    const int ok = rows_to_int16(x, 1, K, G, XI_BYTES, &xq, &xs);
-    if (ok) {
-        const float *xsum = xs + ngroups;
-        #pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t b = 0; b < N / 16; b++) {
-            const uint8_t *blk = P + b * (K / 2) * 16;
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t g = 0; g < ngroups; g++) {
-                const int64_t sz = (b * ngroups + g) * 16;
-                __m512i dot[2];
-                u4_vnni_dots(blk, xq, NULL, 0, g * G, (g + 1) * G, dot);
-                const __m512 corrected = _mm512_fnmadd_ps(load_z8(Z + sz), _mm512_set1_ps(xsum[g]),
-                                                          _mm512_cvtepi32_ps(dot[0]));
-                acc = _mm512_fmadd_ps(_mm512_mul_ps(load_s16(S + sz), _mm512_set1_ps(xs[g])), corrected, acc);
+    const float *xsum = xs + M * ngroups;
+    const uint8_t *blk = P + b * (K / 2) * 16;
+    __m512 acc[MAX_ROWS];
+    for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ngroups; g++) {
+        const int64_t sz = (b * ngroups + g) * 16;
+        const __m512 sg = load_s16(S + sz), zg = load_z8(Z + sz);
+        for (int64_t m = 0; m < M; m += 2) {
+            __m512i dot[2];
+            const int32_t *xq0 = xq + m * K * 2;
+            if (m + 1 < M) u4_vnni_dots(blk, xq0, xq0 + K * 2, 1, g * G, (g + 1) * G, dot);
+            else u4_vnni_dots(blk, xq0, NULL, 0, g * G, (g + 1) * G, dot);
+            for (int64_t i = m; i < M && i < m + 2; i++) {
+                const __m512 corrected = _mm512_fnmadd_ps(zg, _mm512_set1_ps(xsum[i * ngroups + g]),
+                                                          _mm512_cvtepi32_ps(dot[i - m]));
+                acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(sg, _mm512_set1_ps(xs[i * ngroups + g])), corrected, acc[i]);
             }
-            store_row(acc, bias, b * 16, y, 1);
         }
     }
-    free(xq);
-    free(xs);
-    return ok;
+    for (int64_t m = 0; m < M; m++) store_row(acc[m], bias, b * 16, y + m * N, 1);
 }
 
 /* bfloat16 rows as int16 (XI_BYTES, per AWQ group), M <= MAX_ROWS; y += s 2^(e_g - 14) (dot - z sum(xi)) per
@@ -477,35 +453,14 @@ static int qgemv_u4_vnni_row(const uint8_t *P, const uint16_t *S, const uint8_t 
 static int qgemm_u4_vnni(const uint8_t *P, const uint16_t *S, const uint8_t *Z, const uint16_t *x, const float *bias,
                          uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
     if (G % 16) return 0;
-    if (M == 1) return qgemv_u4_vnni_row(P, S, Z, x, bias, y, N, K, G, nthreads);
-    const int64_t ngroups = K / G;
     int32_t *xq;
     float *xs;
     const int ok = rows_to_int16(x, M, K, G, XI_BYTES, &xq, &xs);
     if (ok) {
-        const float *xsum = xs + M * ngroups;
         #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int64_t b = 0; b < N / 16; b++) {
-            const uint8_t *blk = P + b * (K / 2) * 16;
-            __m512 acc[MAX_ROWS];
-            for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-            for (int64_t g = 0; g < ngroups; g++) {
-                const int64_t sz = (b * ngroups + g) * 16;
-                const __m512 sg = load_s16(S + sz), zg = load_z8(Z + sz);
-                for (int64_t m = 0; m < M; m += 2) {
-                    __m512i dot[2];
-                    const int32_t *xq0 = xq + m * K * 2;
-                    if (m + 1 < M) u4_vnni_dots(blk, xq0, xq0 + K * 2, 1, g * G, (g + 1) * G, dot);
-                    else u4_vnni_dots(blk, xq0, NULL, 0, g * G, (g + 1) * G, dot);
-                    for (int64_t i = m; i < M && i < m + 2; i++) {
-                        const __m512 corrected = _mm512_fnmadd_ps(zg, _mm512_set1_ps(xsum[i * ngroups + g]),
-                                                                  _mm512_cvtepi32_ps(dot[i - m]));
-                        acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(sg, _mm512_set1_ps(xs[i * ngroups + g])), corrected,
-                                                 acc[i]);
-                    }
-                }
-            }
-            for (int64_t m = 0; m < M; m++) store_row(acc[m], bias, b * 16, y + m * N, 1);
+            if (M == 1) u4_vnni_panel(P, S, Z, xq, xs, bias, y, b, 1, N, K, G);
+            else u4_vnni_panel(P, S, Z, xq, xs, bias, y, b, M, N, K, G);
         }
     }
     free(xq);
