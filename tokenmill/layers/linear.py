@@ -132,7 +132,7 @@ class DecodeRowsKernel:
 
 INT4_AVX2_KERNEL_ROWS = 512
 INT4_AVX512_KERNEL_ROWS = 512
-INT8_AVX512_KERNEL_ROWS = 256
+INT8_AVX512_KERNEL_ROWS = 512
 BF16_AVX2_KERNEL_ROWS = 128
 F32_AVX2_KERNEL_ROWS = 32
 F32_AVX512_KERNEL_ROWS = 16
@@ -161,7 +161,8 @@ def kernel_rows(dtype: torch.dtype, weight_only_quantized: bool = False, int4: b
     INT8_AVX512_KERNEL_ROWS (int8): on a Zen 4 EPYC at Qwen2.5-0.5B's 4864 x 896, chunks of 8 rows beat
     dequantizing + oneDNN 1.7x at 128 rows for both, 1.3x (int4) and 1.2x (int8) at 256, and tied at 512 (int4)
     or lost 10 % there (int8), so a 128-token prompt's prefill stays on the kernels (BENCHMARKS.md, issue 14,
-    "Weight-only prefill on the kernels")."""
+    "Weight-only prefill on the kernels"); since their dot products went to asm (session 24) int8 wins 1.26x at
+    384 rows and 1.13-1.18x at 512, and ties at 768 ("VNNI dots in asm and one-row kernels")."""
     if dtype == torch.bfloat16 and slow_bf16_gemm():
         if int4:
             return INT4_AVX2_KERNEL_ROWS
