@@ -23,13 +23,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_qkernels import timed  # noqa: E402
-from common import machine, read_bandwidth_gbs, write_json  # noqa: E402
+from common import load_kernels_like, machine, read_bandwidth_gbs, write_json  # noqa: E402
 
 import tokenmill  # noqa: F401,E402
-from tokenmill.ops import cpu_qgemv, native  # noqa: E402
+from tokenmill.ops import cpu_qgemv  # noqa: E402
 from tokenmill.quantization.awq_format import quantize_w4, quantize_w8, unpack_int4  # noqa: E402
 
 SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]
+COPIES = {"cache": 1, "stream": 24}  # weights per shape
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -40,12 +41,7 @@ def build_from_commit(rev: str, like: ctypes.CDLL) -> ctypes.CDLL:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "cpu_qgemv.c"
         path.write_text(src)
-        lib = ctypes.CDLL(str(native.build([path])))
-    for name in dir(like):
-        if name.startswith("tm_"):
-            fn, typed = getattr(lib, name), getattr(like, name)
-            fn.argtypes, fn.restype = typed.argtypes, typed.restype
-    return lib
+        return load_kernels_like(path, like)
 
 
 def main() -> None:
@@ -66,11 +62,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     weights = {}  # (format, mode) -> [(packed args, k)] over the shapes
     for mode in a.modes.split(","):
-        copies = 1 if mode == "cache" else 24
         for fmt in a.formats.split(","):
             weights[(fmt, mode)] = []
             for n, k in SHAPES:
-                for _ in range(copies):
+                for _ in range(COPIES[mode]):
                     w = torch.randn(n, k, generator=g) * 0.02
                     if fmt == "int8":
                         q, s = quantize_w8(w)
@@ -97,16 +92,14 @@ def main() -> None:
         if mode == "cache":
             identical[f"{fmt} {m}"] = all(torch.equal(p, q) for p, q in zip(run(old, fmt, mode, m), run(new, fmt, mode, m)))
     print("bit-identical:", identical, flush=True)
-    per_layer = {mode: len(SHAPES) / len(weights[(a.formats.split(',')[0], mode)]) for mode in a.modes.split(",")}
     rounds = []
     for r in range(a.rounds):
         row = {"probe_gbs": read_bandwidth_gbs(2, repeats=3)}
         for fmt, mode, m in configs:
-            reps = max(2, int(2000 / m)) if mode == "cache" else 3
+            passes = max(2, 2000 // m) if mode == "cache" else 1  # passes over the weights per timed call
             for name, lib in (("old", old), ("new", new)) if r % 2 == 0 else (("new", new), ("old", old)):
-                # timed() gives microseconds per call of its fn over `layers`; here per layer of four linears
-                us = timed(lambda: [run(lib, fmt, mode, m) for _ in range(reps if mode == "cache" else 1)],
-                           1, reps=3) / (reps if mode == "cache" else 1) * per_layer[mode]
+                # microseconds per layer (the four shapes once): a pass covers COPIES[mode] layers
+                us = timed(lambda: [run(lib, fmt, mode, m) for _ in range(passes)], passes * COPIES[mode], reps=3)
                 row[f"{fmt} {mode} {m} {name} us"] = us
         rounds.append(row)
         print(f"round {r}: probe {row['probe_gbs']:.1f} GB/s | " + " | ".join(

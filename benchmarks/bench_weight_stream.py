@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_qkernels import timed  # noqa: E402
-from common import machine, read_bandwidth_gbs, write_json  # noqa: E402
+from common import load_kernels_like, machine, read_bandwidth_gbs, write_json  # noqa: E402
 
 import tokenmill  # noqa: F401,E402
 from tokenmill.ops import cpu_gemv, cpu_qgemv, native  # noqa: E402
@@ -32,17 +32,12 @@ def build(source: str, prefetch: bool, like: ctypes.CDLL | None = None) -> ctype
     before = os.environ.get("TOKENMILL_STREAM_PREFETCH")
     os.environ["TOKENMILL_STREAM_PREFETCH"] = "1" if prefetch else "0"
     try:
-        lib = ctypes.CDLL(str(native.build([OPS / source])))
+        return load_kernels_like(OPS / source, like)
     finally:
         if before is None:
             del os.environ["TOKENMILL_STREAM_PREFETCH"]
         else:
             os.environ["TOKENMILL_STREAM_PREFETCH"] = before
-    for name in dir(like) if like is not None else ():
-        if name.startswith("tm_"):
-            fn, typed = getattr(lib, name), getattr(like, name)
-            fn.argtypes, fn.restype = typed.argtypes, typed.restype
-    return lib
 
 
 def main() -> None:

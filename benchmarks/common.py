@@ -1,6 +1,7 @@
-"""Shared benchmark helpers: model shapes, a dummy model directory, memory bandwidth, JSON output."""
+"""Shared benchmark helpers: model shapes, a dummy model directory, memory bandwidth, JSON output, kernel builds."""
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import platform
@@ -26,6 +27,19 @@ def dummy_model_dir(shape: dict = QWEN25_05B, name: str = "qwen2.5-0.5b-dummy") 
     if not os.path.isfile(os.path.join(path, "config.json")):
         Qwen2Config(**{"torch_dtype": "bfloat16", **shape}).save_pretrained(path)
     return path
+
+
+def load_kernels_like(source, like: ctypes.CDLL | None = None) -> ctypes.CDLL:
+    """The C file `source` built as the engine builds its kernels (ops/native.py: this tree's headers and flags),
+    its `tm_` functions typed as in `like` (the engine's own library of the same kernels), to time against it."""
+    from tokenmill.ops import native
+
+    lib = ctypes.CDLL(str(native.build([source])))
+    for name in dir(like) if like is not None else ():
+        if name.startswith("tm_"):
+            fn, typed = getattr(lib, name), getattr(like, name)
+            fn.argtypes, fn.restype = typed.argtypes, typed.restype
+    return lib
 
 
 def read_bandwidth_gbs(threads: int = 2, gib: float = 1.0, repeats: int = 5) -> float:

@@ -229,7 +229,6 @@ static inline void line_to_bf16_pairs(const void *line, __m512i w[4]) {
     w[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(d, 12), mask, one28, 0xEA);
 }
 
-
 /* int8 quad lines, float32 x rows x0 (and x1 when two), k in [0, K), K % 4 == 0. Each 16 bytes of a line,
  * back to signed codes and widened to float32, are 4 rows x 4 k (lane 4i + j: row 4 v + i, k + j for quarter v)
  * against the broadcast quad x[k .. k + 3]; a[v] sums rows 4v .. 4v + 3, 4 lanes each, added up at the end. */
@@ -316,7 +315,7 @@ ROWS_INLINE void s8_quads_int16(const uint8_t *blk, const int32_t *xq0, const in
 
 /* Panel b of qgemm_s8_int16 for M rows (xe, xs: rows_to_int16's). Inlined with M = 1 for a batch of one, so that
  * the row's float accumulator stays in a register across the blocks: with M a runtime value it lived in memory,
- * a load, an FMA and a store per block (~30 % of the one-row kernel in `perf`; 1.1x in cache without). */
+ * a load, an FMA and a store per block (~30 % of the one-row kernel's samples in `perf`). */
 ROWS_INLINE void s8_int16_panel(const uint8_t *P, const float *scales, const int32_t *xe, const float *xs,
                                 const float *bias, uint16_t *y, int64_t b, const int64_t M, int64_t N, int64_t K) {
     const int64_t nblocks = K / S8_BLOCK;
