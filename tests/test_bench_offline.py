@@ -41,7 +41,7 @@ def test_throughput_run(engine):
     assert res["kind"] == "offline" and res["request_rate"] == "inf" and res["failed"] == 0
     assert res["output_lens"] == [r.expected_output_len for r in reqs]  # ignore_eos: exactly max_tokens
     assert res["request_goodput"] == pytest.approx(res["request_throughput"])
-    assert res["peak_rss_mb"] > 0 and 0 < res["cpu_utilization"] <= 100 * 1.05
+    assert res["peak_rss_mb"] > 0 and 0 < res["cpu_utilization"] <= 100
     assert res["engine_kwargs"]["max_model_len"] == 128
     json.dumps(res)  # the result file is plain JSON
 

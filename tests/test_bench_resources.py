@@ -1,0 +1,23 @@
+"""The resource monitor's utilization: busy time over wall time and usable cores, never past 100 %."""
+import time
+
+import pytest
+
+from tokenmill.bench.resources import ResourceMonitor, _cores, _utilization
+
+
+def test_utilization_is_busy_time_over_wall_time_and_cores_and_stops_at_100():
+    assert _utilization(0.1, 0.1, 2) == pytest.approx(50.0)
+    assert _utilization(0.21, 0.1, 2) == 100.0  # lazy per-thread accounting can overshoot a short window
+    assert _utilization(0.0, 0.0, 2) is None
+
+
+def test_one_busy_thread_shows_as_one_core():
+    with ResourceMonitor(interval_s=0.01) as mon:
+        end = time.perf_counter() + 0.3
+        while time.perf_counter() < end:
+            pass
+    out = mon.summary()
+    assert out["cpu_cores"] == _cores()
+    assert 100 / _cores() * 0.5 < out["cpu_utilization"] <= min(100.0, 100 / _cores() * 1.1)
+    assert out["peak_rss_mb"] > 0
