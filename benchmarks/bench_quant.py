@@ -2,7 +2,8 @@
 
 Qwen2.5-0.5B shape, random weights saved as a real bf16 checkpoint (so llama.cpp converts the same
 tensors), B sequences x (128 prompt + 128 new tokens), greedy, 2 threads, output tokens/s end to end.
-tokenmill formats: bf16, int8 (W8A16), awq (4-bit g128, round-to-nearest packed as AutoAWQ GEMM), w8a8.
+tokenmill formats: bf16, int8 (W8A16), awq (4-bit g128, round-to-nearest packed as AutoAWQ GEMM), w8a8;
+"+head": the LM head in int8 too, "+head4": in int4 (then llama.cpp also runs q4_0 with a q4_0 head).
 Each format runs in its own process, which also reports its resident memory. llama.cpp: bf16, q8_0, q4_0
 through ../shared/anchors/llamacpp.py.
 
@@ -26,7 +27,17 @@ ANCHOR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "anchors"
 LLAMACPP_TYPE = {"bf16": "bf16", "int8": "q8_0", "awq": "q4_0"}  # the llama.cpp type of each format's size
 ENGINE = {"bf16": {}, "int8": {"quantization": "int8"}, "awq": {}, "w8a8": {"quantization": "w8a8"},
           "int8+head": {"quantization": "int8", "quantize_lm_head": True}, "awq+head": {"quantize_lm_head": True},
-          "w8a8+head": {"quantization": "w8a8", "quantize_lm_head": True}}
+          "w8a8+head": {"quantization": "w8a8", "quantize_lm_head": True},
+          "awq+head4": {"quantize_lm_head": "int4"}}
+# llama.cpp's q4_0 with its head in q4_0 as well: the default q4_0 file of this shape carries a q8_0 head (896
+# is not a multiple of 256, so its q6_K head falls back to q8_0), the bytes of our int8 head, not of our int4 one
+Q4_0_HEAD4 = "q4_0+q4_0-head"
+
+
+def llamacpp_types(fmt: str) -> list[str]:
+    """llama.cpp types of this format's size: bf16 -> bf16, int8* -> q8_0, awq* -> q4_0 (+ the q4_0-head file)."""
+    t = LLAMACPP_TYPE.get(fmt.split("+")[0])
+    return ([t] if t else []) + ([Q4_0_HEAD4] if fmt.endswith("+head4") else [])
 
 
 def random_checkpoint() -> str:
@@ -148,10 +159,13 @@ def main():
         for f, m in models.items():
             rnd["tokenmill"][f] = run_worker(f, m, batches, a.threads)
             print(f"round {r} tokenmill {f}: {rnd['tokenmill'][f]}", flush=True)
-            if a.interleave and not a.no_llamacpp and LLAMACPP_TYPE.get(f.split("+")[0]):
-                rnd.setdefault("llamacpp", {}).update(run_llamacpp(src, LLAMACPP_TYPE[f.split("+")[0]], a))
+            if a.interleave and not a.no_llamacpp:
+                for t in llamacpp_types(f):
+                    rnd.setdefault("llamacpp", {}).update(run_llamacpp(src, t, a))
         if not a.no_llamacpp and not a.interleave:
-            rnd["llamacpp"] = run_llamacpp(src, a.llamacpp_types, a)
+            rnd["llamacpp"] = {}
+            for t in a.llamacpp_types.split(","):
+                rnd["llamacpp"].update(run_llamacpp(src, t, a))
         print(f"round {r} llama.cpp: {rnd.get('llamacpp')}", flush=True)
         rnd["bandwidth_gbs_after"] = read_bandwidth_gbs(a.threads)
         result["rounds"].append(rnd)
@@ -174,8 +188,7 @@ def ratio_medians(rounds: list[dict], batches: list[int]) -> dict:
 
     out = {}
     for f in rounds[0]["tokenmill"]:
-        t = LLAMACPP_TYPE.get(f.split("+")[0])
-        for b in batches:
+        for t, b in ((t, b) for t in llamacpp_types(f) for b in batches):
             r = [rnd["tokenmill"][f][str(b)]["output_tok_s"] / rnd["llamacpp"][t][str(b)]["e2e_out_tok_s"]
                  for rnd in rounds if t in rnd.get("llamacpp", {}) and str(b) in rnd["llamacpp"][t]]
             if r:
@@ -184,9 +197,28 @@ def ratio_medians(rounds: list[dict], batches: list[int]) -> dict:
 
 
 def run_llamacpp(src: str, types: str, a) -> dict:
+    if types == Q4_0_HEAD4:
+        return {Q4_0_HEAD4: run_q4_0_head4(src, a)}
     out = subprocess.run([sys.executable, ANCHOR, "bench", src, "--types", types, "--batches", a.batches,
                           "--threads", str(a.threads), "--dummy-vocab"], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+
+def run_q4_0_head4(src: str, a) -> dict:
+    """llama.cpp's q4_0 with `--token-embedding-type q4_0` (the tied embedding is its head), made once."""
+    sys.path.insert(0, os.path.dirname(ANCHOR))
+    import llamacpp
+
+    base = llamacpp.gguf(src, "bf16", dummy_vocab=True)
+    path = os.path.join(os.path.dirname(base), "q4_0-head-q4_0.gguf")
+    if not os.path.exists(path):
+        subprocess.run([os.path.join(llamacpp.ensure_build(), "llama-quantize"), "--token-embedding-type", "q4_0",
+                        "--output-tensor-type", "q4_0", base, path + ".tmp", "Q4_0"], check=True,
+                       capture_output=True)
+        os.replace(path + ".tmp", path)
+    batches = tuple(int(b) for b in a.batches.split(","))
+    return {str(b): v for b, v in llamacpp.batched_bench(path, batches, threads=a.threads).items()}
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Quantized engines against references that share their dequantized weights: AutoAWQ checkpoints
 packed by autoawq itself, load-time int8, and W8A8, each through both CPU kernel paths."""
+import argparse
 import json
 import os
 
@@ -13,7 +14,8 @@ from tokenmill.ops import cpu_qgemm_amx, native
 from tokenmill.quantization import int8 as int8_module
 from awq_oracle import autoawq_linear_class, write_autoawq_checkpoint
 from conftest import build_model, hf_greedy, make_llm, random_prompts
-from tokenmill.config import DEFAULT_MODEL
+from tokenmill.config import DEFAULT_MODEL, EngineConfig
+from tokenmill.engine.arg_utils import add_engine_args
 
 pytestmark = pytest.mark.skipif(autoawq_linear_class() is None, reason="autoawq is a test dependency")
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -121,20 +123,30 @@ def test_weight_only_decode_batches_above_eight_rows_match_transformers(model_di
         assert toks == hf_greedy(hf, p, 16), f"prompt length {len(p)}"
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
-def test_int8_lm_head_matches_its_dequantized_reference(model_dirs, tmp_path, quantization):
+def rtn4_groups(w: torch.Tensor, group: int) -> torch.Tensor:
+    """Round-to-nearest 4-bit with zero points per group of `group` inputs, as the format describes it: scale
+    (max - min) / 15 rounded to fp16, zero round(-min / scale) in 0..15, W = (q - zero) scale."""
+    g = w.float().view(w.shape[0], -1, group)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    s = ((hi - lo).clamp(min=1e-5) / 15).half().float()
+    z = (-lo / s).round().clamp(0, 15)
+    return (((g / s + z).round().clamp(0, 15) - z) * s).view_as(w)
+
+
+@pytest.mark.parametrize("quantization,head", [(None, "int8"), ("int8", "int8"), (None, "int4")])
+def test_quantized_lm_head_matches_its_dequantized_reference(model_dirs, tmp_path, quantization, head):
     path, _ = model_dirs["llama"]  # an untied LM head
     ref_dir = str(tmp_path / "ref")
+    ref = int8_reference(path, ref_dir, lm_head=head == "int8")
     if quantization is None:  # only the head is quantized
-        ref = int8_reference(path, ref_dir, lm_head=True)
         sd = load_file(os.path.join(ref_dir, "model.safetensors"))
         orig = load_file(os.path.join(path, "model.safetensors"))
-        save_file({k: (v if k == "lm_head.weight" else orig[k]) for k, v in sd.items()},
-                  os.path.join(ref_dir, "model.safetensors"))
+        sd = {k: (v if k == "lm_head.weight" else orig[k]) for k, v in sd.items()}
+        if head == "int4":
+            sd["lm_head.weight"] = rtn4_groups(orig["lm_head.weight"], 64)  # hidden size 64: groups of 64
+        save_file(sd, os.path.join(ref_dir, "model.safetensors"))
         ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
-    else:
-        ref = int8_reference(path, ref_dir, lm_head=True)
-    llm = make_llm(path, quantization=quantization, quantize_lm_head=True)
+    llm = make_llm(path, quantization=quantization, quantize_lm_head=head)
     prompts = random_prompts([6, 19], seed=11)
     p = prompts[1]
     out = llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
@@ -144,6 +156,19 @@ def test_int8_lm_head_matches_its_dequantized_reference(model_dirs, tmp_path, qu
     torch.testing.assert_close(ours, expected[torch.arange(len(p) - 1), torch.tensor(p[1:])], atol=1e-4, rtol=1e-4)
     for q, toks in zip(prompts, generate(llm, prompts)):
         assert toks == hf_greedy(ref, q, 16)
+
+
+def test_lm_head_option_spellings(model_dirs):
+    path, _ = model_dirs["llama"]
+    assert EngineConfig(model=path, quantize_lm_head=True).quantize_lm_head == "int8"  # the older boolean form
+    assert EngineConfig(model=path, quantize_lm_head=False).quantize_lm_head is None
+    with pytest.raises(ValueError, match="quantize_lm_head must be one of"):
+        EngineConfig(model=path, quantize_lm_head="int3")
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args(["--quantize-lm-head"]).quantize_lm_head == "int8"
+    assert parser.parse_args(["--quantize-lm-head", "int4"]).quantize_lm_head == "int4"
+    assert parser.parse_args([]).quantize_lm_head is None
 
 
 @pytest.mark.parametrize("head", [False, True])
@@ -310,3 +335,18 @@ def test_bfloat16_awq_prefill_takes_the_int4_kernels_in_chunks(shipped_awq, monk
     assert followed[0] >= followed[1] - params.max_tokens, followed
     err_kernel, err_dequant = (kernel_lp - ref_lp).abs(), (dequant_lp - ref_lp).abs()
     assert err_kernel.mean() <= 1.25 * err_dequant.mean() + 1e-3 and err_kernel.max() < 0.25, (err_kernel, err_dequant)
+
+
+def test_int4_lm_head_takes_groups_of_32_where_64_does_not_divide():
+    from tokenmill.layers.linear import ColumnParallelLinear
+    from tokenmill.quantization.awq import Int4LinearMethod
+    from tokenmill.quantization.registry import LM_HEAD_INT4_GROUPS
+
+    sizes = {}
+    for k in (128, 96):
+        method = Int4LinearMethod(LM_HEAD_INT4_GROUPS)
+        ColumnParallelLinear(k, 64, method=method, prefix="lm_head")
+        sizes[k] = method.group_size
+    assert sizes == {128: 64, 96: 32}
+    with pytest.raises(ValueError, match="lm_head: input size 80 is not a multiple of the AWQ group size 32"):
+        ColumnParallelLinear(80, 64, method=Int4LinearMethod(LM_HEAD_INT4_GROUPS), prefix="lm_head")

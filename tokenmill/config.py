@@ -112,9 +112,10 @@ class ModelConfig:
         )
 
 
-def option(default, help: str, *, choices: tuple | None = None, aliases: tuple[str, ...] = ()):
-    """An EngineConfig field whose metadata also defines its command-line flag (engine/arg_utils.py)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
+def option(default, help: str, *, choices: tuple | None = None, aliases: tuple[str, ...] = (), const=None):
+    """An EngineConfig field whose metadata also defines its command-line flag (engine/arg_utils.py); `const`:
+    the value of the flag given without one."""
+    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases, "const": const})
 
 
 @dataclass
@@ -153,8 +154,10 @@ class EngineConfig:
         None, "weight quantization: int8 (weight-only, made at load time), w8a8 (int8 weights and activations), "
         "awq (AutoAWQ / `tokenmill quantize` checkpoints; detected from config.json)",
         choices=(None, "int8", "awq", "w8a8"), aliases=("-q",))
-    quantize_lm_head: bool = option(False, "also run the LM head in int8, made at load time: weight-only, or W8A8 "
-                                    "under w8a8 (the methods keep it in float otherwise, as AutoAWQ and vLLM do)")
+    quantize_lm_head: str | None = option(
+        None, "also quantize the LM head at load time: int8 (the flag alone; weight-only, or W8A8 under w8a8) or "
+        "int4 (weight-only, groups of 64, or 32 where 64 does not divide the input); the methods keep it in float otherwise, as AutoAWQ and vLLM do",
+        choices=(None, "int8", "int4"), const="int8")
     kv_host_cache_gb: float = option(0.0, "KV tier in host RAM below the KV pool, GiB (0: off): evicted prefix "
                                      "blocks are kept there and loaded back on a hit (pinned memory on a GPU)")
     kv_disk_cache_dir: str | None = option(None, "KV tier on local disk: one file per block under this directory, "
@@ -253,6 +256,8 @@ class EngineConfig:
                                     "has passed it, so the same image is encoded again for every request")
 
     def __post_init__(self) -> None:
+        if isinstance(self.quantize_lm_head, bool):  # the older boolean form: True meant int8
+            self.quantize_lm_head = "int8" if self.quantize_lm_head else None
         for f in fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:

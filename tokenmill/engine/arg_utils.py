@@ -5,6 +5,7 @@ command that builds an engine (generate, serve, bench offline, bench ladder, eva
     EngineConfig.max_num_seqs: int = option(256, "most sequences in one step")
         -> --max-num-seqs N (type int, default 256, help "most sequences in one step (default: 256)")
     bool fields  -> --flag / --no-flag;   `str | None` -> type str, default None
+    a field with a `const` -> `--flag` alone gives const (--quantize-lm-head is --quantize-lm-head int8)
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
             kw["type"] = kind
             if f.metadata.get("choices"):
                 kw["choices"] = [c for c in f.metadata["choices"] if c is not None]
+            if f.metadata.get("const") is not None:  # `--flag` alone means const, `--flag V` means V
+                kw["nargs"], kw["const"] = "?", f.metadata["const"]
         group.add_argument("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ()), **kw)
 
 

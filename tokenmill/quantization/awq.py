@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from tokenmill.layers.linear import (LinearMethod, LoadContext, DecodeRowsKernel, UnquantizedLinearMethod, add_param,
                                      linear_in, matmul_dtype)
-from tokenmill.quantization.awq_format import dequantize_w4, unpack_int4
+from tokenmill.quantization.awq_format import dequantize_w4, quantize_w4, unpack_int4
 from tokenmill.quantization.config import QuantizationConfig, awq_settings
 from tokenmill.quantization.int8 import Int8LinearMethod, choose_weight_only_kernels
 from tokenmill.ops import cpu_qgemm_amx, cpu_qgemv, triton_quant
@@ -28,7 +28,7 @@ class AWQLinearMethod(LinearMethod):
     def __init__(self, group_size: int):
         self.group_size = group_size
 
-    def create_weights(self, layer, in_features, out_features, dtype):
+    def check_shape(self, layer, in_features, out_features):
         g = self.group_size
         if in_features % g:
             raise ValueError(f"{layer.prefix or 'linear layer'}: input size {in_features} is not a multiple of the "
@@ -36,6 +36,10 @@ class AWQLinearMethod(LinearMethod):
         if out_features % PACK:
             raise ValueError(f"{layer.prefix or 'linear layer'}: output size {out_features} is not a multiple of "
                              f"{PACK} (AWQ packs 8 outputs per int32)")
+
+    def create_weights(self, layer, in_features, out_features, dtype):
+        self.check_shape(layer, in_features, out_features)
+        g = self.group_size
         add_param(layer, "qweight", torch.empty(in_features, out_features // PACK, dtype=torch.int32), 1, PACK,
                   input_dim=0)
         add_param(layer, "qzeros", torch.empty(in_features // g, out_features // PACK, dtype=torch.int32), 1, PACK,
@@ -98,6 +102,30 @@ class AWQLinearMethod(LinearMethod):
             return cpu_qgemv.dequant_int4(*layer.panels, self.group_size, torch.float32)
         raise RuntimeError("AWQ weights were repacked for torch's int4 kernel; use cpu_linear_kernel='torch' to "
                            "keep the dense twin")
+
+
+class Int4LinearMethod(AWQLinearMethod):
+    """4-bit weight-only with zero points, made at load time from a float weight by round-to-nearest on
+    AWQ's grid (no activation-aware scaling: there is no calibration at load time), then run by AWQ's
+    kernels. The LM head's `int4` option: on a tied-embedding model the head is the largest weight a
+    decode step reads, and int4 halves what int8 reads of it."""
+
+    def __init__(self, group_sizes: tuple[int, ...]):
+        """The first of `group_sizes` that divides the layer's input size is its group."""
+        self.group_sizes = group_sizes
+        super().__init__(group_sizes[-1])
+
+    def create_weights(self, layer, in_features, out_features, dtype):
+        self.group_size = next((g for g in self.group_sizes if in_features % g == 0), self.group_sizes[-1])
+        self.check_shape(layer, in_features, out_features)
+        add_param(layer, "weight", torch.empty(out_features, in_features, dtype=dtype), output_dim=0, input_dim=1)
+
+    def process_after_loading(self, layer, ctx: LoadContext):
+        qweight, qzeros, scales = quantize_w4(layer.weight.data, self.group_size)
+        del layer.weight  # a tied embedding keeps its own reference
+        for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
+            layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+        super().process_after_loading(layer, ctx)
 
 
 class AWQConfig(QuantizationConfig):
