@@ -4,7 +4,8 @@ Qwen2.5-0.5B shape, random weights saved as a real bf16 checkpoint (so llama.cpp
 tensors), B sequences x (128 prompt + 128 new tokens), greedy, 2 threads, output tokens/s end to end.
 tokenmill formats: bf16, int8 (W8A16), awq (4-bit g128, round-to-nearest packed as AutoAWQ GEMM), w8a8;
 "+head": the LM head in int8 too, "+head4": in int4 (then llama.cpp also runs q4_0 with a q4_0 head).
-Each format runs in its own process, which also reports its resident memory. llama.cpp: bf16, q8_0, q4_0
+Each format runs in its own process, which also reports its resident memory and, at batch 1, its decode
+alone (the run less a 128-token prefill) as weight GB/s against the read probe taken around it (the roofline). llama.cpp: bf16, q8_0, q4_0
 through ../shared/anchors/llamacpp.py.
 
     python benchmarks/bench_quant.py --out benchmarks/results/quant.json [--formats bf16,int8,awq,w8a8] [--interleave]
@@ -94,6 +95,28 @@ def rss_mib(field: str = "VmRSS") -> float:
     return 0.0
 
 
+def weight_bytes_per_token(fmt: str, shape: dict = QWEN25_05B) -> float:
+    """Bytes of weights one decode step reads: the decoder's linears and the LM head, each in its format's
+    layout (int8: a byte and a float32 scale per row; int4: half a byte, and per group of G a float16 scale
+    and a byte of zero point per row). Norms, the one embedding row and the KV cache are left out."""
+    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    rows_by_k = {h: h + 2 * kv + h + 2 * inter, inter: h}  # input size -> output rows of the linears reading it
+    head = shape["vocab_size"]
+
+    def nbytes(kind, rows, k):
+        if kind == "bf16":
+            return 2 * rows * k
+        if kind == "int8":
+            return rows * k + 4 * rows
+        group = int(kind[4:])
+        return rows * k // 2 + 3 * rows * (k // group)
+
+    body = {"bf16": "bf16", "int8": "int8", "w8a8": "int8", "awq": "int4128"}[fmt.split("+")[0]]
+    head_kind = {"+head": "int8", "+head4": "int464"}.get(fmt[len(fmt.split("+")[0]):], "bf16")
+    return layers * sum(nbytes(body, rows, k) for k, rows in rows_by_k.items()) + nbytes(head_kind, head, h)
+
+
 def worker(fmt: str, model: str, batches: list[int], threads: int) -> dict:
     import random
 
@@ -121,6 +144,15 @@ def worker(fmt: str, model: str, batches: list[int], threads: int) -> dict:
         dt = time.perf_counter() - t
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         res[str(b)] = {"seconds": dt, "output_tok_s": n / dt, "warmup_seconds": warmup}
+        if b == 1:  # the decode alone: the same run less a prefill of another 128-token prompt
+            fresh = [{"prompt_token_ids": [rng.randrange(1000, 100000) for _ in range(128)]}]
+            t = time.perf_counter()
+            llm.generate(fresh, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+            prefill = time.perf_counter() - t
+            decode_s = (dt - prefill) / (n - 1)
+            gbs = weight_bytes_per_token(fmt) / decode_s / 1e9
+            res["1"].update(prefill_seconds=prefill, decode_ms_per_token=decode_s * 1e3, weight_gb_per_token=
+                            weight_bytes_per_token(fmt) / 1e9, decode_weight_gbs=gbs)
     res["peak_rss_mib"] = rss_mib("VmHWM")
     return res
 
@@ -157,7 +189,11 @@ def main():
     for r in range(a.rounds):
         rnd = {"bandwidth_gbs_before": read_bandwidth_gbs(a.threads), "tokenmill": {}}
         for f, m in models.items():
-            rnd["tokenmill"][f] = run_worker(f, m, batches, a.threads)
+            before = read_bandwidth_gbs(a.threads)
+            rnd["tokenmill"][f] = res = run_worker(f, m, batches, a.threads)
+            res["probe_gbs"] = [before, read_bandwidth_gbs(a.threads)]  # around the worker's runs
+            if "decode_weight_gbs" in res.get("1", {}):  # the roofline: weight bytes per token x decode rate
+                res["1"]["fraction_of_probe"] = res["1"]["decode_weight_gbs"] / (sum(res["probe_gbs"]) / 2)
             print(f"round {r} tokenmill {f}: {rnd['tokenmill'][f]}", flush=True)
             if a.interleave and not a.no_llamacpp:
                 for t in llamacpp_types(f):
