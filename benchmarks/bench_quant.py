@@ -5,8 +5,8 @@ tensors), B sequences x (128 prompt + 128 new tokens), greedy, 2 threads, output
 tokenmill formats: bf16, int8 (W8A16), awq (4-bit g128, round-to-nearest packed as AutoAWQ GEMM), w8a8;
 "+head": the LM head in int8 too, "+head4": in int4 (then llama.cpp also runs q4_0 with a q4_0 head).
 Each format runs in its own process, which also reports its resident memory and, at batch 1, its decode
-alone (the run less a 128-token prefill) as weight GB/s against the read probe taken around it (the roofline). llama.cpp: bf16, q8_0, q4_0
-through ../shared/anchors/llamacpp.py.
+alone (the run less a 128-token prefill) as weight GB/s against the read probe taken around it (the
+roofline). llama.cpp: bf16, q8_0, q4_0 through ../shared/anchors/llamacpp.py.
 
     python benchmarks/bench_quant.py --out benchmarks/results/quant.json [--formats bf16,int8,awq,w8a8] [--interleave]
         [--batches 1,32] [--rounds 2] [--no-llamacpp]
@@ -104,16 +104,16 @@ def weight_bytes_per_token(fmt: str, shape: dict = QWEN25_05B) -> float:
     rows_by_k = {h: h + 2 * kv + h + 2 * inter, inter: h}  # input size -> output rows of the linears reading it
     head = shape["vocab_size"]
 
-    def nbytes(kind, rows, k):
-        if kind == "bf16":
+    def nbytes(kind: tuple, rows: int, k: int) -> int:
+        if kind[0] == "bf16":
             return 2 * rows * k
-        if kind == "int8":
+        if kind[0] == "int8":
             return rows * k + 4 * rows
-        group = int(kind[4:])
-        return rows * k // 2 + 3 * rows * (k // group)
+        return rows * k // 2 + 3 * rows * (k // kind[1])  # ("int4", group)
 
-    body = {"bf16": "bf16", "int8": "int8", "w8a8": "int8", "awq": "int4128"}[fmt.split("+")[0]]
-    head_kind = {"+head": "int8", "+head4": "int464"}.get(fmt[len(fmt.split("+")[0]):], "bf16")
+    base, _, head_opt = fmt.partition("+")
+    body = {"bf16": ("bf16",), "int8": ("int8",), "w8a8": ("int8",), "awq": ("int4", 128)}[base]
+    head_kind = {"head": ("int8",), "head4": ("int4", 64)}.get(head_opt, ("bf16",))
     return layers * sum(nbytes(body, rows, k) for k, rows in rows_by_k.items()) + nbytes(head_kind, head, h)
 
 
@@ -238,7 +238,6 @@ def run_llamacpp(src: str, types: str, a) -> dict:
     out = subprocess.run([sys.executable, ANCHOR, "bench", src, "--types", types, "--batches", a.batches,
                           "--threads", str(a.threads), "--dummy-vocab"], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
-
 
 
 def run_q4_0_head4(src: str, a) -> dict:

@@ -156,7 +156,8 @@ class EngineConfig:
         choices=(None, "int8", "awq", "w8a8"), aliases=("-q",))
     quantize_lm_head: str | None = option(
         None, "also quantize the LM head at load time: int8 (the flag alone; weight-only, or W8A8 under w8a8) or "
-        "int4 (weight-only, groups of 64, or 32 where 64 does not divide the input); the methods keep it in float otherwise, as AutoAWQ and vLLM do",
+        "int4 (weight-only, groups of 64, or 32 where 64 does not divide the input); the methods keep it in "
+        "float otherwise, as AutoAWQ and vLLM do",
         choices=(None, "int8", "int4"), const="int8")
     kv_host_cache_gb: float = option(0.0, "KV tier in host RAM below the KV pool, GiB (0: off): evicted prefix "
                                      "blocks are kept there and loaded back on a hit (pinned memory on a GPU)")
