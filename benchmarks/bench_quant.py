@@ -149,10 +149,9 @@ def worker(fmt: str, model: str, batches: list[int], threads: int) -> dict:
             t = time.perf_counter()
             llm.generate(fresh, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
             prefill = time.perf_counter() - t
-            decode_s = (dt - prefill) / (n - 1)
-            gbs = weight_bytes_per_token(fmt) / decode_s / 1e9
-            res["1"].update(prefill_seconds=prefill, decode_ms_per_token=decode_s * 1e3, weight_gb_per_token=
-                            weight_bytes_per_token(fmt) / 1e9, decode_weight_gbs=gbs)
+            decode_s, gb = (dt - prefill) / (n - 1), weight_bytes_per_token(fmt) / 1e9
+            res["1"].update(prefill_seconds=prefill, decode_ms_per_token=decode_s * 1e3, weight_gb_per_token=gb,
+                            decode_weight_gbs=gb / decode_s)
     res["peak_rss_mib"] = rss_mib("VmHWM")
     return res
 
