@@ -395,11 +395,35 @@ def test_bandit_settles_hopeless_depths_in_one_try_and_backs_off_looking_at_them
     assert bandit.choose(16) >= 1
 
 
+def test_bandit_backs_off_looks_that_keep_losing_and_comes_back_when_one_wins():
+    """A depth at 0.6x of no drafts is no hopeless one (it takes its three tries), but each look that still
+    loses waits twice as long as the last: looks are what a server held at no drafts pays for drafting. When
+    drafts start to pay, the next look notices and the bandit moves."""
+    bandit = DepthBandit(k_max=4)
+    rate = {0: 1000.0, 1: 600.0, 2: 580.0, 3: 560.0, 4: 550.0}
+    looks = {1: [], 4: []}  # from no drafts, depths 1 and k_max are looked at, each on its own schedule
+    for step in range(6000):
+        k = bandit.choose(16)
+        if k and step > 50:  # after the first tries
+            looks[k].append(step)
+        bandit.observe(16, k, int(rate[k] / 100), 0.01)
+    for steps in looks.values():
+        gaps = [b - a for a, b in zip(steps, steps[1:])]
+        cap = bandit.max_explore_every
+        assert 3 <= len(gaps) <= 6 and all(b >= min(1.8 * a, cap) for a, b in zip(gaps, gaps[1:])), gaps
+    rate[1] = 3000.0
+    for _ in range(4200):  # the longest wait, then a few steps at 1 (first tries)
+        k = bandit.choose(16)
+        bandit.observe(16, k, int(rate[k] / 100), 0.01)
+    assert bandit.best(16) >= 1
+
+
 def _noisy_world(gain: float, z: float, seed: int, steps: int = 3000) -> tuple[float, int]:
     """Depths 0 and 1; a step's seconds vary by 15 % (normal); depth 1 is `gain` times as fast. Returns the
-    share of late steps whose best depth is 1 and how many times the best depth changed."""
+    share of late steps whose best depth is 1 and how many times the best depth changed. Looks come at the base
+    interval (no backing off from losing ones), so that the flaps measure the test alone."""
     rng = np.random.default_rng(seed)
-    bandit, bests = DepthBandit(k_max=1, z=z, leave_margin=1.05), []
+    bandit, bests = DepthBandit(k_max=1, z=z, leave_margin=1.05, max_explore_every=32), []
     for _ in range(steps):
         k = bandit.choose(4)
         bests.append(bandit.best(4))

@@ -324,7 +324,10 @@ class DraftPolicy:
                     per_step = total / steps
                     self._burst_step_s[bucket] = per_step if before is None else 0.9 * before + 0.1 * per_step
                 elif draft_rows is not None:
-                    self.row_cost.setdefault(bucket, RowCost(bucket)).observe(draft_rows, total)
+                    cost = self.row_cost.get(bucket)
+                    if cost is None:
+                        cost = self.row_cost[bucket] = RowCost(bucket)
+                    cost.observe(draft_rows, total)
                 if burst_forgone and not depth and bucket in self._burst_step_s:
                     # depth 0 bursts here; this step did not only because the next one drafts (a look away
                     # from 0, or the first tries alternating with it): counted as the single step it was, it
