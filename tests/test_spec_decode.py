@@ -418,6 +418,26 @@ def test_bandit_backs_off_looks_that_keep_losing_and_comes_back_when_one_wins():
     assert bandit.best(16) >= 1
 
 
+def test_bandit_keeps_looking_at_no_drafts_while_drafting():
+    """Drafting wins at first; then the machine's speed moves and no drafts runs twice as fast as drafting.
+    Depth 0 is the fallback, and its estimate is what went stale: looks at it keep their base interval while
+    it loses by a little (they do not back off as looks away from 0 do), so the bandit returns within a few
+    hundred steps."""
+    bandit = DepthBandit(k_max=4)
+    rate = {0: 1000.0, 1: 1500.0, 2: 1450.0, 3: 1400.0, 4: 1350.0}
+    for _ in range(3000):
+        k = bandit.choose(4)
+        bandit.observe(4, k, rate[k] / 100, 0.01)
+    assert bandit.best(4) >= 1
+    rate[0] = 3000.0
+    for step in range(400):
+        k = bandit.choose(4)
+        bandit.observe(4, k, rate[k] / 100, 0.01)
+        if bandit.best(4) == 0:
+            break
+    assert bandit.best(4) == 0, "still drafting 400 steps after no drafts became twice as fast"
+
+
 def _noisy_world(gain: float, z: float, seed: int, steps: int = 3000) -> tuple[float, int]:
     """Depths 0 and 1; a step's seconds vary by 15 % (normal); depth 1 is `gain` times as fast. Returns the
     share of late steps whose best depth is 1 and how many times the best depth changed. Looks come at the base
