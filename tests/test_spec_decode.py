@@ -438,6 +438,25 @@ def test_bandit_keeps_looking_at_no_drafts_while_drafting():
     assert bandit.best(4) == 0, "still drafting 400 steps after no drafts became twice as fast"
 
 
+def test_bandit_leaves_no_drafts_only_when_a_second_look_agrees():
+    """One look that lands on a lucky step (or against a depth-0 rate from a slow stretch) does not make the
+    bandit leave no drafts: it looks again at once, and leaves only if that look wins too."""
+    def world(lucky_looks: int) -> list[int]:
+        bandit, rate, wins = DepthBandit(k_max=4), {0: 1000.0, 1: 600.0, 2: 580.0, 3: 560.0, 4: 550.0}, 0
+        bests = []
+        for _ in range(3000):
+            k = bandit.choose(4)
+            r = rate[k]
+            if k == 1 and bandit.exploring and len(bests) > 200 and wins < lucky_looks:
+                r, wins = 3000.0, wins + 1
+            bandit.observe(4, k, r / 100, 0.01)
+            bests.append(bandit.best(4))
+        return bests
+
+    assert max(world(lucky_looks=1)) == 0  # one lucky look: still no drafts
+    assert 1 in world(lucky_looks=2)  # two in a row: it leaves
+
+
 def _noisy_world(gain: float, z: float, seed: int, steps: int = 3000) -> tuple[float, int]:
     """Depths 0 and 1; a step's seconds vary by 15 % (normal); depth 1 is `gain` times as fast. Returns the
     share of late steps whose best depth is 1 and how many times the best depth changed. Looks come at the base

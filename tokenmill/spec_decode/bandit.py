@@ -57,6 +57,7 @@ class DepthBandit:
         # bucket -> choice count until which its best depth is played without weighing the rates again (every
         # step of a small model pays for this choice: the full comparison took ~50 us)
         self._settled_until: dict[int, int] = {}
+        self._confirming: dict[int, int] = {}  # bucket -> a depth that beat 0 once, looked at again before leaving 0
 
     def _far_behind(self, bucket: int, k: int, than: int) -> bool:
         r, other = self.rate(bucket, k), self.rate(bucket, than)
@@ -119,7 +120,16 @@ class DepthBandit:
         best = self._best.get(bucket, 0)
         challenger = max(tried, key=rate)
         if challenger != best and self._clearly_better(bucket, challenger, best):
+            if best == 0 and self._confirming.pop(bucket, None) != challenger:
+                # leaving no drafts on one look's word: a look at a normal moment against a depth-0 rate from a
+                # slow stretch (a 10-step memory) won now and then, and the shipped pair at one request then
+                # drafted for minutes at 0.75-0.84x of no drafts. Look again first; leave if it still wins
+                self._confirming[bucket] = challenger
+                self._looking[bucket] = challenger
+                return challenger
             best = self._best[bucket] = challenger
+        else:
+            self._confirming.pop(bucket, None)
         if best and self._clearly_better(bucket, 0, best):
             # no drafts beats the depth played, weighed on its own: the top rate may be a neighbour's few noisy
             # steps that never clear the test, which held the shipped pair at depth 2 for whole runs (0.77x)
@@ -185,6 +195,8 @@ class DepthBandit:
             del self._pending[bucket]
         if self._looking.get(bucket) == k:
             del self._looking[bucket]
+            if self._confirming.get(bucket) == k:
+                del self._confirming[bucket]  # a lost confirmation: the next win starts it again
 
     def observe(self, bucket: int, k: int, tokens: float, seconds: float, switch_seconds: float = 0.0,
                 step: tuple[int, float] | None = None) -> None:
