@@ -59,13 +59,10 @@ class DepthBandit:
         self._settled_until: dict[int, int] = {}
         self._confirming: dict[int, int] = {}  # bucket -> a depth that beat 0 once, looked at again before leaving 0
 
-    def _far_behind(self, bucket: int, k: int, than: int) -> bool:
+    def _behind(self, bucket: int, k: int, than: int, factor: float) -> bool:
+        """Whether depth k's rate times `factor` is still under depth `than`'s (both seen)."""
         r, other = self.rate(bucket, k), self.rate(bucket, than)
-        return r is not None and other is not None and r * self.hopeless < other
-
-    def _losing(self, bucket: int, k: int, to: int) -> bool:
-        r, other = self.rate(bucket, k), self.rate(bucket, to)
-        return r is not None and other is not None and r * self.margin < other
+        return r is not None and other is not None and r * factor < other
 
     def _tried(self, bucket: int, k: int) -> bool:
         """Tried `min_trials` times, or once without a switch and found far behind depth 0 (or behind it at
@@ -80,7 +77,7 @@ class DepthBandit:
         if (bucket, k) in self._priced:
             r, r0 = self.rate(bucket, k), self.rate(bucket, 0)
             return r is not None and r0 is not None and r < r0
-        return self._far_behind(bucket, k, 0)
+        return self._behind(bucket, k, 0, self.hopeless)
 
     def _beyond_reach(self, bucket: int, k: int, acceptance: float | None) -> bool:
         """Whether depth k cannot beat depth 0, judged from depth 1: a step's cost does not fall as k grows, and
@@ -161,9 +158,10 @@ class DepthBandit:
     def _landed_look(self, bucket: int, k: int, tokens: float, seconds: float, step: tuple[int, float]) -> None:
         """A look's result replaces its depth's estimate (which may be thousands of steps old) and sets when to
         look next: twice as late while the depth keeps losing to the best one by more than the margin (depth 0:
-        while under half its rate), back to the base interval otherwise, and never sooner than the look budget allows for what this
-        look cost beyond a step at the best depth. (Spaced by the budget alone, priced looks at one draft
-        from no drafts, at half no drafts' rate, cost the shipped pair 0.75 % of every run at 16 requests.)"""
+        while under half its rate), back to the base interval otherwise, and never sooner than the look budget
+        allows for what this look cost beyond a step at the best depth. (Spaced by the budget alone, priced
+        looks at one draft from no drafts, at half no drafts' rate, cost the shipped pair 0.75 % of every run at
+        16 requests.)"""
         del self._looking[bucket]
         sums = self._sums.get((bucket, k))
         if k == 0 and sums is not None:
@@ -179,7 +177,7 @@ class DepthBandit:
         # looks at 0 back off only from a hopeless depth 0: it is the fallback, and its estimate is what goes
         # stale when the machine's speed moves (rounds at 4 requests that drafted at 0.67-0.78x of no drafts
         # for minutes, depth 0 seen last in a slow stretch and looked at once per 2048 steps)
-        losing = self._far_behind(bucket, k, best) if k == 0 else self._losing(bucket, k, best)
+        losing = self._behind(bucket, k, best, self.hopeless if k == 0 else self.margin)
         every = min(2 * every, self.max_explore_every) if losing else base
         best_rate = self.rate(bucket, best, with_surcharge=False)
         real_tokens, real_seconds = step
