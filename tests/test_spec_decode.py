@@ -456,6 +456,23 @@ def test_bandit_leaves_no_drafts_only_when_a_second_look_agrees():
     assert max(world(lucky_looks=1)) == 0  # one lucky look: still no drafts
     assert 1 in world(lucky_looks=2)  # two in a row: it leaves
 
+    def engine_world(lucky_looks: int) -> list[int]:
+        """As an engine runs it: a step's result is credited after the next step's depth is chosen."""
+        bandit, rate, wins = DepthBandit(k_max=4), {0: 1000.0, 1: 600.0, 2: 580.0, 3: 560.0, 4: 550.0}, 0
+        bests, last = [], None
+        for _ in range(3000):
+            k = bandit.choose(4)
+            if last is not None:
+                bandit.observe(4, *last)
+            r = rate[k]
+            if k == 1 and bandit.exploring and len(bests) > 200 and wins < lucky_looks:
+                r, wins = 3000.0, wins + 1
+            last = (k, r / 100, 0.01)
+            bests.append(bandit.best(4))
+        return bests
+
+    assert max(engine_world(lucky_looks=1)) == 0  # the second look waited for, not skipped
+
 
 def _noisy_world(gain: float, z: float, seed: int, steps: int = 3000) -> tuple[float, int]:
     """Depths 0 and 1; a step's seconds vary by 15 % (normal); depth 1 is `gain` times as fast. Returns the

@@ -57,7 +57,8 @@ class DepthBandit:
         # bucket -> choice count until which its best depth is played without weighing the rates again (every
         # step of a small model pays for this choice: the full comparison took ~50 us)
         self._settled_until: dict[int, int] = {}
-        self._confirming: dict[int, int] = {}  # bucket -> a depth that beat 0 once, looked at again before leaving 0
+        # bucket -> (a depth that beat 0 once, its trials then): looked at again before the bandit leaves 0
+        self._confirming: dict[int, tuple[int, int]] = {}
 
     def _behind(self, bucket: int, k: int, than: int, factor: float) -> bool:
         """Whether depth k's rate times `factor` is still under depth `than`'s (both seen)."""
@@ -117,13 +118,20 @@ class DepthBandit:
         best = self._best.get(bucket, 0)
         challenger = max(tried, key=rate)
         if challenger != best and self._clearly_better(bucket, challenger, best):
-            if best == 0 and self._confirming.pop(bucket, None) != challenger:
+            trials = self._trials.get((bucket, challenger), 0)
+            seen = self._confirming.get(bucket)
+            if best == 0 and (seen is None or seen[0] != challenger):
                 # leaving no drafts on one look's word: a look at a normal moment against a depth-0 rate from a
                 # slow stretch (a 10-step memory) won now and then, and the shipped pair at one request then
                 # drafted for minutes at 0.75-0.84x of no drafts. Look again first; leave if it still wins
-                self._confirming[bucket] = challenger
+                self._confirming[bucket] = (challenger, trials)
                 self._looking[bucket] = challenger
                 return challenger
+            if best == 0 and trials == seen[1]:
+                # the second look is still in flight (an engine credits a step after the next one is planned)
+                self.exploring = False
+                return best
+            self._confirming.pop(bucket, None)
             best = self._best[bucket] = challenger
         else:
             self._confirming.pop(bucket, None)
@@ -193,7 +201,7 @@ class DepthBandit:
             del self._pending[bucket]
         if self._looking.get(bucket) == k:
             del self._looking[bucket]
-            if self._confirming.get(bucket) == k:
+            if self._confirming.get(bucket, (None,))[0] == k:
                 del self._confirming[bucket]  # a lost confirmation: the next win starts it again
 
     def observe(self, bucket: int, k: int, tokens: float, seconds: float, switch_seconds: float = 0.0,
