@@ -76,6 +76,7 @@ def test_greedy_verification_accepts_the_matching_prefix_then_corrects():
 def _chi_square_ok(counts: np.ndarray, probs: np.ndarray) -> bool:
     from scipy.stats import chisquare
 
+    probs = np.asarray(probs, dtype=np.float64) / np.sum(probs, dtype=np.float64)  # float32 sums miss 1
     keep = probs * counts.sum() >= 5
     obs = np.append(counts[keep], counts[~keep].sum())
     exp = np.append(probs[keep], probs[~keep].sum()) * counts.sum()
@@ -84,22 +85,30 @@ def _chi_square_ok(counts: np.ndarray, probs: np.ndarray) -> bool:
 
 @pytest.mark.parametrize("proposer", ["one-hot", "full q"])
 def test_rejection_sampling_follows_the_target_distribution(proposer):
-    """A draft that disagrees often: the first emitted token must still follow p (chi-square)."""
+    """Drafts that disagree often, two per step, each row with its own target p: the first emitted token must
+    follow row 0's p and, when the first draft was accepted, the second row 1's (chi-square). A verifier that
+    accepted with the wrong ratio, drew the residual wrongly or read the wrong row after an acceptance would
+    bend one of them. One-hot: a deterministic proposer (the draft model drafts greedily, n-gram copies)."""
     V = 8
     g = torch.Generator().manual_seed(0)
-    p_logits = torch.randn(V, generator=g) * 1.5
-    q = torch.softmax(torch.randn(V, generator=g) * 1.5, -1)
-    p = torch.softmax(p_logits, -1).numpy()
-    counts = np.zeros(V)
+    rows = torch.randn(3, V, generator=g) * 1.5
+    q = torch.softmax(torch.randn(2, V, generator=g) * 1.5, -1)
+    p = torch.softmax(rows, -1).numpy()
+    first, second = np.zeros(V), np.zeros(V)
     sampler, gen = Sampler(0), torch.Generator().manual_seed(1)
-    rows = p_logits.repeat(3, 1)
-    for _ in range(4000):
-        d = int(torch.multinomial(q, 1, generator=gen)) if proposer == "full q" else int(np.argmin(p))
-        dq = q.repeat(2, 1) if proposer == "full q" else None
-        check = DraftCheck(SampleRow(SamplingParams(temperature=1.0, seed=1), [1], [], gen), [d, d], dq)
-        out, _ = verify(sampler, rows, [check])
-        counts[out[0][0]] += 1
-    assert _chi_square_ok(counts, p)
+    for _ in range(6000):
+        if proposer == "full q":
+            drafts, dq = [int(torch.multinomial(q[j], 1, generator=gen)) for j in range(2)], q
+        else:
+            drafts, dq = [int(np.argmax(p[0])), int(np.argmax(p[1]))], None
+        check = DraftCheck(SampleRow(SamplingParams(temperature=1.0, seed=1), [1], [], gen), drafts, dq)
+        out = verify(sampler, rows, [check])[0][0]
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[1]] += 1
+    assert second.sum() > 1000  # enough accepted first drafts to judge the second position
+    assert _chi_square_ok(first, p[0]) and _chi_square_ok(second, p[1])
+    assert not _chi_square_ok(second, p[0])  # the test can tell the rows apart
 
 
 # -- the engine: greedy identity ----------------------------------------------------------------------------
@@ -149,9 +158,15 @@ def test_greedy_identical_with_chunked_prefill_prefix_hits_and_preemption(llama_
     assert st.num_preemptions > 0 and st.prefix_cache_hits > 0 and st.spec_num_accepted_tokens > 0
 
 
-def test_requests_arriving_mid_run(llama_dir, greedy_reference):
+def _proposer(name: str, llama_dir: str) -> dict:
+    """n-gram lookup, or the target as its own draft model (every draft accepted), at a fixed depth."""
+    return NGRAM if name == "ngram" else _draft_cfg(llama_dir, adaptive=False)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+def test_requests_arriving_mid_run(llama_dir, greedy_reference, proposer):
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    llm = make_llm(llama_dir, speculative_config=NGRAM)
+    llm = make_llm(llama_dir, speculative_config=_proposer(proposer, llama_dir))
     eng, prompts, done = llm.llm_engine, _repetitive(6), {}
     eng.add_request("0", prompts[0], sp)
     for step in range(200):
@@ -167,12 +182,13 @@ def test_requests_arriving_mid_run(llama_dir, greedy_reference):
     _check(llm)
 
 
-def test_stop_strings_and_max_tokens_inside_an_accepted_run(llama_dir, stop_cuts):
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+def test_stop_strings_and_max_tokens_inside_an_accepted_run(llama_dir, stop_cuts, proposer):
     """A stop string or max_tokens that lands inside a run of accepted drafts must cut the output exactly
     where plain decoding stops. Stop strings are tried at many offsets; at least one must have cut a
     multi-token step short (spied on the detokenizer)."""
     prompt = _repetitive(1, seed=4)[0]
-    plain_llm, spec_llm = make_llm(llama_dir), make_llm(llama_dir, speculative_config=NGRAM)
+    plain_llm, spec_llm = make_llm(llama_dir), make_llm(llama_dir, speculative_config=_proposer(proposer, llama_dir))
     base = plain_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)[0].outputs[0]
     params = [SamplingParams(temperature=0, max_tokens=60, stop=[base.text[i:i + 3]])
               for i in range(4, len(base.text) - 3, 5) if base.text[i:i + 3].strip()]
@@ -661,8 +677,14 @@ def test_spec_metrics_reach_prometheus_and_the_bench_table(llama_dir):
     metrics.set_engine_stats(llm.llm_engine.get_stats())
     text = metrics.render().decode()
     st = llm.llm_engine.get_stats()
-    assert f'tokenmill:spec_decode_num_accepted_tokens_total{{model_name="m"}} {float(st.spec_num_accepted_tokens)}' in text
-    assert 'tokenmill:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"}' in text
+    for name, value in (("num_drafts_total", st.spec_num_drafts), ("num_draft_tokens_total", st.spec_num_draft_tokens),
+                        ("num_accepted_tokens_total", st.spec_num_accepted_tokens),
+                        ("acceptance_rate", st.spec_acceptance_rate),
+                        ("mean_acceptance_length", st.spec_mean_acceptance_length)):
+        assert f'tokenmill:spec_decode_{name}{{model_name="m"}} {float(value)}' in text
+    per_pos = [f'tokenmill:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{i}"}} {float(v)}'
+               for i, v in enumerate(st.spec_accepted_per_pos)]
+    assert len(per_pos) == 4 and all(line in text for line in per_pos)
 
 
 # -- the draft-model proposer ------------------------------------------------------------------------------

@@ -75,7 +75,8 @@ class _EngineStatsCollector:
 
 
 def _spec_metrics(s: EngineStats, model_name: str):
-    """vLLM's spec-decode metric names, with our prefix."""
+    """vLLM v1's spec-decode counters, with our prefix; the two gauges (acceptance rate, mean acceptance length)
+    are ours (vLLM derives them on its dashboard)."""
     for name, doc, value in (
             ("spec_decode_num_drafts", "Verification steps that checked at least one draft token.", s.spec_num_drafts),
             ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", s.spec_num_draft_tokens),
