@@ -75,9 +75,10 @@ class StepLog:
         return out
 
 
-def spec_config(name: str, k: int) -> dict | None:
-    """off, adaptive (k at most), or k<N>: a fixed depth of N."""
-    draft = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": k}
+def spec_config(name: str, k: int, method: str = "draft_model") -> dict | None:
+    """off, adaptive (k at most), or k<N>: a fixed depth of N; drafts from the shipped draft model or n-gram."""
+    draft = ({"method": "draft_model", "model": DRAFT, "num_speculative_tokens": k} if method == "draft_model" else
+             {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5})
     if name == "off":
         return None
     if name == "adaptive":
@@ -93,6 +94,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--configs", default="off,k1,adaptive", help="comma-separated; 'off' is needed")
     ap.add_argument("--k", type=int, default=4, help="adaptive's largest depth")
+    ap.add_argument("--method", choices=("draft_model", "ngram"), default="draft_model")
     ap.add_argument("--output-jitter", type=float, default=0.25)
     ap.add_argument("--out", default="benchmarks/results/spec_steps.json")
     args = ap.parse_args()
@@ -103,7 +105,7 @@ def main() -> None:
                 enable_prefix_caching=False)
     engines = {}
     for name in names:
-        spec = spec_config(name, args.k)
+        spec = spec_config(name, args.k, args.method)
         engines[name] = build_engine(dict(base, **({"speculative_config": spec} if spec else {})))
     reqs = [SampleRequest(r["prompt"], 0, r["output_len"])
             for r in _requests("draft", max(32, 8 * args.concurrency), 128, args.output_jitter)]
