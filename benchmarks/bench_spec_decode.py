@@ -15,8 +15,12 @@ Workloads (each engine configuration in its own process):
           drafting breaks that lockstep for good (BENCHMARKS.md, "Adaptive depth ... session 17")
   qwen    the Qwen2.5-0.5B shape with dummy weights, repetitive prompts (n-gram), batch 1: what
           verification costs at a realistic size
+  idle    (not in the default set) each request alone on an idle engine, prefix caching off: TTFT and TPOT
+          against speculation off, for the quoting workload (n-gram, ~7K-token prompts) and held-out
+          Shakespeare (draft model); paired in one process. What speculation does to a long prompt's TTFT
+          without the queueing that the batch-1 workloads (all requests queued at once) fold into it
 
-    python benchmarks/bench_spec_decode.py [--only draft,ngram,sweep,qwen] [--sweep-warmup one|wave]
+    python benchmarks/bench_spec_decode.py [--only draft,ngram,sweep,qwen,idle] [--sweep-warmup one|wave]
         [--sweep-configs off,adaptive] [--sweep-output-jitter 0.25] [--sweep-method draft_model|ngram]
         [--sweep-concurrency 1 4 16 32] [--sweep-paired] [--num-scheduler-steps 0] [--repeats N]
         [--out benchmarks/results/spec_decode.json]
@@ -89,8 +93,16 @@ def _worker(job: dict) -> dict:
                           disable_tqdm=True, sampling={"temperature": 0.0}, num_warmups=warmups)
         return {k: res.get(k) for k in KEEP}
 
+    def alone(engine, warmups):
+        # each request on its own: no queue ahead of it, so its TTFT is its own prefill and first token
+        per = [run_offline([req], engine=engine, ignore_eos=True, disable_tqdm=True, sampling={"temperature": 0.0},
+                           num_warmups=warmups if i == 0 else 0) for i, req in enumerate(reqs)]
+        return {"ttft_ms": [r["median_ttft_ms"] for r in per], "tpot_ms": [r["median_tpot_ms"] for r in per]}
+
     if "engines" not in job:
         return run(build_engine(job["engine"]), job.get("warmups", 1))
+    if job.get("alone"):
+        run = alone
     # paired: every configuration's engine in this one process, the workload run through each in turn, the order
     # reversed every other round (ABBA), so that both meet the same minutes of a machine whose speed drifts
     engines = {name: build_engine(kw) for name, kw in job["engines"].items()}
@@ -146,6 +158,26 @@ def _paired(label: str, base: dict, specs: dict[str, dict | None], requests: lis
                         "mean_output_tok_s_vs_off": sum(r[1:]) / len(r[1:])}
         print(f"  {label}: {name} / off per round (round 0 cold): {' '.join(f'{x:.3f}' for x in r)}", flush=True)
     return {"runs": res, "ratios": ratios}
+
+
+def _idle(label: str, base: dict, specs: dict[str, dict | None], requests: list[dict], rounds: int) -> dict:
+    """Each request alone on an idle engine (`_worker`'s `alone`), all configurations paired in one process:
+    per configuration the median over requests and rounds of its TTFT and TPOT against off's for the same
+    request and round."""
+    base = dict(base, enable_prefix_caching=False)  # a later round must not find the prompt cached
+    engines = {name: dict(base, **({"speculative_config": spec} if spec else {})) for name, spec in specs.items()}
+    res = run_job(__file__, {"engines": engines, "requests": requests, "rounds": rounds, "alone": True})["rounds"]
+    ratios = {}
+    for name in specs:
+        if name == "off":
+            continue
+        ratios[name] = {m: statistics.median(x[name][m][i] / x["off"][m][i] for x in res
+                                             for i in range(len(requests)))
+                        for m in ("ttft_ms", "tpot_ms")}
+        print(f"  {label}: {name} / off, each request alone: median TTFT {ratios[name]['ttft_ms']:.3f}, "
+              f"median TPOT {ratios[name]['tpot_ms']:.3f}", flush=True)
+    off_ttft = statistics.median(t for x in res for t in x["off"]["ttft_ms"])
+    return {"runs": res, "ratios": ratios, "off_median_ttft_ms": off_ttft}
 
 
 def main() -> None:
@@ -210,6 +242,13 @@ def main() -> None:
             else:
                 out["sweep"][conc] = _ab(f"c={conc}", dict(tiny, max_num_seqs=conc), configs, reqs, args.repeats,
                                          warmups)
+    if "idle" in only:
+        print("[spec] each request alone on an idle engine: TTFT and TPOT", flush=True)
+        out["idle"] = {
+            "ngram quoting": _idle("ngram quoting", dict(tiny, max_num_seqs=1, max_model_len=8192),
+                                   {"off": None, "adaptive": ngram}, _requests("quote", 2, 64), args.repeats),
+            "draft held-out": _idle("draft held-out", dict(tiny, max_num_seqs=1),
+                                    {"off": None, "adaptive": draft}, _requests("draft", 8, 64), args.repeats)}
     if "qwen" in only:
         print("[spec] Qwen2.5-0.5B shape, n-gram, batch 1", flush=True)
         qwen = dict(model=dummy_model_dir(QWEN25_05B), load_format="dummy", dtype="bfloat16", max_model_len=1024,
@@ -218,7 +257,12 @@ def main() -> None:
                                                       "adaptive": ngram}, _requests("repeat", 3, 64), args.repeats)
     summary = {}
     for name, block in out.items():
-        if name == "sweep":
+        if name == "idle":
+            for label, b in block.items():
+                for cfg, r in b["ratios"].items():
+                    summary[f"idle {label} {cfg}: median TTFT vs off"] = r["ttft_ms"]
+                    summary[f"idle {label} {cfg}: median TPOT vs off"] = r["tpot_ms"]
+        elif name == "sweep":
             for conc, b in block.items():
                 for cfg, r in b["ratios"].items():
                     summary[f"sweep c={conc} {cfg}: output tok/s vs off"] = r["mean_output_tok_s_vs_off"]
