@@ -46,6 +46,13 @@ KEEP = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", 
         "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms", "duration", "spec_decode")
 
 
+def proposer_config(method: str, k: int) -> dict:
+    """The speculative_config of the benchmarks' two proposers: the shipped draft model, or prompt lookup."""
+    if method == "draft_model":
+        return {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": k}
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+
+
 def _passages(n: int, chars: int, seed: int = 0) -> list[str]:
     text = open(os.path.join(ASSETS, "eval", "shakespeare_valid.txt")).read()
     rng = random.Random(seed)
@@ -208,8 +215,7 @@ def main() -> None:
         return
 
     k, only, out = args.k, set(args.only.split(",")), {}
-    ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
-    draft = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": k}
+    ngram, draft = proposer_config("ngram", k), proposer_config("draft_model", k)
     tiny = dict(model=MODEL, max_model_len=512)
     if args.num_scheduler_steps is not None:
         tiny["num_scheduler_steps"] = args.num_scheduler_steps

@@ -28,7 +28,7 @@ import time
 import tokenmill  # noqa: F401  (before torch: OpenMP settings)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_spec_decode import DRAFT, MODEL, _requests  # noqa: E402
+from bench_spec_decode import MODEL, _requests, proposer_config  # noqa: E402
 from common import machine, write_json  # noqa: E402
 from tokenmill.bench.datasets import SampleRequest  # noqa: E402
 from tokenmill.bench.offline import build_engine, run_offline  # noqa: E402
@@ -77,8 +77,7 @@ class StepLog:
 
 def spec_config(name: str, k: int, method: str = "draft_model") -> dict | None:
     """off, adaptive (k at most), or k<N>: a fixed depth of N; drafts from the shipped draft model or n-gram."""
-    draft = ({"method": "draft_model", "model": DRAFT, "num_speculative_tokens": k} if method == "draft_model" else
-             {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5})
+    draft = proposer_config(method, k)
     if name == "off":
         return None
     if name == "adaptive":
