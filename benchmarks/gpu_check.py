@@ -7,7 +7,8 @@ on one H200 (the whole script, 2026-12-04). Writes JSON (and a log) to --out-dir
                     the AWQ / int8 dequantize-GEMMs)
     engine_greedy   on a tiny random Llama: Triton == torch backend, CUDA graphs == eager, preemption, int8
                     Triton == twin, async scheduling == none (greedy, and seeded sampling with a penalty, logprobs
-                    and stops), W8A8 on the GPU against the CPU
+                    and stops), W8A8 on the GPU against the CPU, fused rotary + KV write == two launches,
+                    the int4 LM head's Triton GEMM == its twin
     nccl_tp1        issue 19: an NCCL group through the engine's rendezvous, a tp=1 runner through it == plain
     multimodal      issue 18: the shipped tiny-llava on CUDA, inline / encoder thread on a side stream / int8
     mm_encoder      the LLaVA-1.5 vision tower in bf16 / int8 / W8A8, ms per image
@@ -15,6 +16,9 @@ on one H200 (the whole script, 2026-12-04). Writes JSON (and a log) to --out-dir
                     against the bare graph replay, the host's busy time per step (1, 64, 256), batch-1 as a
                     fraction of the HBM roofline, prefill TFLOP/s, offline 128 + 128 (goal >= 15,000 tok/s;
                     TensorRT-LLM FP8 on H200: 27,911)
+    decode_profile  8B shape, batch 1: graph replay with the fused rotary + KV write and without (buckets 1, 64),
+                    the replay's kernels by kind against its wall time, one-row GEMV bandwidth per linear,
+                    the host's top functions per engine step
     ladder          torch eager -> Triton eager -> + CUDA graphs -> + async scheduling, 256 requests
     offline_scaling offline 128 + 128 with 1,024 requests at max_num_seqs 256 and 512
 
@@ -271,6 +275,15 @@ def engine_greedy() -> dict:
     # W8A8 on the GPU (cuBLAS int8 GEMM through torch._int_mm) against the same method on the CPU
     w8a8_gpu, _ = _greedy_tokens(path, prompts, quantization="w8a8", attention_backend="triton")
     w8a8_cpu, _ = _greedy_tokens(path, prompts, quantization="w8a8", device="cpu")
+    # rotary and the KV write as two launches (the fused launch is the default) against the fused graphs run
+    os.environ["TOKENMILL_DISABLE_TRITON_ROTARY_KV"] = "1"
+    two_launch, i10 = _greedy_tokens(path, prompts, attention_backend="triton", **chunked)
+    del os.environ["TOKENMILL_DISABLE_TRITON_ROTARY_KV"]
+    # the int4 LM head: the Triton AWQ GEMM against its dequantized twin (same codes)
+    os.environ["TOKENMILL_DISABLE_TRITON_QUANT"] = "1"
+    head4_twin, _ = _greedy_tokens(path, prompts, attention_backend="triton", quantize_lm_head="int4")
+    del os.environ["TOKENMILL_DISABLE_TRITON_QUANT"]
+    head4_triton, _ = _greedy_tokens(path, prompts, attention_backend="triton", quantize_lm_head="int4")
 
     def agree(a, b) -> float:
         return sum(x == y for x, y in zip(a, b)) / len(a)
@@ -279,7 +292,9 @@ def engine_greedy() -> dict:
             "async_vs_sync_graphs": agree(triton_graphs, graphs_sync),
             "async_vs_sync_sampled": agree(sampled_async, sampled_sync),
             "w8a8_gpu_vs_cpu": agree(w8a8_gpu, w8a8_cpu),
-            "backends": [i1, i2, i3, i4, i5, i6, i7, i8, i9]}
+            "fused_rotary_kv_vs_two_launch": agree(triton_graphs, two_launch),
+            "int4_head_triton_vs_twin": agree(head4_triton, head4_twin),
+            "backends": [i1, i2, i3, i4, i5, i6, i7, i8, i9, i10]}
 
 
 # ------------------------------------------------------------------ timings on the 8B shape
@@ -544,6 +559,115 @@ def llama8b(copy_gb_s: float, deadline: float) -> dict:
     return res
 
 
+def _profile_kernels(fn, reps: int) -> dict:
+    """fn's device kernels under torch.profiler, per call: kernel time by kind, the kernel count, the top 10."""
+    from torch.profiler import ProfilerActivity, profile
+    kinds = (("gemm", ("gemv", "gemm", "cutlass", "nvjet", "sm90_", "cublas")), ("attention", ("unified_attention",
+             "reduce_splits")), ("rotary_kv", ("rotary",)), ("norm", ("rms",)), ("silu", ("silu",)),
+             ("kv_write", ("write_kv",)))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    by_kind, top, count = {}, [], 0
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+        if us <= 0 or e.key.startswith(("cuda", "aten::", "Memcpy", "Memset")) or e.device_type.name != "CUDA":
+            continue
+        kind = next((k for k, keys in kinds if any(w in e.key.lower() for w in keys)), "other")
+        by_kind[kind] = by_kind.get(kind, 0) + us / reps
+        count += e.count
+        top.append((round(us / reps, 1), e.count // reps, e.key[:90]))
+    return {"kernel_us_by_kind": {k: round(v, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+            "kernel_us_total": round(sum(by_kind.values()), 1), "kernels_per_call": count // reps,
+            "top": sorted(top, reverse=True)[:10]}
+
+
+@section("decode_profile")
+def decode_profile(copy_gb_s: float) -> dict:
+    """Where a batch-1 decode step goes on the 8B shape (issue 15's 85 % of roofline): the graph replay at
+    buckets 1 and 64 with the fused rotary + KV write and without, the replay's kernels by kind against its
+    wall time (the gaps are launch and dependency bubbles), each linear's one-row GEMV bandwidth against the
+    copy bandwidth, and the host's top functions per engine step at batch 1."""
+    import cProfile
+    import pstats
+    import torch.nn.functional as F
+    from tokenmill import LLM, SamplingParams
+    path = model_dir(LLAMA3_8B, "llama3-8b")
+    llm = LLM(path, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=2048,
+              max_num_seqs=64, gpu_memory_utilization=0.9)
+    runner = llm.llm_engine.core.runner
+    graphs, backend = runner.decode_step, runner.backend
+    if graphs is None or not graphs.enabled:
+        return {"error": "no CUDA graphs"}
+    res = {"fused_rotary_kv": getattr(backend, "fuse_rotary_kv", None), "kv_blocks": runner.num_blocks}
+    # a realistic context for the replays: row r at position 255 of blocks [16 r, 16 r + 16), writing its slot
+    ctx, bs, rows = 256, graphs.block_size, graphs.sizes[-1]
+    per_row = ctx // bs
+    if runner.num_blocks >= rows * per_row:
+        graphs.block_tables[:rows, :per_row].copy_(torch.arange(rows * per_row).view(rows, per_row))
+        graphs.seq_lens[:rows].fill_(ctx)
+        graphs.positions[:rows].fill_(ctx - 1)
+        graphs.slot_mapping[:rows].copy_(graphs.block_tables[:rows, per_row - 1].long() * bs + bs - 1)
+        graphs.filled = rows
+    sizes = [s for s in (1, 64) if s in graphs.graphs]
+
+    def replays(tag: str) -> None:
+        for size in sizes:
+            res[f"replay_b{size}_{tag}_ms"] = round(median_ms(graphs.graphs[size].replay, reps=50), 3)
+    replays("fused" if res["fused_rotary_kv"] else "two_launch")
+    res["profile_b1_replay"] = _profile_kernels(graphs.graphs[1].replay, 10)
+    res["profile_b1_replay"]["replay_ms"] = round(median_ms(graphs.graphs[1].replay, reps=20), 3)
+    res["profile_b1_eager"] = _profile_kernels(lambda: graphs._forward(1), 5)
+    res["eager_b1_ms"] = round(median_ms(lambda: graphs._forward(1), reps=20), 3)
+    if res["fused_rotary_kv"]:  # the same graphs with rotary and write_kv as two launches
+        backend.fuse_rotary_kv = False
+        graphs.graphs.clear()
+        graphs.outputs.clear()
+        graphs._capture_all()
+        replays("two_launch")
+        res["kernels_per_step_two_launch"] = _profile_kernels(graphs.graphs[1].replay, 3)["kernels_per_call"]
+        backend.fuse_rotary_kv = True
+        graphs.graphs.clear()
+        graphs.outputs.clear()
+        graphs._capture_all()
+    # one-row GEMVs of each linear (cuBLAS through F.linear), 50 back to back: GB/s against the copy's
+    model = runner.model
+    layer = model.model.layers[0]
+    linears = {"qkv": layer.self_attn.qkv_proj.weight, "o": layer.self_attn.o_proj.weight,
+               "gate_up": layer.mlp.gate_up_proj.weight, "down": layer.mlp.down_proj.weight,
+               "lm_head": model.lm_head.weight}
+    gemv = {}
+    for name, w in linears.items():
+        x = torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device)
+        ms = median_ms(lambda: [F.linear(x, w) for _ in range(50)], reps=10) / 50
+        gb_s = w.numel() * w.element_size() / (ms / 1e3) / 1e9
+        gemv[name] = {"shape": list(w.shape), "us": round(ms * 1e3, 1), "gb_s": round(gb_s),
+                      "of_copy": round(gb_s / copy_gb_s, 3)}
+    res["gemv_1row"] = gemv
+    # the host: cProfile over 100 engine steps of one request (async scheduling, graphs)
+    engine = llm.llm_engine
+    engine.add_request("prof", {"prompt_token_ids": list(range(10, 138))},
+                       SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    for _ in range(10):
+        engine.step()
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.runcall(lambda: [engine.step() for _ in range(100)])
+    res["engine_step_b1_ms_under_cprofile"] = round((time.perf_counter() - t) * 10, 3)
+    stats = pstats.Stats(prof)
+    rows_ = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:15]  # by own time
+    res["host_top_b1"] = [(f"{os.path.basename(f)}:{line} {fn}", round(tt * 1e4, 1), round(ct * 1e4, 1))
+                          for (f, line, fn), (_, _, tt, ct, _) in rows_]  # us per step: own, cumulative
+    engine.abort_request(["prof"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    llm = runner = graphs = backend = model = layer = linears = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
 @section("ladder")
 def ladder(deadline: float) -> dict:
     """Offline 128 + 128 on the 8B shape, 256 requests, one lever at a time (the slow rung last, so that a
@@ -578,13 +702,13 @@ def ladder(deadline: float) -> dict:
     return res
 
 
-SECTIONS = ("ceilings", "kernels", "engine_greedy", "nccl_tp1", "multimodal", "mm_encoder", "llama8b", "ladder",
-            "offline_scaling")
+SECTIONS = ("ceilings", "kernels", "engine_greedy", "nccl_tp1", "multimodal", "mm_encoder", "llama8b",
+            "decode_profile", "ladder", "offline_scaling")
 # seconds each may take before the worker dumps its stacks and exits (a hang must not eat the lease), and
 # the least time left that a section needs to be worth starting
 LIMITS = {"ceilings": 60, "kernels": 150, "engine_greedy": 180, "nccl_tp1": 60, "multimodal": 90, "llama8b": 200,
-          "ladder": 180, "offline_scaling": 150, "mm_encoder": 90}
-NEEDS = {"llama8b": 60, "ladder": 60, "offline_scaling": 60}
+          "ladder": 180, "offline_scaling": 150, "mm_encoder": 90, "decode_profile": 150}
+NEEDS = {"llama8b": 60, "ladder": 60, "offline_scaling": 60, "decode_profile": 60}
 
 
 def save(out_dir: str) -> None:
@@ -612,8 +736,11 @@ def worker(args) -> None:
         RESULTS[name] = {"error": "running (the worker died or hit its limit here; see the log)"}
         save(args.out_dir)
         faulthandler.dump_traceback_later(min(LIMITS[name], max(left, 10)), exit=True)
+        copy_gb_s = RESULTS.get("ceilings", {}).get("copy_gb_s", 4300.0)
         if name == "llama8b":
-            llama8b(RESULTS.get("ceilings", {}).get("copy_gb_s", 4300.0), deadline - 90)
+            llama8b(copy_gb_s, deadline - 90)
+        elif name == "decode_profile":
+            decode_profile(copy_gb_s)
         elif name in ("ladder", "offline_scaling"):
             globals()[name](deadline)
         else:

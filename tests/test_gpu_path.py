@@ -30,10 +30,26 @@ SCENARIOS = {
     "chunked+prefix": dict(max_num_batched_tokens=20, enable_prefix_caching=True),
     "preemption": dict(num_kv_blocks=16, max_model_len=96, max_num_seqs=5, max_tokens=40),
     "padded-graphs": dict(max_num_seqs=5, graphs=True),
+    # the fused rotary + KV-write launch raises at the first layer: rotary and write_kv run apart from then
+    # on, attention stays on Triton
+    "fused-launch-fails": dict(max_num_batched_tokens=20, break_fused=True),
 }
+TORCH_RUN = {"fused-launch-fails": "chunked+prefix"}  # the torch run a scenario shares with another
 
 
-def _generate(model_dir: str, backend: str, graphs: bool = False, max_tokens: int = GREEDY.max_tokens, **kw) -> dict:
+def _generate(model_dir: str, backend: str, graphs: bool = False, max_tokens: int = GREEDY.max_tokens,
+              break_fused: bool = False, **kw) -> dict:
+    if break_fused:
+        from tokenmill.ops import triton_attention
+        real = triton_attention.rotary_write_kv
+
+        def broken(*a, **k):
+            raise RuntimeError("no kernel image for this device")
+        triton_attention.rotary_write_kv = broken
+        try:
+            return _generate(model_dir, backend, graphs, max_tokens, **kw)
+        finally:
+            triton_attention.rotary_write_kv = real
     llm = make_llm(model_dir, attention_backend=backend, **kw)
     runner = llm.llm_engine.core.runner
     if graphs and backend == "triton":
@@ -55,6 +71,7 @@ def _generate(model_dir: str, backend: str, graphs: bool = False, max_tokens: in
     return dict(tokens=[o.outputs[0].token_ids for o in outs], backend=type(runner_backend).__name__,
                 graph_steps=getattr(runner.decode_step, "steps", 0),
                 failure=getattr(runner_backend, "failure", None), preemptions=stats.num_preemptions,
+                fused=getattr(runner_backend, "fuse_rotary_kv", None),
                 prefix_hits=stats.prefix_cache_hits)
 
 
@@ -63,7 +80,8 @@ def _generate(model_dir: str, backend: str, graphs: bool = False, max_tokens: in
 
 def _child_main(mode: str, model_dir: str) -> None:
     child_main({f"{backend}-{name}": functools.partial(_generate, model_dir, backend, **kw)
-                for name, kw in SCENARIOS.items() for backend in ("torch", "triton")})
+                for name, kw in SCENARIOS.items() for backend in ("torch", "triton")
+                if backend == "triton" or name not in TORCH_RUN})
 
 
 # ------------------------------------------------------------------ the pytest side
@@ -77,14 +95,18 @@ def interpreted(llama_dir) -> dict:
 @needs_triton
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_triton_engine_matches_torch_backend(interpreted, scenario):
-    torch_run, triton_run = interpreted[f"torch-{scenario}"], interpreted[f"triton-{scenario}"]
+    torch_run = interpreted[f"torch-{TORCH_RUN.get(scenario, scenario)}"]
+    triton_run = interpreted[f"triton-{scenario}"]
     for r in (torch_run, triton_run):
         assert "exception" not in r, r.get("exception")
     assert triton_run["backend"] == "TritonAttentionBackend" and triton_run["failure"] is None, triton_run["failure"]
+    assert triton_run["fused"] is (scenario != "fused-launch-fails")  # the one-launch rotary + KV write ran
     assert triton_run["tokens"] == torch_run["tokens"]
     assert all(len(t) == SCENARIOS[scenario].get("max_tokens", GREEDY.max_tokens) for t in triton_run["tokens"])
     if scenario == "preemption":
         assert triton_run["preemptions"] > 0
+    elif scenario == "fused-launch-fails":
+        pass  # same tokens, no Triton attention failure, fusion switched off: asserted above
     elif scenario == "padded-graphs":
         assert triton_run["graph_steps"] >= GREEDY.max_tokens - 1  # the decode steps took the padded path
     else:
@@ -99,8 +121,9 @@ def test_triton_backend_falls_back_to_torch_when_kernels_cannot_run(llama_dir, c
         llm = make_llm(llama_dir, attention_backend="triton")
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)]
     backend = llm.llm_engine.core.runner.backend
-    assert type(backend).__name__ == "TritonAttentionBackend" and backend.failure
+    assert type(backend).__name__ == "TritonAttentionBackend" and backend.failure and not backend.fuse_rotary_kv
     assert sum("serving with the torch attention backend" in r.message for r in caplog.records) == 1
+    assert sum("fused rotary + KV write failed" in r.message for r in caplog.records) == 1
     want = make_llm(llama_dir, attention_backend="torch").generate(PROMPTS[:3], GREEDY, use_tqdm=False)
     assert got == [o.outputs[0].token_ids for o in want]
 

@@ -10,6 +10,10 @@ GQA), and block-table entries shifted by one. Which mutants a case can tell apar
 (`_expected_mutants`): a 1000-token decode barely notices one key more or less, a fresh prefill does.
 write_kv cases must match write_kv_ref exactly. The twin itself is checked against SDPA and a direct
 softmax formula in plain tests below.
+
+rotary_write_kv cases must leave qkv and both caches bit-equal to its two-launch counterpart (triton_fused's
+rotary_ and then write_kv), stay within a few ulps of its torch twin, and sit clearly away from a mutant
+that writes the keys unrotated.
 """
 from __future__ import annotations
 
@@ -81,6 +85,18 @@ WRITE_CASES = {
     "write-fp16-bs32-strided": dict(dtype="float16", head_dim=64, kv_heads=2, block_size=32, tokens=40, strided=True),
     "write-bf16-many-heads": dict(dtype="bfloat16", head_dim=16, kv_heads=8, block_size=16, tokens=9),
 }
+
+# rotary_write_kv: q heads per KV head (1: MHA, 7: an odd GQA group), a head_dim that is not a power of two,
+# qkv rows inside wider rows (strided)
+ROTARY_CASES = {
+    "rotary-kv-fp32-d80-gqa7": dict(dtype="float32", head_dim=80, kv_heads=1, group=7, block_size=16, tokens=13),
+    "rotary-kv-bf16-d128-bs32-strided": dict(dtype="bfloat16", head_dim=128, kv_heads=2, group=4, block_size=32,
+                                             tokens=11, strided=True),
+    "rotary-kv-fp16-d64-mha": dict(dtype="float16", head_dim=64, kv_heads=3, group=1, block_size=16, tokens=9),
+}
+# max |fused - twin| relative to max |x|: the twin rounds once per product as the kernel does, but not
+# necessarily in the same order of a sum
+ROTARY_TOL = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}
 
 
 # ------------------------------------------------------------------ inputs (shared by child and plain tests)
@@ -174,6 +190,46 @@ def _run_write_case(c: dict) -> dict:
                 written=int((slots >= 0).sum()))
 
 
+def _rotary_inputs(c: dict, gen: torch.Generator):
+    """qkv [T, (Hq + 2 Hkv) D] (a view of wider rows when strided), cos/sin of real rotary angles, the
+    caches and slots as _write_inputs makes them."""
+    dtype = getattr(torch, c["dtype"])
+    t, hkv, d = c["tokens"], c["kv_heads"], c["head_dim"]
+    width = (hkv * c["group"] + 2 * hkv) * d
+    _, _, kc, vc, slots = _write_inputs(dict(c, strided=False), gen)
+    qkv = torch.randn(t, width + (3 * d if c.get("strided") else 0), generator=gen).to(dtype)[:, :width]
+    pos = torch.randint(0, 4000, (t, 1), generator=gen).float()
+    inv_freq = 10000.0 ** (-torch.arange(0, d, 2).float() / d)
+    angles = torch.cat([pos * inv_freq, pos * inv_freq], dim=-1)
+    return qkv, angles.cos().to(dtype), angles.sin().to(dtype), kc, vc, slots
+
+
+def _run_rotary_case(c: dict) -> dict:
+    from tokenmill.ops import triton_fused
+    qkv, cos, sin, kc, vc, slots = _rotary_inputs(c, torch.Generator().manual_seed(c["tokens"] + c["head_dim"]))
+    hq, hkv, d = c["kv_heads"] * c["group"], c["kv_heads"], c["head_dim"]
+    x0, before = qkv.clone(), kc.clone()
+    two = [qkv.clone(), kc.clone(), vc.clone()]  # rotary_ then write_kv
+    twin = [qkv.clone(), kc.clone(), vc.clone()]
+    mutant = [kc.clone(), vc.clone()]  # keys written as the projection made them, unrotated
+    ta.rotary_write_kv(qkv, cos, sin, hq, hkv, kc, vc, slots)
+    triton_fused.rotary_(two[0], cos, sin, hq + hkv, d)
+    ta.write_kv(two[0][:, hq * d:(hq + hkv) * d].view(-1, hkv, d), two[0][:, (hq + hkv) * d:].view(-1, hkv, d),
+                two[1], two[2], slots)
+    ta.rotary_write_kv_ref(twin[0], cos, sin, hq, hkv, twin[1], twin[2], slots)
+    ta.write_kv_ref(x0[:, hq * d:(hq + hkv) * d].view(-1, hkv, d), x0[:, (hq + hkv) * d:].view(-1, hkv, d),
+                    *mutant, slots)
+    top = x0.float().abs().max().item()
+
+    def err(a: torch.Tensor, b: torch.Tensor) -> float:
+        return (a.float() - b.float()).abs().max().item() / top
+
+    return dict(equal_two_launch=[torch.equal(a, b) for a, b in zip((qkv, kc, vc), two)],
+                twin_err=max(err(a, b) for a, b in zip((qkv, kc, vc), twin)), mutant_err=err(kc, mutant[0]),
+                v_untouched=torch.equal(qkv[:, (hq + hkv) * d:], x0[:, (hq + hkv) * d:]),
+                changed=(kc != before).flatten(2).any(-1).sum().item(), written=int((slots >= 0).sum()))
+
+
 # compile cases: (kernel, dtype, group, head_dim, max_query_len, splits)
 COMPILE_CASES = [
     ("attention", "float16", 4, 64, 1, 1), ("attention", "bfloat16", 7, 80, 16, 4),
@@ -181,6 +237,7 @@ COMPILE_CASES = [
     ("attention", "float32", 2, 64, 8, 2),
     ("reduce", "float16", 4, 128, 1, 8), ("reduce", "bfloat16", 2, 80, 1, 3),
     ("write_kv", "float16", 1, 128, 1, 1), ("write_kv", "bfloat16", 1, 96, 1, 1),
+    ("rotary_write_kv", "bfloat16", 4, 128, 1, 1), ("rotary_write_kv", "float16", 7, 80, 1, 1),
 ]
 
 
@@ -207,10 +264,17 @@ def _compile_case(kernel_name: str, dtype: str, group: int, head_dim: int, max_q
         consts = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=plan.head_dim_pad, SPLITS_PAD=ta._next_pow2(splits))
         types = dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr=t)
         kernel, warps = kernels.reduce_splits_kernel, 4
-    else:
+    elif kernel_name == "write_kv":
         consts = dict(BLOCK_SIZE=16, HEAD_DIM=head_dim, HEAD_DIM_PAD=ta._next_pow2(head_dim), HEAD_BLOCK=8)
         types = dict(k_ptr=t, v_ptr=t, kc_ptr=t, vc_ptr=t, slot_ptr="*i64")
         kernel, warps = kernels.write_kv_kernel, 4
+    else:  # rotary_write_kv for an 8-KV-head layer, as rotary_launch tiles it
+        from tokenmill.ops.triton_fused import rotary_launch
+        _, params = rotary_launch(8 * group + 8, head_dim)
+        warps = params.pop("num_warps")
+        consts = dict(BLOCK_SIZE=16, HEAD_DIM=head_dim, **params)
+        types = dict(qkv_ptr=t, cos_ptr=t, sin_ptr=t, kc_ptr=t, vc_ptr=t, slot_ptr="*i64")
+        kernel = kernels.rotary_write_kv_kernel
     cubin = compile_for_sm90(kernel, _signature(kernel, types, consts), consts, warps)
     return {"cubin_bytes": cubin, "block_m": plan.block_m}
 
@@ -218,6 +282,7 @@ def _compile_case(kernel_name: str, dtype: str, group: int, head_dim: int, max_q
 def _child_main(mode: str) -> None:
     jobs = {name: functools.partial(_run_attention_case, c) for name, c in CASES.items()}
     jobs.update({name: functools.partial(_run_write_case, c) for name, c in WRITE_CASES.items()})
+    jobs.update({name: functools.partial(_run_rotary_case, c) for name, c in ROTARY_CASES.items()})
     run_jobs(mode, jobs, {_compile_id(c): functools.partial(_compile_case, *c) for c in COMPILE_CASES})
 
 
@@ -250,6 +315,19 @@ def test_write_kv_matches_twin(interpreted, name):
     r = interpreted[name]
     assert "exception" not in r, r.get("exception")
     assert r["equal_k"] and r["equal_v"]
+    assert r["changed"] == r["written"] > 0  # -1 rows wrote nothing, every other row its own slot
+
+
+@needs_triton
+@pytest.mark.parametrize("name", list(ROTARY_CASES))
+def test_rotary_write_kv_matches_two_launches_and_twin(interpreted, name):
+    r, c = interpreted[name], ROTARY_CASES[name]
+    assert "exception" not in r, r.get("exception")
+    assert r["equal_two_launch"] == [True, True, True], "qkv, key cache, value cache differ from rotary_ + write_kv"
+    tol = ROTARY_TOL[c["dtype"]]
+    assert r["twin_err"] <= tol, f"{r['twin_err']:.2e} from the torch twin"
+    assert r["mutant_err"] > 10 * max(tol, 1e-3), "the case cannot tell rotated keys from unrotated ones"
+    assert r["v_untouched"]
     assert r["changed"] == r["written"] > 0  # -1 rows wrote nothing, every other row its own slot
 
 
@@ -346,6 +424,16 @@ def test_bad_inputs_are_refused_before_any_launch():
     with pytest.raises(TypeError, match="slot_mapping"):
         ta.write_kv(k, k, kc, vc, slots.float())
     ta.write_kv(k[:0], k[:0], kc, vc, slots[:0])  # nothing to write: no launch
+    qkv, cos = torch.randn(4, 8 * 16).half(), torch.randn(4, 16).half()  # 4 q + 2 x 2 kv heads of 16
+    ta.rotary_write_kv(qkv[:0], cos[:0], cos[:0], 4, 2, kc, vc, slots[:0])
+    for bad, match in (((qkv, cos, cos, 5, 2), "must fit"), ((qkv, cos, cos, 2, 3), "must fit"),
+                       ((qkv, cos.float(), cos, 4, 2), "cos must be"), ((qkv, cos, cos[:3], 4, 2), "sin must be"),
+                       ((qkv.float(), cos.float(), cos.float(), 4, 2), "share a dtype"),
+                       ((qkv.flatten()[None], cos[:1], cos[:1], 4, 2), "slot_mapping has")):
+        before = bad[0].clone()
+        with pytest.raises((TypeError, ValueError), match=match):
+            ta.rotary_write_kv(*bad, kc, vc, slots if bad[0].shape[0] == 4 else slots[:2])
+        assert torch.equal(bad[0], before)
 
 
 # ------------------------------------------------------------------ the twins against independent formulas
@@ -397,6 +485,27 @@ def test_write_kv_twin_writes_slots_and_skips_padding():
         if slot >= 0:
             assert torch.equal(kc[slot // 8, slot % 8], k[row]) and torch.equal(vc[slot // 8, slot % 8], v[row])
     assert int((kc.flatten(2).abs().sum(-1) > 0).sum()) == 3  # nothing else was touched
+
+
+def test_rotary_write_kv_twin_is_rotate_half_then_write():
+    """The twin against the textbook formula: x * cos + rotate_half(x) * sin on q and k, v as it came."""
+    gen = torch.Generator().manual_seed(4)
+    t, hq, hkv, d = 5, 4, 2, 8
+    qkv, cos, sin = torch.randn(t, (hq + 2 * hkv) * d, generator=gen), torch.randn(t, d, generator=gen), \
+        torch.randn(t, d, generator=gen)
+    x = qkv.clone().view(t, -1, d)
+    kc, vc = torch.zeros(2, 4, hkv, d), torch.zeros(2, 4, hkv, d)
+    slots = torch.tensor([3, -1, 0, 7, 5])
+    ta.rotary_write_kv_ref(qkv, cos, sin, hq, hkv, kc, vc, slots)
+    halves = x[..., d // 2:], x[..., :d // 2]
+    want = x * cos[:, None] + torch.cat([-halves[0], halves[1]], dim=-1) * sin[:, None]
+    torch.testing.assert_close(qkv.view(t, -1, d)[:, :hq + hkv], want[:, :hq + hkv])
+    assert torch.equal(qkv.view(t, -1, d)[:, hq + hkv:], x[:, hq + hkv:])
+    for row, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            torch.testing.assert_close(kc[slot // 4, slot % 4], want[row, hq:hq + hkv])
+            assert torch.equal(vc[slot // 4, slot % 4], x[row, hq + hkv:])
+    assert int((kc.flatten(2).abs().sum(-1) > 0).sum()) == 4
 
 
 def test_imports_without_triton():

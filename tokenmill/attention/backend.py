@@ -15,6 +15,10 @@ The model runner builds one `AttentionBatch` per step; each backend turns it int
 passes that metadata through to `forward` without looking inside, so a backend never writes into shared
 state and a new backend (FlashAttention, FlashInfer wheels) plugs in without touching the runner.
 
+A layer hands its backend the qkv projection whole (`forward_qkv`): the backend rotates the q and k heads,
+writes k and v into the cache and attends. The default does the first two as layers/rotary.py and then
+`forward`; a backend may fuse them into its cache write (the Triton backend does).
+
 KV cache per layer: key and value each `kv_cache_shape(...)`; today every backend uses
 [num_blocks, block_size, num_kv_heads, head_dim], which lets the Triton backend fall back to torch.
 """
@@ -23,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from tokenmill.layers.rotary import rotate_heads
 
 
 @dataclass
@@ -69,3 +75,17 @@ class AttentionBackend:
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; `meta` is what build_metadata returned."""
         raise NotImplementedError
+
+    def forward_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                    num_kv_heads: int, head_dim: int, key_cache: torch.Tensor, value_cache: torch.Tensor, meta,
+                    scale: float) -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hkv) * D] as the projection made it, cos/sin [T, D] -> [T, Hq, D]: rotary on
+        the q and k heads, k/v into the cache, attention."""
+        qk = rotate_heads(qkv, cos, sin, num_heads + num_kv_heads, head_dim)
+        v = split_heads(qkv, num_heads + num_kv_heads, num_kv_heads, head_dim)
+        return self.forward(qk[:, :num_heads], qk[:, num_heads:], v, key_cache, value_cache, meta, scale)
+
+
+def split_heads(qkv: torch.Tensor, first: int, count: int, head_dim: int) -> torch.Tensor:
+    """Heads first .. first + count - 1 of each qkv row, as a [T, count, head_dim] view."""
+    return qkv[:, first * head_dim:(first + count) * head_dim].view(-1, count, head_dim)

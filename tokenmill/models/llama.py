@@ -15,7 +15,7 @@ from tokenmill.layers.embedding import VocabParallelEmbedding
 from tokenmill.layers.linear import ColumnParallelLinear, MergedLinear, RowParallelLinear, default_weight_loader
 from tokenmill.quantization.config import QuantizationConfig
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import RotaryEmbedding, rotate_heads
+from tokenmill.layers.rotary import RotaryEmbedding
 
 
 def linear_method(quant: QuantizationConfig | None, prefix: str):
@@ -34,20 +34,17 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
         qkv, o = f"{prefix}.qkv_proj", f"{prefix}.o_proj"
         kv = (self.kv_size, kv_start * self.hd)
+        split = {"q": (self.q_size, tp.rank * self.q_size), "k": kv, "v": kv}
         self.qkv_proj = MergedLinear(cfg.hidden_size, {}, bias=cfg.attention_bias, method=linear_method(quant, qkv),
-                                     prefix=qkv, tp=tp, split={"q": (self.q_size, tp.rank * self.q_size), "k": kv, "v": kv})
+                                     prefix=qkv, tp=tp, split=split)
         self.o_proj = RowParallelLinear(cfg.num_heads * self.hd, cfg.hidden_size, method=linear_method(quant, o),
                                         prefix=o, tp=tp)
         self.scale = self.hd ** -0.5
 
     def forward(self, x, cos, sin, kv_cache, meta, backend: AttentionBackend):
         """`meta` is the backend's own step metadata (attention/backend.py); only the backend reads it."""
-        qkv = self.qkv_proj(x)
-        # rotate the query and key heads in one pass: [T, nh + nkv, hd]
-        qk = rotate_heads(qkv, cos, sin, self.nh + self.nkv, self.hd)
-        q, k = qk[:, :self.nh], qk[:, self.nh:]
-        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.nkv, self.hd)
-        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        o = backend.forward_qkv(self.qkv_proj(x), cos, sin, self.nh, self.nkv, self.hd, kv_cache[0], kv_cache[1],
+                                meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

@@ -1,6 +1,8 @@
 """Paged attention and the KV-cache write for the GPU path, as Triton kernels with pure-torch twins.
 
     write_kv(k, v, key_cache, value_cache, slot_mapping)        k/v [T, Hkv, D] into their slots (-1: none)
+    rotary_write_kv(qkv, cos, sin, num_q_heads, num_kv_heads, key_cache, value_cache, slot_mapping)
+                                  rotary on qkv's q and k heads in place, then k/v into their slots: one launch
     paged_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale,
                     max_query_len, max_seq_len, out=None, num_kv_splits=None)   -> [T, Hq, D]
 
@@ -87,6 +89,20 @@ def write_kv_ref(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, valu
     slots = slot_mapping[keep].long()
     key_cache[slots // block_size, slots % block_size] = k[keep]
     value_cache[slots // block_size, slots % block_size] = v[keep]
+
+
+def rotary_write_kv_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
+                        num_kv_heads: int, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None:
+    """The twin of rotary_write_kv: layers/rotary.py's torch rotation of the q and k heads, written back into
+    qkv, then write_kv_ref of the k and v heads."""
+    from tokenmill.layers.rotary import apply_rotary
+    head_dim = key_cache.shape[3]
+    rotated = (num_q_heads + num_kv_heads) * head_dim
+    qk = qkv[:, :rotated].view(-1, num_q_heads + num_kv_heads, head_dim)
+    qk.copy_(apply_rotary(qk, cos, sin))
+    kv = qkv[:, num_q_heads * head_dim:rotated + num_kv_heads * head_dim].view(-1, 2, num_kv_heads, head_dim)
+    write_kv_ref(kv[:, 0], kv[:, 1], key_cache, value_cache, slot_mapping)
 
 
 def _attention_ref(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale, *,
@@ -225,6 +241,46 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_ca
         k, v, key_cache, value_cache, slot_mapping, num_kv_heads, *k.stride(), *v.stride(),
         *key_cache.stride(), *value_cache.stride(),
         BLOCK_SIZE=key_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, HEAD_BLOCK=head_block)
+
+
+def rotary_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                    key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """What `triton_fused.rotary_(qkv, cos, sin, num_q_heads + num_kv_heads, D)` and then `write_kv` of the
+    k and v heads do, bit for bit, in one launch. qkv [T, >= (Hq + 2 Hkv) * D] holds each row's heads in the
+    order q, k, v (a strided view of wider rows is fine); cos/sin [T, D] in qkv's dtype; the caches as
+    write_kv's, in qkv's dtype. Rows with slot -1 are rotated and write nothing. Raises before any launch on
+    bad input, so a caller that catches the error finds qkv and the caches untouched."""
+    from tokenmill.ops.triton_fused import _check_rows, rotary_launch
+    _check_caches(key_cache, value_cache)
+    head_dim, num_heads = key_cache.shape[3], num_q_heads + 2 * num_kv_heads
+    _check_rows("qkv", qkv, qkv.device)
+    num_tokens, width = qkv.shape
+    if head_dim % 2 or key_cache.shape[2] != num_kv_heads or num_q_heads < 1 or num_heads * head_dim > width:
+        raise ValueError(f"{num_q_heads} q + 2 x {num_kv_heads} kv heads of the cache's even head_dim {head_dim} "
+                         f"must fit in qkv rows of {width}, and the cache must hold {num_kv_heads} heads "
+                         f"(cache {tuple(key_cache.shape)})")
+    for name, table in (("cos", cos), ("sin", sin)):
+        _check_rows(name, table, qkv.device)
+        if tuple(table.shape) != (num_tokens, head_dim) or table.dtype != qkv.dtype:
+            raise ValueError(f"{name} must be [{num_tokens}, {head_dim}] in {qkv.dtype}, "
+                             f"got {tuple(table.shape)}, {table.dtype}")
+    if key_cache.dtype != qkv.dtype:
+        raise TypeError(f"qkv ({qkv.dtype}) and the caches ({key_cache.dtype}) must share a dtype")
+    if key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
+        raise ValueError("the caches need a contiguous head dimension")
+    _check_index("slot_mapping", slot_mapping, 1)
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} rows, qkv has {num_tokens}")
+    if any(t.device != qkv.device for t in (key_cache, value_cache, slot_mapping)):
+        raise ValueError("qkv, the caches and slot_mapping must be on one device")
+    if num_tokens == 0:
+        return
+    head_blocks, params = rotary_launch(num_heads, head_dim)
+    kc, vc = key_cache.stride(), value_cache.stride()
+    _kernels().rotary_write_kv_kernel[(num_tokens, head_blocks)](
+        qkv, cos, sin, key_cache, value_cache, slot_mapping, num_q_heads, num_kv_heads, qkv.stride(0),
+        cos.stride(0), sin.stride(0), kc[0], kc[1], kc[2], vc[0], vc[1], vc[2],
+        BLOCK_SIZE=key_cache.shape[1], HEAD_DIM=head_dim, **params)
 
 
 def _check_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, out) -> None:

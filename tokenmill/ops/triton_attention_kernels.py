@@ -1,6 +1,8 @@
 """Triton kernels behind `tokenmill.ops.triton_attention` (imported only when triton is installed).
 
 - `write_kv_kernel`: one program per (token, tile of KV heads) copies k/v rows into their cache slots.
+- `rotary_write_kv_kernel`: rotary on the q and k heads of a qkv row, in place, and the k/v heads into
+  the row's cache slot, one launch for what `rotary_kernel` and `write_kv_kernel` do in two.
 - `unified_attention_kernel`: paged attention for a whole mixed step (decodes and prefill chunks), one
   program per (query tile of one sequence, KV head, KV split); see the module docstring of
   triton_attention.py for the grid diagram.
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from tokenmill.ops.triton_fused_kernels import _round
 
 
 @triton.jit
@@ -37,6 +41,57 @@ def write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, num_kv_heads,
              k, mask=mask)
     tl.store(vc_ptr + blk * stride_vcb + off * stride_vcs + heads[:, None] * stride_vch + offs_d[None, :] * stride_vcd,
              v, mask=mask)
+
+
+@triton.jit
+def rotary_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, num_q_heads, num_kv_heads,
+                           stride_qkv, stride_cos, stride_sin, stride_kcb, stride_kcs, stride_kch,
+                           stride_vcb, stride_vcs, stride_vch,
+                           BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+                           BLOCK_HALF: tl.constexpr):
+    """BLOCK_HEADS heads of one qkv row, each as two halves [x1 | x2]:
+
+        heads   0 .. Hq-1        Hq .. Hq+Hkv-1          Hq+Hkv .. Hq+2Hkv-1
+                q: rotated       k: rotated, and into     v: into value_cache[slot]
+                in place         key_cache[slot]
+
+    The rotation rounds as rotary_kernel does, so q, k and the cache hold the same bits as rotary_kernel
+    followed by write_kv_kernel. A row whose slot is -1 (padding) is rotated and writes no cache."""
+    row = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
+    half: tl.constexpr = HEAD_DIM // 2
+    cols = tl.arange(0, BLOCK_HALF)
+    col_mask = (cols < half)[None, :]
+    num_rotated = num_q_heads + num_kv_heads
+    rotated = heads < num_rotated
+    dtype = qkv_ptr.dtype.element_ty
+    cos = cos_ptr + row * stride_cos + cols
+    sin = sin_ptr + row * stride_sin + cols
+    c1 = tl.load(cos, mask=cols < half, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos + half, mask=cols < half, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin, mask=cols < half, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin + half, mask=cols < half, other=0.0).to(tl.float32)[None, :]
+    p1 = qkv_ptr + row * stride_qkv + heads[:, None] * HEAD_DIM + cols[None, :]
+    in_row = (heads < num_rotated + num_kv_heads)[:, None] & col_mask
+    x1 = tl.load(p1, mask=in_row, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + half, mask=in_row, other=0.0).to(tl.float32)
+    r1 = _round(x1 * c1, dtype) + _round(-x2 * s1, dtype)
+    r2 = _round(x2 * c2, dtype) + _round(x1 * s2, dtype)
+    rot_mask = rotated[:, None] & col_mask
+    tl.store(p1, r1, mask=rot_mask)
+    tl.store(p1 + half, r2, mask=rot_mask)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    if slot >= 0:
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        k_mask = (rotated & (heads >= num_q_heads))[:, None] & col_mask
+        pk = kc_ptr + blk * stride_kcb + off * stride_kcs + (heads - num_q_heads)[:, None] * stride_kch + cols[None, :]
+        tl.store(pk, r1, mask=k_mask)
+        tl.store(pk + half, r2, mask=k_mask)
+        v_mask = in_row & ~rotated[:, None]
+        pv = vc_ptr + blk * stride_vcb + off * stride_vcs + (heads - num_rotated)[:, None] * stride_vch + cols[None, :]
+        tl.store(pv, x1, mask=v_mask)
+        tl.store(pv + half, x2, mask=v_mask)
 
 
 @triton.jit
