@@ -1,5 +1,5 @@
 """Everything GPU-specific in one run (issues 15, 18, 19): correctness first, then the timings. About 3 minutes
-on one H200 (the whole script, 2026-12-04). Writes JSON (and a log) to --out-dir and prints a short table last.
+on one H200 (the whole script, 2026-12-04, before decode_profile and gemv_fusion; expect 5-6 with them). Writes JSON (and a log) to --out-dir and prints a short table last.
 
     ceilings        device-to-device copy bandwidth (bytes read + written), bf16 GEMM TFLOP/s (random data)
     kernels         Triton kernels against their torch twins on CUDA (paged attention over mixed steps, GQA 1/4/7,
@@ -19,6 +19,8 @@ on one H200 (the whole script, 2026-12-04). Writes JSON (and a log) to --out-dir
     decode_profile  8B shape, batch 1: graph replay with the fused rotary + KV write and without (buckets 1, 64),
                     the replay's kernels by kind against its wall time, one-row GEMV bandwidth per linear,
                     the host's top functions per engine step
+    gemv_fusion     ops/triton_gemv.py at one row on the 8B layer shapes: against cuBLAS over a sweep of tiles,
+                    and add+RMSNorm / SiLU-and-mul folded into the GEMV against the small kernel then cuBLAS
     ladder          torch eager -> Triton eager -> + CUDA graphs -> + async scheduling, 256 requests
     offline_scaling offline 128 + 128 with 1,024 requests at max_num_seqs 256 and 512
 
@@ -41,6 +43,7 @@ traceback, a hang dumps the stacks and ends the worker, and the driver starts an
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -162,7 +165,8 @@ def kernels() -> dict:
     for dtype in (torch.bfloat16, torch.float16):
         for group in (1, 4, 7):
             for bs in (16, 32):
-                res[f"attn-{str(dtype)[6:]}-g{group}-bs{bs}"] = _attention_case(gen, mixed, 2 * group, 2, 128, bs, dtype)
+                res[f"attn-{str(dtype)[6:]}-g{group}-bs{bs}"] = _attention_case(gen, mixed, 2 * group, 2, 128, bs,
+                                                                                 dtype)
     res["attn-split-decode"] = _attention_case(gen, [(1, 8000), (1, 3000)], 32, 8, 128, 16, torch.bfloat16)
     res["attn-split-forced"] = _attention_case(gen, [(1, 4000), (3, 2048)], 28, 4, 128, 32, torch.bfloat16, splits=8)
     # KV write: -1 rows write nothing
@@ -395,7 +399,8 @@ def host_busy_ms(llm, batch: int, steps: int = 100) -> float:
     engine = llm.llm_engine
     g = torch.Generator().manual_seed(5)
     for i in range(batch):
-        engine.add_request(f"busy-{batch}-{i}", {"prompt_token_ids": torch.randint(10, 128000, (32,), generator=g).tolist()},
+        prompt = {"prompt_token_ids": torch.randint(10, 128000, (32,), generator=g).tolist()}
+        engine.add_request(f"busy-{batch}-{i}", prompt,
                            SamplingParams(temperature=0, max_tokens=steps + 40, ignore_eos=True))
     for _ in range(20):  # prefills, then decodes
         engine.step()
@@ -441,7 +446,8 @@ def offline_scaling(deadline: float) -> dict:
         outs = llm.generate(reqs, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True), use_tqdm=False)
         res[f"max_num_seqs_{seqs}"] = {"output_tok_s": round(sum(len(o.outputs[0].token_ids) for o in outs)
                                                              / (time.perf_counter() - t)),
-                                       "startup_s": round(startup, 1), "kv_blocks": llm.llm_engine.core.runner.num_blocks}
+                                       "startup_s": round(startup, 1),
+                                       "kv_blocks": llm.llm_engine.core.runner.num_blocks}
         RESULTS["offline_scaling"] = dict(res)
         save(OUT_DIR[0])
         llm = None
@@ -668,6 +674,114 @@ def decode_profile(copy_gb_s: float) -> dict:
     return res
 
 
+def _graph_us(calls: list, warmup: int = 2) -> float:
+    """Microseconds per call of `calls` (callables) replayed back to back from one CUDA graph: the kernels'
+    own time and their in-graph gaps, as in a captured decode step, without the host's launches."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            for fn in calls:
+                fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    us = median_ms(graph.replay, reps=20) * 1e3 / len(calls)
+    del graph
+    return us
+
+
+@section("gemv_fusion")
+def gemv_fusion(copy_gb_s: float) -> dict:
+    """ops/triton_gemv.py on the 8B layer shapes at 1 row (and 4 for correctness): each GEMV against cuBLAS
+    (F.linear) over a sweep of tiles, and the fused prologues (add+RMSNorm into qkv and gate_up, SiLU-and-mul
+    into down) against the small kernel then cuBLAS, all in CUDA graphs over weight copies that outgrow L2.
+    The saving per step is what wiring them into the decode graphs would buy (x 32 layers)."""
+    import itertools
+    import torch.nn.functional as F
+    from tokenmill.ops import triton_fused as tf, triton_gemv as tg
+    dev, dt, g = "cuda", torch.bfloat16, torch.Generator(device="cuda").manual_seed(7)
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    res = {"sms": torch.cuda.get_device_properties(0).multi_processor_count, "correct": {}, "gemv": {}}
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device=dev, generator=g) * scale).to(dt)
+
+    def rel(a, b):
+        return round(((a.float() - b.float()).abs().max() / b.float().abs().max()).item(), 5)
+    # correctness on the real shapes, 1 and 4 rows
+    for m in (1, 4):
+        x, r, gamma = rnd(m, 4096), rnd(m, 4096), 1 + rnd(4096, scale=0.1)
+        w, wd, gu = rnd(6144, 4096, scale=4096 ** -0.5), rnd(4096, 14336, scale=14336 ** -0.5), rnd(m, 2 * 14336)
+        y, r_out = tg.add_rmsnorm_gemv(x, r, gamma, 1e-5, w)
+        y_ref, r_ref = tg.add_rmsnorm_gemv_ref(x, r, gamma, 1e-5, w)
+        res["correct"][f"m{m}"] = {"gemv": rel(tg.gemv(x, w), tg.gemv_ref(x, w)), "norm_gemv": rel(y, y_ref),
+                                   "residual_equal": torch.equal(r_out, r_ref),
+                                   "silu_gemv": rel(tg.silu_mul_gemv(gu, wd), tg.silu_mul_gemv_ref(gu, wd))}
+    # GEMV time per shape: cuBLAS, the default plan, the best of a sweep
+    configs = [dict(block_n=bn, block_k=bk, num_warps=nw) for bn, bk, nw in
+               itertools.product((8, 16, 32, 64), (128, 256, 512), (4, 8)) if bn * bk <= 16384]
+    best = {}
+    for name, (n, k) in shapes.items():
+        copies = max(2, -(-200_000_000 // (n * k * 2)))  # > 200 MB of weights: L2 holds none of it
+        ws = [rnd(n, k, scale=k ** -0.5) for _ in range(copies)]
+        x = rnd(1, k)
+        reps = [ws[i % copies] for i in range(max(16, copies))]
+        cublas = _graph_us([functools.partial(F.linear, x, w) for w in reps])
+        default = _graph_us([functools.partial(tg.gemv, x, w) for w in reps])
+        sweep = {}
+        for cfg in configs:
+            try:
+                sweep[f"{cfg['block_n']}x{cfg['block_k']}w{cfg['num_warps']}"] = \
+                    _graph_us([functools.partial(tg.gemv, x, w, **cfg) for w in reps])
+            except Exception as e:  # a tile the compiler refuses: recorded, not fatal
+                sweep[f"{cfg['block_n']}x{cfg['block_k']}w{cfg['num_warps']}"] = f"{type(e).__name__}"
+        timed = {key: us for key, us in sweep.items() if isinstance(us, float)}
+        top = min(timed, key=timed.get)
+        bn, rest = top.split("x")
+        bk, nw = rest.split("w")
+        best[name] = dict(block_n=int(bn), block_k=int(bk), num_warps=int(nw))
+        gb = n * k * 2 / 1e3  # bytes per us -> GB/s
+        res["gemv"][name] = {"cublas_us": round(cublas, 2), "triton_default_us": round(default, 2),
+                             "triton_best": top, "triton_best_us": round(timed[top], 2),
+                             "cublas_of_copy": round(gb / cublas / copy_gb_s, 3),
+                             "triton_best_of_copy": round(gb / timed[top] / copy_gb_s, 3),
+                             "sweep_us": {key: (round(v, 2) if isinstance(v, float) else v)
+                                          for key, v in sweep.items()}}
+        del ws, reps
+    # the fused prologues against their small kernel + cuBLAS, best tiles, 16 calls per graph
+    h, r, gamma = rnd(1, 4096), rnd(1, 4096), 1 + rnd(4096, scale=0.1)
+    r_apart = r.clone()  # add_rmsnorm updates its residual in place, as in the model
+    fused = {}
+    for name, prologue in (("qkv", "norm"), ("gate_up", "norm"), ("down", "silu")):
+        n, k = shapes[name]
+        copies = max(2, -(-200_000_000 // (n * k * 2)))
+        ws = [rnd(n, k, scale=k ** -0.5) for _ in range(copies)]
+        reps = [ws[i % copies] for i in range(max(16, copies))]
+        if prologue == "norm":
+            def apart(w):
+                normed = tf.add_rmsnorm(h, r_apart, gamma, 1e-5)
+                return F.linear(normed, w)
+            together = [functools.partial(tg.add_rmsnorm_gemv, h, r, gamma, 1e-5, w, **best[name]) for w in reps]
+        else:
+            gu = rnd(1, 2 * k)
+
+            def apart(w):
+                return F.linear(tf.silu_mul(gu), w)
+            together = [functools.partial(tg.silu_mul_gemv, gu, w, **best[name]) for w in reps]
+        sep = _graph_us([functools.partial(apart, w) for w in reps])
+        fus = _graph_us(together)
+        fused[name] = {"apart_us": round(sep, 2), "fused_us": round(fus, 2), "saved_us": round(sep - fus, 2)}
+        del ws, reps
+    res["fused"] = fused
+    res["saved_per_8b_step_ms"] = round(32 * sum(v["saved_us"] for v in fused.values()) / 1e3, 3)
+    torch.cuda.empty_cache()
+    return res
+
+
 @section("ladder")
 def ladder(deadline: float) -> dict:
     """Offline 128 + 128 on the 8B shape, 256 requests, one lever at a time (the slow rung last, so that a
@@ -703,11 +817,12 @@ def ladder(deadline: float) -> dict:
 
 
 SECTIONS = ("ceilings", "kernels", "engine_greedy", "nccl_tp1", "multimodal", "mm_encoder", "llama8b",
-            "decode_profile", "ladder", "offline_scaling")
+            "decode_profile", "gemv_fusion", "ladder", "offline_scaling")
 # seconds each may take before the worker dumps its stacks and exits (a hang must not eat the lease), and
 # the least time left that a section needs to be worth starting
 LIMITS = {"ceilings": 60, "kernels": 150, "engine_greedy": 180, "nccl_tp1": 60, "multimodal": 90, "llama8b": 200,
-          "ladder": 180, "offline_scaling": 150, "mm_encoder": 90, "decode_profile": 150}
+          "ladder": 180, "offline_scaling": 150, "mm_encoder": 90, "decode_profile": 150,
+          "gemv_fusion": 150}
 NEEDS = {"llama8b": 60, "ladder": 60, "offline_scaling": 60, "decode_profile": 60}
 
 
@@ -739,8 +854,8 @@ def worker(args) -> None:
         copy_gb_s = RESULTS.get("ceilings", {}).get("copy_gb_s", 4300.0)
         if name == "llama8b":
             llama8b(copy_gb_s, deadline - 90)
-        elif name == "decode_profile":
-            decode_profile(copy_gb_s)
+        elif name in ("decode_profile", "gemv_fusion"):
+            globals()[name](copy_gb_s)
         elif name in ("ladder", "offline_scaling"):
             globals()[name](deadline)
         else:

@@ -52,7 +52,8 @@ def run_child(test_file: str, mode: str, timeout: float = 300, extra_args: list[
                                          env.get("PYTHONPATH", "")])
     if mode == "interpret":
         env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, test_file, mode, *extra_args], env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, test_file, mode, *extra_args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, f"{mode} child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(lines[-1].removeprefix("RESULTS "))
@@ -87,6 +88,14 @@ def kernel_fixtures(test_file: str):
         return run_child(test_file, "compile")
 
     return interpreted, compiled
+
+
+def assert_near_twin(err: float, mutant_err: dict[str, float], tol: float, margin: float = 10) -> None:
+    """A kernel case's verdict: within `tol` of its twin, and every mutant twin at least `margin` x tol away
+    (else the case could not have caught that bug)."""
+    assert err <= tol, f"max error {err:.2e} (relative to max |out|) over {tol:.0e}"
+    for mutant, e in mutant_err.items():
+        assert e > margin * tol, f"mutant {mutant} is within {e:.2e}: weak case"
 
 
 def run_jobs(mode: str, interpret_jobs: dict, compile_jobs: dict) -> None:

@@ -1,0 +1,152 @@
+"""Decode-row GEMVs for the GPU path that take the small op before them into their prologue, with twins.
+
+    gemv(x, weight, bias=None)                        x [M, K] @ weight[N, K]^T (+ bias) -> [M, N]
+    add_rmsnorm_gemv(x, residual, norm_weight, eps, weight, bias=None)
+                                                      RMSNorm(x + residual) @ weight^T -> (y, x + residual)
+    silu_mul_gemv(gate_up, weight, bias=None)         (silu(gate) * up) @ weight^T, gate_up [M, 2K] -> [M, N]
+
+At batch 1 a Llama layer is four GEMVs and six small kernels (two add+RMSNorms, rotary and the KV write,
+attention, SiLU-and-mul); in a CUDA graph each small kernel still costs a few microseconds of launch and
+ramp, about a quarter of the 8B shape's step beyond the HBM roofline (BENCHMARKS.md, issue 15). These
+fold the norms and SiLU-and-mul into the GEMV that reads their output: each program recomputes the row
+it needs from L2, which costs far less than a launch. M <= MAX_ROWS; float32, float16 or bfloat16, one
+dtype for all operands; weights [N, K] with a contiguous last dimension (rows of x may be strided).
+
+The twins (`*_ref`) compute what layers/norm.py, layers/activation.py and F.linear compute, rounding
+where they round; they are the tests' oracle. Not wired into the model yet: `benchmarks/gpu_check.py`
+(section `gemv_fusion`) times them against cuBLAS after the separate small kernels, which decides it.
+On CPU the kernel runs only under Triton's interpreter (TRITON_INTERPRET=1). No host-device syncs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.ops import triton_lazy as triton  # cdiv, next_power_of_2; triton loads with the kernels
+
+MAX_ROWS = 8
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_TILE = 4096  # BLOCK_M x BLOCK_N x BLOCK_K products per tile: 32 float32 registers a thread at 4 warps
+
+
+@lru_cache(maxsize=1)
+def _kernels():
+    from tokenmill.ops import triton_gemv_kernels
+    return triton_gemv_kernels
+
+
+# ---------------------------------------------------------------- pure-torch twins (the oracle)
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    y = x.float() @ weight.float().t()
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+def add_rmsnorm_gemv_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                         weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """layers/norm.py's RMSNorm.forward in torch, then gemv_ref."""
+    if residual is not None:
+        x = x + residual
+    h = x.float()
+    normed = norm_weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return gemv_ref(normed, weight, bias), (x if residual is not None else None)
+
+
+def silu_mul_gemv_ref(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    k = gate_up.shape[-1] // 2
+    return gemv_ref(F.silu(gate_up[:, :k]) * gate_up[:, k:], weight, bias)
+
+
+# ---------------------------------------------------------------- launch plan
+
+@dataclass(frozen=True)
+class GemvPlan:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: int | None = None,
+         num_warps: int | None = None) -> GemvPlan:
+    """Column blocks small enough for at least two programs per SM (a GEMV is a stream of weight rows: the
+    bytes in flight, not the arithmetic, set its speed), K tiles to fill the register budget. The keyword
+    arguments override each choice (the benchmark's sweep)."""
+    block_m = triton.next_power_of_2(m)
+    if block_n is None:
+        block_n = 64
+        while block_n > 4 and triton.cdiv(n, block_n) < 2 * sms:
+            block_n //= 2
+    if block_k is None:
+        block_k = max(16, min(512, _TILE // (block_m * block_n), triton.next_power_of_2(k)))
+    return GemvPlan(block_m, block_n, block_k, num_warps or 4)
+
+
+@lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """132 (an H100 / H200) off the GPU: the interpreter and the compile tests plan as for one."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+# ---------------------------------------------------------------- the kernels
+
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device, shape: tuple) -> None:
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype} like x, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+    if tuple(t.shape) != shape or t.stride(-1) != 1:
+        raise ValueError(f"{name} must be {list(shape)} with a contiguous last dimension, got "
+                         f"{list(t.shape)} (strides {t.stride()})")
+
+
+def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias, k: int, tune: dict):
+    if x.dtype not in DTYPES:
+        raise TypeError(f"x must be one of {DTYPES}, got {x.dtype}")
+    if x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"x must be [M, features] with 1 <= M <= {MAX_ROWS}, got {list(x.shape)}")
+    m, dev = x.shape[0], x.device
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [N, K], got {list(weight.shape)}")
+    n = weight.shape[0]
+    _check("x", x, x.dtype, dev, (m, x.shape[1]))
+    _check("weight", weight, x.dtype, dev, (n, k))
+    if bias is not None:
+        _check("bias", bias, x.dtype, dev, (n,))
+    if residual is not None:
+        _check("residual", residual, x.dtype, dev, (m, k))
+    if norm_weight is not None:
+        _check("norm_weight", norm_weight, x.dtype, dev, (k,))
+    p = plan(m, n, k, _sm_count(dev), **tune)
+    y = torch.empty(m, n, dtype=x.dtype, device=dev)
+    r_out = torch.empty(m, k, dtype=x.dtype, device=dev) if residual is not None else None
+    _kernels().gemv_kernel[(triton.cdiv(n, p.block_n),)](
+        x, x if residual is None else residual, y if r_out is None else r_out,
+        x if norm_weight is None else norm_weight, weight, y if bias is None else bias, y, m, n, k, x.stride(0),
+        0 if residual is None else residual.stride(0), 0 if r_out is None else r_out.stride(0), weight.stride(0),
+        y.stride(0), float(eps), PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.num_warps)
+    return y, r_out
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **tune) -> torch.Tensor:
+    """x [M <= 8, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, accumulated in float32."""
+    return _launch(0, x, None, None, 0.0, weight, bias, x.shape[-1], tune)[0]
+
+
+def add_rmsnorm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                     weight: torch.Tensor, bias: torch.Tensor | None = None, **tune):
+    """(RMSNorm(x + residual) @ weight^T (+ bias), x + residual): layers/norm.py's RMSNorm with its residual,
+    then the GEMV. The new residual is a new tensor (None without a residual); the inputs stay untouched."""
+    return _launch(1, x, residual, norm_weight, eps, weight, bias, x.shape[-1], tune)
+
+
+def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  **tune) -> torch.Tensor:
+    """(silu(gate) * up) @ weight^T (+ bias) for gate_up = [gate | up] [M, 2K] -> [M, N]."""
+    if gate_up.dim() != 2 or gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up must be [M, 2K], got {list(gate_up.shape)}")
+    return _launch(2, gate_up, None, None, 0.0, weight, bias, gate_up.shape[-1] // 2, tune)[0]
