@@ -1,5 +1,6 @@
 """Everything GPU-specific in one run (issues 15, 18, 19): correctness first, then the timings. About 3 minutes
-on one H200 (the whole script, 2026-12-04, before decode_profile and gemv_fusion; expect 5-6 with them). Writes JSON (and a log) to --out-dir and prints a short table last.
+on one H200 (the whole script, 2026-12-04, before decode_profile and gemv_fusion; expect 5-6 with them).
+Writes JSON (and a log) to --out-dir and prints a short table last.
 
     ceilings        device-to-device copy bandwidth (bytes read + written), bf16 GEMM TFLOP/s (random data)
     kernels         Triton kernels against their torch twins on CUDA (paged attention over mixed steps, GQA 1/4/7,
@@ -8,6 +9,7 @@ on one H200 (the whole script, 2026-12-04, before decode_profile and gemv_fusion
     engine_greedy   on a tiny random Llama: Triton == torch backend, CUDA graphs == eager, preemption, int8
                     Triton == twin, async scheduling == none (greedy, and seeded sampling with a penalty, logprobs
                     and stops), W8A8 on the GPU against the CPU, fused rotary + KV write == two launches,
+                    folded GEMVs == plain,
                     the int4 LM head's Triton GEMM == its twin
     nccl_tp1        issue 19: an NCCL group through the engine's rendezvous, a tp=1 runner through it == plain
     multimodal      issue 18: the shipped tiny-llava on CUDA, inline / encoder thread on a side stream / int8
@@ -16,7 +18,8 @@ on one H200 (the whole script, 2026-12-04, before decode_profile and gemv_fusion
                     against the bare graph replay, the host's busy time per step (1, 64, 256), batch-1 as a
                     fraction of the HBM roofline, prefill TFLOP/s, offline 128 + 128 (goal >= 15,000 tok/s;
                     TensorRT-LLM FP8 on H200: 27,911)
-    decode_profile  8B shape, batch 1: graph replay with the fused rotary + KV write and without (buckets 1, 64),
+    decode_profile  8B shape, batch 1: graph replay with the fused rotary + KV write and without, and with the
+                    GEMVs folded (ops/triton_gemv.py, TOKENMILL_TRITON_GEMV=1) (buckets 1, 64),
                     the replay's kernels by kind against its wall time, one-row GEMV bandwidth per linear,
                     the host's top functions per engine step
     gemv_fusion     ops/triton_gemv.py at one row on the 8B layer shapes: against cuBLAS over a sweep of tiles,
@@ -283,6 +286,10 @@ def engine_greedy() -> dict:
     os.environ["TOKENMILL_DISABLE_TRITON_ROTARY_KV"] = "1"
     two_launch, i10 = _greedy_tokens(path, prompts, attention_backend="triton", **chunked)
     del os.environ["TOKENMILL_DISABLE_TRITON_ROTARY_KV"]
+    # ops/triton_gemv.py folded into the layers (off by default) against the plain graphs run
+    os.environ["TOKENMILL_TRITON_GEMV"] = "1"
+    folded, i11 = _greedy_tokens(path, prompts, attention_backend="triton", **chunked)
+    del os.environ["TOKENMILL_TRITON_GEMV"]
     # the int4 LM head: the Triton AWQ GEMM against its dequantized twin (same codes)
     os.environ["TOKENMILL_DISABLE_TRITON_QUANT"] = "1"
     head4_twin, _ = _greedy_tokens(path, prompts, attention_backend="triton", quantize_lm_head="int4")
@@ -297,8 +304,9 @@ def engine_greedy() -> dict:
             "async_vs_sync_sampled": agree(sampled_async, sampled_sync),
             "w8a8_gpu_vs_cpu": agree(w8a8_gpu, w8a8_cpu),
             "fused_rotary_kv_vs_two_launch": agree(triton_graphs, two_launch),
+            "folded_gemvs_vs_plain": agree(folded, triton_graphs),
             "int4_head_triton_vs_twin": agree(head4_triton, head4_twin),
-            "backends": [i1, i2, i3, i4, i5, i6, i7, i8, i9, i10]}
+            "backends": [i1, i2, i3, i4, i5, i6, i7, i8, i9, i10, i11]}
 
 
 # ------------------------------------------------------------------ timings on the 8B shape
@@ -618,6 +626,15 @@ def decode_profile(copy_gb_s: float) -> dict:
         graphs.filled = rows
     sizes = [s for s in (1, 64) if s in graphs.graphs]
 
+    def recapture(fold: bool | None = False) -> None:
+        """The decode graphs captured again (after a switch), each layer's GEMV folding set to `fold` (None:
+        decided again at the capture's warm-up)."""
+        for layer in runner.model.model.layers:
+            layer.folds_gemvs = fold
+        graphs.graphs.clear()
+        graphs.outputs.clear()
+        graphs._capture_all()
+
     def replays(tag: str) -> None:
         for size in sizes:
             res[f"replay_b{size}_{tag}_ms"] = round(median_ms(graphs.graphs[size].replay, reps=50), 3)
@@ -628,17 +645,21 @@ def decode_profile(copy_gb_s: float) -> dict:
     res["eager_b1_ms"] = round(median_ms(lambda: graphs._forward(1), reps=20), 3)
     if res["fused_rotary_kv"]:  # the same graphs with rotary and write_kv as two launches
         backend.fuse_rotary_kv = False
-        graphs.graphs.clear()
-        graphs.outputs.clear()
-        graphs._capture_all()
+        recapture()
         replays("two_launch")
         res["kernels_per_step_two_launch"] = _profile_kernels(graphs.graphs[1].replay, 3)["kernels_per_call"]
         backend.fuse_rotary_kv = True
-        graphs.graphs.clear()
-        graphs.outputs.clear()
-        graphs._capture_all()
-    # one-row GEMVs of each linear (cuBLAS through F.linear), 50 back to back: GB/s against the copy's
+        recapture()
+    # ops/triton_gemv.py folded into the layers (TOKENMILL_TRITON_GEMV=1): steps of <= 8 rows
     model = runner.model
+    os.environ["TOKENMILL_TRITON_GEMV"] = "1"
+    recapture(fold=None)
+    res["folded_layers"] = sum(bool(layer.folds_gemvs) for layer in model.model.layers)
+    replays("folded")
+    res["profile_b1_folded"] = _profile_kernels(graphs.graphs[1].replay, 10)
+    del os.environ["TOKENMILL_TRITON_GEMV"]
+    recapture(fold=False)
+    # one-row GEMVs of each linear (cuBLAS through F.linear), 50 back to back: GB/s against the copy's
     layer = model.model.layers[0]
     linears = {"qkv": layer.self_attn.qkv_proj.weight, "o": layer.self_attn.o_proj.weight,
                "gate_up": layer.mlp.gate_up_proj.weight, "down": layer.mlp.down_proj.weight,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 
 import pytest
@@ -33,12 +34,22 @@ SCENARIOS = {
     # the fused rotary + KV-write launch raises at the first layer: rotary and write_kv run apart from then
     # on, attention stays on Triton
     "fused-launch-fails": dict(max_num_batched_tokens=20, break_fused=True),
+    # ops/triton_gemv.py folded into the layers (TOKENMILL_TRITON_GEMV=1): decode steps of <= 8 rows and short
+    # chunks take the folded GEMVs, longer prefill chunks the plain ops (float weights kept: no CPU repacking)
+    "folded-gemvs": dict(max_num_batched_tokens=20, fold_gemvs=True, cpu_linear_kernel="torch"),
 }
-TORCH_RUN = {"fused-launch-fails": "chunked+prefix"}  # the torch run a scenario shares with another
+TORCH_RUN = {"fused-launch-fails": "chunked+prefix", "folded-gemvs": "chunked+prefix"}  # shared torch runs
 
 
 def _generate(model_dir: str, backend: str, graphs: bool = False, max_tokens: int = GREEDY.max_tokens,
-              break_fused: bool = False, **kw) -> dict:
+              break_fused: bool = False, fold_gemvs: bool = False, **kw) -> dict:
+    if fold_gemvs:
+        from tokenmill.ops import triton_gemv
+        os.environ[triton_gemv.ENABLE_ENV] = "1"
+        try:
+            return _generate(model_dir, backend, graphs, max_tokens, **kw)
+        finally:
+            del os.environ[triton_gemv.ENABLE_ENV]
     if break_fused:
         from tokenmill.ops import triton_attention
         real = triton_attention.rotary_write_kv
@@ -72,6 +83,7 @@ def _generate(model_dir: str, backend: str, graphs: bool = False, max_tokens: in
                 graph_steps=getattr(runner.decode_step, "steps", 0),
                 failure=getattr(runner_backend, "failure", None), preemptions=stats.num_preemptions,
                 fused=getattr(runner_backend, "fuse_rotary_kv", None),
+                folded=[layer.folds_gemvs for layer in runner.model.model.layers],
                 prefix_hits=stats.prefix_cache_hits)
 
 
@@ -107,6 +119,9 @@ def test_triton_engine_matches_torch_backend(interpreted, scenario):
         assert triton_run["preemptions"] > 0
     elif scenario == "fused-launch-fails":
         pass  # same tokens, no Triton attention failure, fusion switched off: asserted above
+    elif scenario == "folded-gemvs":
+        assert triton_run["folded"] == [True] * len(triton_run["folded"])
+        assert torch_run["folded"] == [False] * len(torch_run["folded"])
     elif scenario == "padded-graphs":
         assert triton_run["graph_steps"] >= GREEDY.max_tokens - 1  # the decode steps took the padded path
     else:

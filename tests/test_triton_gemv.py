@@ -174,6 +174,28 @@ def test_twins_are_the_layers_they_fold():
                                    atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+def test_a_failing_fold_falls_back_to_the_plain_layer(llama_dir, monkeypatch, caplog):
+    """A folded GEMV that raises (a compile failure, say) turns folding off for that layer, with one warning,
+    and the step goes on through the plain ops: the same tokens as without folding."""
+    from conftest import make_llm
+    from tokenmill import SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in make_llm(llama_dir).generate([[5, 6, 7], [9]], sp, use_tqdm=False)]
+    monkeypatch.setattr(tg, "enabled", lambda: True)
+    monkeypatch.setattr(tg, "runs_on", lambda x: True)
+
+    def broken(*a, **k):
+        raise RuntimeError("PTX compile failed")
+    monkeypatch.setattr(tg, "add_rmsnorm_gemv", broken)
+    llm = make_llm(llama_dir, cpu_linear_kernel="torch")
+    with caplog.at_level("WARNING"):
+        got = [o.outputs[0].token_ids for o in llm.generate([[5, 6, 7], [9]], sp, use_tqdm=False)]
+    assert got == want
+    layers = llm.llm_engine.core.runner.model.model.layers
+    assert [layer.folds_gemvs for layer in layers] == [False] * len(layers)
+    assert sum("folded GEMVs failed" in r.message for r in caplog.records) == len(layers)
+
+
 def test_plan_fills_the_gpu_and_bounds_the_tile():
     p = tg.plan(1, 4096, 4096, 132)
     assert 4096 // p.block_n >= 2 * 132 and p.block_m * p.block_n * p.block_k <= tg._TILE

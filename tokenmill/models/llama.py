@@ -12,7 +12,9 @@ from tokenmill.distributed.comm import SINGLE, WHOLE_MODEL, ModelShard, TensorPa
 from tokenmill.distributed.layout import kv_head_split
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.embedding import VocabParallelEmbedding
-from tokenmill.layers.linear import ColumnParallelLinear, MergedLinear, RowParallelLinear, default_weight_loader
+from tokenmill.layers.linear import (ColumnParallelLinear, MergedLinear, RowParallelLinear, UnquantizedLinearMethod,
+                                     default_weight_loader)
+from tokenmill.ops import triton_gemv
 from tokenmill.quantization.config import QuantizationConfig
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -43,8 +45,11 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, meta, backend: AttentionBackend):
         """`meta` is the backend's own step metadata (attention/backend.py); only the backend reads it."""
-        o = backend.forward_qkv(self.qkv_proj(x), cos, sin, self.nh, self.nkv, self.hd, kv_cache[0], kv_cache[1],
-                                meta, self.scale)
+        return self.attend(self.qkv_proj(x), cos, sin, kv_cache, meta, backend)
+
+    def attend(self, qkv, cos, sin, kv_cache, meta, backend: AttentionBackend):
+        """From the qkv projection on: rotary, the KV write and attention (the backend's), the output projection."""
+        o = backend.forward_qkv(qkv, cos, sin, self.nh, self.nkv, self.hd, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -71,7 +76,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, quant, f"{prefix}.mlp", tp)
 
+        self.folds_gemvs: bool | None = None  # decided at the first forward (_can_fold_gemvs)
+
     def forward(self, x, residual, cos, sin, kv_cache, meta, backend):
+        if x.shape[0] <= triton_gemv.MAX_ROWS and self._can_fold_gemvs(x):
+            try:
+                return self._forward_folded(x, residual, cos, sin, kv_cache, meta, backend)
+            except Exception as e:  # raised before any write (checks, a compile failure): the plain path is clean
+                self.folds_gemvs = False
+                triton_gemv.logger.warning("folded GEMVs failed (%s: %s); this layer runs the plain ops from now on",
+                                           type(e).__name__, str(e)[:300])
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -79,6 +93,32 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(x, cos, sin, kv_cache, meta, backend)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def _can_fold_gemvs(self, x: torch.Tensor) -> bool:
+        """Once per layer: ops/triton_gemv.py is switched on and runs here (CUDA, or the interpreter), and the
+        four projections are plain float weights of the activations' dtype."""
+        if self.folds_gemvs is None:
+            attn, mlp = self.self_attn, self.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            self.folds_gemvs = (triton_gemv.enabled() and triton_gemv.runs_on(x) and all(
+                type(lin.method) is UnquantizedLinearMethod and getattr(lin, "weight", None) is not None
+                and lin.weight.dtype == x.dtype for lin in linears) and
+                self.input_layernorm.weight.dtype == self.post_attention_layernorm.weight.dtype == x.dtype)
+        return self.folds_gemvs
+
+    def _forward_folded(self, x, residual, cos, sin, kv_cache, meta, backend):
+        """The plain forward with each RMSNorm folded into the GEMV after it and SiLU-and-mul into down's
+        (three launches fewer); the same rounding as the plain ops, and the residual a new tensor."""
+        attn, mlp = self.self_attn, self.mlp
+        ln1, ln2, down = self.input_layernorm, self.post_attention_layernorm, mlp.down_proj
+        qkv, new_residual = triton_gemv.add_rmsnorm_gemv(x, residual, ln1.weight, ln1.eps, attn.qkv_proj.weight,
+                                                         attn.qkv_proj.bias)
+        residual = x if residual is None else new_residual
+        o = attn.attend(qkv, cos, sin, kv_cache, meta, backend)
+        gate_up, residual = triton_gemv.add_rmsnorm_gemv(o, residual, ln2.weight, ln2.eps, mlp.gate_up_proj.weight,
+                                                         mlp.gate_up_proj.bias)
+        y = triton_gemv.silu_mul_gemv(gate_up, down.weight, down.bias)
+        return (y if down.reduce_over is None else down.reduce_over.all_reduce(y)), residual
 
 
 class MissingLayer(nn.Module):

@@ -13,12 +13,15 @@ it needs from L2, which costs far less than a launch. M <= MAX_ROWS; float32, fl
 dtype for all operands; weights [N, K] with a contiguous last dimension (rows of x may be strided).
 
 The twins (`*_ref`) compute what layers/norm.py, layers/activation.py and F.linear compute, rounding
-where they round; they are the tests' oracle. Not wired into the model yet: `benchmarks/gpu_check.py`
-(section `gemv_fusion`) times them against cuBLAS after the separate small kernels, which decides it.
+where they round; they are the tests' oracle. The Llama layers take them for steps of at most 8 rows when
+TOKENMILL_TRITON_GEMV=1 (off by default: `benchmarks/gpu_check.py`, sections `gemv_fusion` and
+`decode_profile`, times them against cuBLAS after the separate small kernels, which decides the default).
 On CPU the kernel runs only under Triton's interpreter (TRITON_INTERPRET=1). No host-device syncs.
 """
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -27,9 +30,22 @@ import torch.nn.functional as F
 
 from tokenmill.ops import triton_lazy as triton  # cdiv, next_power_of_2; triton loads with the kernels
 
+logger = logging.getLogger(__name__)
+
+ENABLE_ENV = "TOKENMILL_TRITON_GEMV"
 MAX_ROWS = 8
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TILE = 4096  # BLOCK_M x BLOCK_N x BLOCK_K products per tile: 32 float32 registers a thread at 4 warps
+
+
+def enabled() -> bool:
+    """TOKENMILL_TRITON_GEMV=1 and triton installed: the Llama layers fold their GEMVs (models/llama.py)."""
+    return os.environ.get(ENABLE_ENV) == "1" and triton.installed()
+
+
+def runs_on(x: torch.Tensor) -> bool:
+    """The kernel runs on CUDA tensors, and on CPU ones under Triton's interpreter (the tests)."""
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @lru_cache(maxsize=1)
