@@ -5,7 +5,7 @@ from dataclasses import fields
 import pytest
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.arg_utils import engine_kwargs
+from tokenmill.engine.arg_utils import bare_flags_take_const, engine_kwargs
 from tokenmill.entrypoints.cli import build_parser
 
 COMMANDS = [["generate"], ["serve"], ["bench", "offline"], ["bench", "ladder"], ["eval", "ppl"]]
@@ -59,3 +59,16 @@ def test_choices_come_from_the_field(capsys):
 def test_help_comes_from_the_field():
     text = _subparser(["generate"]).format_help()
     assert "most sequences in one step (default: 256)" in " ".join(text.split())
+
+
+def test_a_bare_optional_value_flag_before_the_prompt():
+    """`--quantize-lm-head` takes an optional value: before a positional argument that is not one of its
+    choices it means the flag alone, and the word stays the prompt."""
+    def parse(*words):
+        args = build_parser().parse_args(bare_flags_take_const(list(words)))
+        return args.quantize_lm_head, args.prompt
+    assert parse("generate", "--quantize-lm-head", "ROMEO:") == ("int8", ["ROMEO:"])
+    assert parse("generate", "--quantize-lm-head", "int4", "ROMEO:") == ("int4", ["ROMEO:"])
+    assert parse("generate", "ROMEO:", "--quantize-lm-head") == ("int8", ["ROMEO:"])
+    assert parse("generate", "--quantize-lm-head", "--dtype", "float32", "ROMEO:") == ("int8", ["ROMEO:"])
+    assert parse("generate", "ROMEO:") == (None, ["ROMEO:"])

@@ -5,7 +5,8 @@ command that builds an engine (generate, serve, bench offline, bench ladder, eva
     EngineConfig.max_num_seqs: int = option(256, "most sequences in one step")
         -> --max-num-seqs N (type int, default 256, help "most sequences in one step (default: 256)")
     bool fields  -> --flag / --no-flag;   `str | None` -> type str, default None
-    a field with a `const` -> `--flag` alone gives const (--quantize-lm-head is --quantize-lm-head int8)
+    a field with a `const` -> `--flag` alone gives const (--quantize-lm-head is --quantize-lm-head int8),
+                             also before a positional argument (`bare_flags_take_const`)
 """
 from __future__ import annotations
 
@@ -44,6 +45,26 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
             if f.metadata.get("const") is not None:  # `--flag` alone means const, `--flag V` means V
                 kw["nargs"], kw["const"] = "?", f.metadata["const"]
         group.add_argument("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ()), **kw)
+
+
+def bare_flags_take_const(argv: list[str]) -> list[str]:
+    """argv with each optional-value flag's const written out where the word after it is not one of its
+    choices: `generate --quantize-lm-head "ROMEO:"` means the flag alone and the prompt, where argparse would
+    take the prompt for the flag's value and refuse it."""
+    takes_const = {}
+    for f in fields(EngineConfig):
+        if f.metadata.get("const") is not None and f.metadata.get("choices"):
+            for name in ("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())):
+                takes_const[name] = (f.metadata["const"], {str(c) for c in f.metadata["choices"] if c is not None})
+    out = []
+    for i, word in enumerate(argv):
+        out.append(word)
+        if word in takes_const:
+            const, choices = takes_const[word]
+            following = argv[i + 1] if i + 1 < len(argv) else None
+            if following is not None and following not in choices and not following.startswith("-"):
+                out.append(const)
+    return out
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

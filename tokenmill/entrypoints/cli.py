@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from tokenmill.engine.arg_utils import add_engine_args, engine_kwargs
+from tokenmill.engine.arg_utils import add_engine_args, bare_flags_take_const, engine_kwargs
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(bare_flags_take_const(sys.argv[1:] if argv is None else list(argv)))
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
     try:
