@@ -5,6 +5,8 @@ times chunks on the client as `vllm bench serve` does: TTFT at the first chunk w
 such chunks, latency at the last one. Output token counts come from the server's `usage` when it sends
 one, else from the tokenizer, else one per chunk. Arrivals follow --request-rate / --burstiness, capped
 by --max-concurrency (time spent waiting for a slot is the request's queue_time, not its latency).
+A server that speculates and exposes its counters on /metrics (tokenmill, vLLM) also gets the run's draft
+acceptance figures (bench/server_metrics.py).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from tqdm.asyncio import tqdm
 from tokenmill.bench.arrivals import arrival_times
 from tokenmill.bench.datasets import SampleRequest
 from tokenmill.bench.metrics import RequestResult, compute_metrics, per_request_fields
+from tokenmill.bench.server_metrics import scrape_spec_counters, spec_decode_delta
 
 TIMEOUT = aiohttp.ClientTimeout(total=6 * 60 * 60)
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
@@ -171,6 +174,7 @@ async def run_benchmark(requests: list[SampleRequest], base_url: str, model: str
     async with aiohttp.ClientSession(connector=connector, timeout=TIMEOUT) as session:
         for _ in range(num_warmups):  # one at a time: warm caches and the connection, measure nothing
             await send_request(session, url, payloads[0], headers, chat, requests[0].prompt_len, 0.0)
+        spec_before = await scrape_spec_counters(session, base_url, headers)
         bar = tqdm(total=len(requests), disable=disable_tqdm, desc="bench serve", dynamic_ncols=True)
         t0 = time.perf_counter()
 
@@ -189,6 +193,7 @@ async def run_benchmark(requests: list[SampleRequest], base_url: str, model: str
         results = await asyncio.gather(*(one(i) for i in range(len(requests))))
         duration = time.perf_counter() - t0
         bar.close()
+        spec = spec_decode_delta(spec_before, await scrape_spec_counters(session, base_url, headers))
     _fill_output_tokens(results, tokenizer)
     result = {
         "kind": "serve",
@@ -202,4 +207,6 @@ async def run_benchmark(requests: list[SampleRequest], base_url: str, model: str
     }
     result.update(compute_metrics(results, duration, list(percentiles), goodput_slos_ms))
     result.update(per_request_fields(results))
+    if spec is not None:  # the server speculates: its counters' difference over the run
+        result["spec_decode"] = spec
     return result
