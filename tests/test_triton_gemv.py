@@ -33,9 +33,12 @@ CASES = {
     "gemv-m1-bias-fp32": dict(op="gemv", m=1, n=96, k=256, bias=True, dtype="float32"),
     "gemv-m3-bf16-strided": dict(op="gemv", m=3, n=50, k=200, bias=False, dtype="bfloat16", strided=True),
     "gemv-m8-fp16-forced-tiles": dict(op="gemv", m=8, n=33, k=72, bias=True, dtype="float16",
-                                      tune=dict(block_n=8, block_k=16, num_warps=2)),
+                                      tune=dict(block_n=16, block_k=16, num_warps=2, num_stages=1)),
+    "gemv-m1-bf16-forced-tiles": dict(op="gemv", m=1, n=21, k=40, bias=False, dtype="bfloat16",
+                                      tune=dict(block_n=8, block_k=16)),
     "norm-m1-residual-bf16": dict(op="norm", m=1, n=64, k=256, bias=False, dtype="bfloat16"),
     "norm-m5-residual-fp32-bias": dict(op="norm", m=5, n=40, k=96, bias=True, dtype="float32"),
+    "norm-m3-residual-bf16": dict(op="norm", m=3, n=48, k=600, bias=False, dtype="bfloat16"),
     "norm-m2-no-residual-fp16": dict(op="norm", m=2, n=48, k=128, bias=False, dtype="float16", residual=False),
     "silu-m1-bf16": dict(op="silu", m=1, n=64, k=160, bias=False, dtype="bfloat16"),
     "silu-m4-fp32-strided-bias": dict(op="silu", m=4, n=30, k=100, bias=True, dtype="float32", strided=True),
@@ -54,7 +57,7 @@ def _inputs(c: dict, gen: torch.Generator) -> dict:
     return dict(x=x, weight=(torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype),
                 bias=torch.randn(n, generator=gen).to(dtype) if c["bias"] else None,
                 residual=torch.randn(m, k, generator=gen).to(dtype) if c.get("residual", True) else None,
-                norm_weight=(1 + 0.3 * torch.randn(k, generator=gen)).to(dtype))
+                norm_weight=(1 + 0.6 * torch.randn(k, generator=gen)).to(dtype))
 
 
 def _call(c: dict, t: dict, impl: str, mutant: str | None = None):
@@ -104,7 +107,8 @@ def _run_case(c: dict) -> dict:
 
 
 COMPILE_CASES = [("bfloat16", 0, 1, False), ("bfloat16", 1, 1, True), ("float16", 2, 4, False),
-                 ("bfloat16", 1, 8, False), ("float32", 2, 2, True)]  # (dtype, prologue, rows, bias)
+                 ("bfloat16", 1, 8, False), ("float32", 2, 2, True), ("bfloat16", 2, 1, False),
+                 ("bfloat16", 0, 8, True)]  # (dtype, prologue, rows, bias)
 
 
 def _compile_id(case: tuple) -> str:
@@ -115,8 +119,8 @@ def _compile_case(dtype: str, prologue: int, rows: int, bias: bool) -> dict:
     """Compile as an 8B layer's launch would (132 SMs), for an sm_90 target (no GPU needed)."""
     kernel, t = tg._kernels().gemv_kernel, "*" + TRITON_TYPES[dtype]
     p = tg.plan(rows, 4096, 4096, 132)
-    consts = dict(PROLOGUE=prologue, HAS_RESIDUAL=prologue == 1, HAS_BIAS=bias, BLOCK_M=p.block_m,
-                  BLOCK_N=p.block_n, BLOCK_K=p.block_k)
+    consts = dict(PROLOGUE=prologue, HAS_RESIDUAL=prologue == 1, HAS_BIAS=bias,
+                  **tg.constexprs(p, 4096, getattr(torch, dtype), False))
     types = {name: t for name in ("x_ptr", "r_ptr", "r_out_ptr", "g_ptr", "w_ptr", "b_ptr", "y_ptr")}
     types["eps"] = "fp32"
     signature = {name: "constexpr" if name in consts else types.get(name, "i32") for name in kernel.arg_names}
@@ -200,9 +204,12 @@ def test_plan_fills_the_gpu_and_bounds_the_tile():
     p = tg.plan(1, 4096, 4096, 132)
     assert 4096 // p.block_n >= 2 * 132 and p.block_m * p.block_n * p.block_k <= tg._TILE
     assert tg.plan(1, 128256, 4096, 132).block_n == 64  # the LM head: plenty of columns
-    assert tg.plan(5, 6144, 4096, 132).block_m == 8
+    rows5 = tg.plan(5, 6144, 4096, 132)  # 2-8 rows: a 16-row tl.dot tile, at least 16 columns
+    assert rows5.use_dot and rows5.block_m == 16 and rows5.block_n >= 16 and not tg.plan(1, 6144, 4096, 132).use_dot
     assert tg.plan(1, 4096, 8, 132).block_k == 16  # never past K's power of two, never under 16
-    assert tg.plan(1, 4096, 4096, 132, block_n=32, block_k=64, num_warps=8) == tg.GemvPlan(1, 32, 64, 8)
+    assert tg.plan(1, 4096, 4096, 132, block_n=32, block_k=64, num_warps=8, num_stages=2) == \
+        tg.GemvPlan(1, 32, 64, 8, 2)
+    assert tg.constexprs(tg.plan(8, 4096, 4096, 132), 4096, torch.bfloat16, False)["STAT_BLOCK"] == 256
 
 
 def test_bad_inputs_are_refused_before_any_launch():

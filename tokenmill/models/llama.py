@@ -79,7 +79,7 @@ class DecoderLayer(nn.Module):
         self.folds_gemvs: bool | None = None  # decided at the first forward (_can_fold_gemvs)
 
     def forward(self, x, residual, cos, sin, kv_cache, meta, backend):
-        if x.shape[0] <= triton_gemv.MAX_ROWS and self._can_fold_gemvs(x):
+        if 0 < x.shape[0] <= triton_gemv.MAX_ROWS and self._can_fold_gemvs(x):
             try:
                 return self._forward_folded(x, residual, cos, sin, kv_cache, meta, backend)
             except Exception as e:  # raised before any write (checks, a compile failure): the plain path is clean

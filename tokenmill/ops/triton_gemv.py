@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 ENABLE_ENV = "TOKENMILL_TRITON_GEMV"
 MAX_ROWS = 8
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_TILE = 4096  # BLOCK_M x BLOCK_N x BLOCK_K products per tile: 32 float32 registers a thread at 4 warps
+_TILE = 4096  # weight elements per K step: 32 float32 accumulators a thread at 4 warps (one row)
+_STAT_TILE = 4096  # elements per step of the RMSNorm statistic loop (rows x columns)
 
 
 def enabled() -> bool:
@@ -80,25 +81,40 @@ def silu_mul_gemv_ref(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 @dataclass(frozen=True)
 class GemvPlan:
-    block_m: int
+    block_m: int  # 1 (one row: multiply-and-add), or 16 (2-8 rows padded to a tl.dot tile)
     block_n: int
     block_k: int
     num_warps: int
+    num_stages: int
+
+    @property
+    def use_dot(self) -> bool:
+        return self.block_m > 1
 
 
 def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: int | None = None,
-         num_warps: int | None = None) -> GemvPlan:
+         num_warps: int | None = None, num_stages: int | None = None) -> GemvPlan:
     """Column blocks small enough for at least two programs per SM (a GEMV is a stream of weight rows: the
-    bytes in flight, not the arithmetic, set its speed), K tiles to fill the register budget. The keyword
-    arguments override each choice (the benchmark's sweep)."""
-    block_m = triton.next_power_of_2(m)
+    bytes in flight, not the arithmetic, set its speed), a weight tile of about _TILE elements, whatever
+    the row count. The keyword arguments override each choice (the benchmark's sweep)."""
+    block_m = 1 if m == 1 else 16
+    floor = 16 if block_m > 1 else 4  # tl.dot tiles are at least 16 wide
     if block_n is None:
         block_n = 64
-        while block_n > 4 and triton.cdiv(n, block_n) < 2 * sms:
+        while block_n > floor and triton.cdiv(n, block_n) < 2 * sms:
             block_n //= 2
     if block_k is None:
-        block_k = max(16, min(512, _TILE // (block_m * block_n), triton.next_power_of_2(k)))
-    return GemvPlan(block_m, block_n, block_k, num_warps or 4)
+        block_k = max(16, min(512, _TILE // block_n, triton.next_power_of_2(k)))
+    return GemvPlan(block_m, max(block_n, floor), max(block_k, 16), num_warps or 4, num_stages or 3)
+
+
+def constexprs(p: GemvPlan, k: int, dtype: torch.dtype, interpreted: bool) -> dict:
+    """The kernel's compile-time parameters for plan `p` (the launch and the compile tests share them)."""
+    return dict(USE_DOT=p.use_dot, PRECISION="ieee" if dtype == torch.float32 else None,
+                UPCAST_DOT=interpreted and p.use_dot and dtype == torch.bfloat16,  # the interpreter's bf16 dot
+                BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
+                STAT_BLOCK=max(16, min(triton.next_power_of_2(k), _STAT_TILE // p.block_m)),
+                NUM_STAGES=p.num_stages)
 
 
 @lru_cache(maxsize=None)
@@ -139,12 +155,13 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias, k: int, 
     p = plan(m, n, k, _sm_count(dev), **tune)
     y = torch.empty(m, n, dtype=x.dtype, device=dev)
     r_out = torch.empty(m, k, dtype=x.dtype, device=dev) if residual is not None else None
-    _kernels().gemv_kernel[(triton.cdiv(n, p.block_n),)](
+    kernels = _kernels()
+    kernels.gemv_kernel[(triton.cdiv(n, p.block_n),)](
         x, x if residual is None else residual, y if r_out is None else r_out,
         x if norm_weight is None else norm_weight, weight, y if bias is None else bias, y, m, n, k, x.stride(0),
         0 if residual is None else residual.stride(0), 0 if r_out is None else r_out.stride(0), weight.stride(0),
         y.stride(0), float(eps), PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.num_warps)
+        **constexprs(p, k, x.dtype, kernels.INTERPRETED), num_warps=p.num_warps)
     return y, r_out
 
 

@@ -1,7 +1,9 @@
 """Triton kernel behind `tokenmill.ops.triton_gemv` (imported only when triton is installed).
 
 One program owns BLOCK_N output columns of every row (at most 8 rows: decode steps) and walks all of K, so
-no split-K partials and no second launch. The prologue builds each K tile of the GEMV's input from what the
+no split-K partials and no second launch. The weight tile is loaded before the input tile it multiplies,
+and the K loops are software-pipelined (NUM_STAGES), so the weight stream keeps several tiles in flight.
+The prologue builds each K tile of the GEMV's input from what the
 layer had before the op it replaces, rounded where the torch twins round (`_round`):
 
     PROLOGUE 0   a = x
@@ -42,20 +44,25 @@ def _input_tile(x_ptr, r_ptr, g_ptr, rows, m_mask, kk, k_mask, K, stride_x, stri
 @triton.jit
 def gemv_kernel(x_ptr, r_ptr, r_out_ptr, g_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_r, stride_ro,
                 stride_w, stride_y, eps, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[m, n] = sum_k a[m, k] w[n, k] (+ b[n]) for BLOCK_N columns n and all M <= BLOCK_M rows."""
+                HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAT_BLOCK: tl.constexpr,
+                NUM_STAGES: tl.constexpr):
+    """y[m, n] = sum_k a[m, k] w[n, k] (+ b[n]) for BLOCK_N columns n and all M <= BLOCK_M rows.
+
+    One row (BLOCK_M 1): each thread multiplies and adds into its own slots of a [BLOCK_N, BLOCK_K] float32
+    accumulator, reduced once after the loop, so the loop is loads and FMAs only. More rows: the rows padded
+    to a 16-row tl.dot tile (tensor cores; the padding costs no memory traffic)."""
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = cols < N
     rows = tl.arange(0, BLOCK_M)
     m_mask = rows < M
-    ks = tl.arange(0, BLOCK_K)
     dtype = x_ptr.dtype.element_ty
     inv = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if PROLOGUE == 1:  # the norm's statistic first: mean of squares of round(x + r) per row
+    if PROLOGUE == 1:  # the norm's statistic first: mean of squares of round(x + r) per row, in wide tiles
         ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ks
+        for k0 in tl.range(0, K, STAT_BLOCK, num_stages=NUM_STAGES):
+            kk = k0 + tl.arange(0, STAT_BLOCK)
             mask = m_mask[:, None] & (kk < K)[None, :]
             h = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
@@ -65,15 +72,25 @@ def gemv_kernel(x_ptr, r_ptr, r_out_ptr, g_ptr, w_ptr, b_ptr, y_ptr, M, N, K, st
                     tl.store(r_out_ptr + rows[:, None] * stride_ro + kk[None, :], h, mask=mask)
             ss += tl.sum(h * h, axis=1)
         inv = tl.math.rsqrt(ss / K + eps)
+    ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    acc_row = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         kk = k0 + ks
         k_mask = kk < K
+        w = tl.load(w_ptr + cols[:, None] * stride_w + kk[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                    other=0.0)
         a = _input_tile(x_ptr, r_ptr, g_ptr, rows, m_mask, kk, k_mask, K, stride_x, stride_r, inv,
                         PROLOGUE, HAS_RESIDUAL)
-        w = tl.load(w_ptr + cols[:, None] * stride_w + kk[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                    other=0.0).to(tl.float32)
-        acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
+        if USE_DOT:  # a holds values of the activation dtype (rounded): the cast is exact
+            if UPCAST_DOT:
+                acc = tl.dot(a, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a.to(dtype), tl.trans(w), acc, input_precision=PRECISION)
+        else:
+            acc_row += w.to(tl.float32) * a
+    if not USE_DOT:
+        acc = tl.sum(acc_row, axis=1)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
