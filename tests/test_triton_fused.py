@@ -375,6 +375,27 @@ def test_layers_route_device_tensors_to_triton(monkeypatch):
     assert calls == ["norm", "norm", "silu", "rotary"]
 
 
+def test_a_failing_op_turns_the_triton_ops_off_with_one_warning(monkeypatch, caplog):
+    """An op that raises (a compile failure on the GPU) is given up: the layers return their torch results
+    (nothing was written before the raise), one warning, and no later call tries Triton again."""
+    want = _layer_outputs("float32")
+    calls = []
+
+    def broken(*a, **k):
+        calls.append("tried")
+        raise RuntimeError("PTXAS error: no kernel image")
+    monkeypatch.setattr(tf, "_failure", [])
+    monkeypatch.setattr(tf, "usable", lambda *tensors: not tf._failure)  # as for CUDA tensors, until a failure
+    for name in ("add_rmsnorm", "rotary_", "silu_mul"):
+        monkeypatch.setattr(tf, name, broken)
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            for got, ref in zip(_layer_outputs("float32"), want):
+                torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    assert calls == ["tried"] and tf._failure and "PTXAS" in tf._failure[0]
+    assert sum("Triton fused ops failed" in r.message for r in caplog.records) == 1
+
+
 def test_imports_without_triton():
     code = ("import torch\n"
             "from tokenmill.ops import triton_fused as tf\n"

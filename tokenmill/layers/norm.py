@@ -17,8 +17,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if x.dim() == 2 and triton_fused.usable(x, self.weight, *(() if residual is None else (residual,))):
-            out = triton_fused.add_rmsnorm(x, residual, self.weight, self.eps)  # residual updated in place
-            return out if residual is None else (out, residual)
+            try:
+                out = triton_fused.add_rmsnorm(x, residual, self.weight, self.eps)  # residual updated in place
+                return out if residual is None else (out, residual)
+            except Exception as e:  # raised before the kernel ran: residual untouched
+                triton_fused.give_up(e)
         if x.dim() == 2 and cpu_fused.usable(x, self.weight, *(() if residual is None else (residual,))):
             out = cpu_fused.add_rmsnorm(x, residual, self.weight, self.eps)  # residual updated in place
             return out if residual is None else (out, residual)

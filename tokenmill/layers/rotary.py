@@ -50,8 +50,11 @@ def rotate_heads(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_he
     """The first `num_heads` heads of each [T, heads * head_dim] row, rotated: [T, num_heads, head_dim].
     The fused CPU and GPU kernels rotate them in place in one call; the twin builds a new tensor."""
     if head_dim % 2 == 0 and triton_fused.usable(qkv, cos, sin):
-        triton_fused.rotary_(qkv, cos, sin, num_heads, head_dim)
-        return qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)
+        try:
+            triton_fused.rotary_(qkv, cos, sin, num_heads, head_dim)
+            return qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)
+        except Exception as e:  # raised before the kernel ran: qkv not rotated yet
+            triton_fused.give_up(e)
     if head_dim % 32 == 0 and cpu_fused.usable(qkv, cos, sin):
         cpu_fused.rotary_(qkv, cos, sin, num_heads, head_dim)
         return qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)

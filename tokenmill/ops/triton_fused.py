@@ -16,10 +16,12 @@ Tensors are float32, float16 or bfloat16, 2-D with a contiguous last dimension (
 anything else is refused with an error. No host-device syncs: launch parameters come from shapes only.
 The layers call these for CUDA tensors only (`usable`); on CPU the kernels run only under Triton's
 interpreter (TRITON_INTERPRET=1, set before this module's kernels are first used).
-`TOKENMILL_DISABLE_TRITON_FUSED=1` turns them off.
+`TOKENMILL_DISABLE_TRITON_FUSED=1` turns them off; an op that raises (`give_up`) turns them off too, with
+one warning, and the layers go on with their torch paths.
 """
 from __future__ import annotations
 
+import logging
 import os
 from functools import lru_cache
 
@@ -32,6 +34,8 @@ DISABLE_ENV = "TOKENMILL_DISABLE_TRITON_FUSED"
 MAX_HIDDEN = 65536  # add_rmsnorm keeps a whole row in registers
 _SILU_BLOCK = 1024
 _ROTARY_TILE = 2048  # heads x half-head elements per rotary program
+logger = logging.getLogger(__name__)
+_failure: list[str] = []  # why the ops were given up (give_up), once; then usable() is False for good
 
 
 def available() -> bool:
@@ -43,8 +47,17 @@ def usable(*tensors: torch.Tensor) -> bool:
     """What the layers ask before calling an op: available, all on CUDA, one dtype the kernels take,
     contiguous last dimensions (the ops refuse anything else)."""
     t0 = tensors[0]
-    return (t0.is_cuda and available() and t0.dtype in DTYPES and
+    return (t0.is_cuda and not _failure and available() and t0.dtype in DTYPES and
             all(t.dtype == t0.dtype and t.device == t0.device and _unit_last_stride(t) for t in tensors))
+
+
+def give_up(error: Exception) -> None:
+    """A layer's op raised (a Triton compile failure on this GPU, say: before any kernel ran, so nothing was
+    written): one warning, and the layers take their torch paths from now on instead of crashing a step."""
+    if not _failure:
+        _failure.append(f"{type(error).__name__}: {error}"[:500])
+        logger.warning("Triton fused ops failed (%s); add+RMSNorm, rotary and SiLU-and-mul run as torch ops "
+                       "from now on", _failure[0])
 
 
 @lru_cache(maxsize=1)
