@@ -664,9 +664,8 @@ def decode_profile(copy_gb_s: float) -> dict:
     res["profile_b1_replay"]["replay_ms"] = round(median_ms(graphs.graphs[1].replay, reps=20), 3)
     res["profile_b1_eager"] = _profile_kernels(lambda: graphs._forward(1), 5)
     res["eager_b1_ms"] = round(median_ms(lambda: graphs._forward(1), reps=20), 3)
-    def keep() -> None:  # what is measured so far survives a later phase's failure or time limit
-        RESULTS["decode_profile"] = dict(res, partial=True)
-        save(OUT_DIR[0])
+    def keep() -> None:
+        save_partial("decode_profile", res)
     keep()
     # one-row GEMVs (cuBLAS through F.linear) over the 32 layers' own weights in turn, so that L2 holds
     # none of them (o_proj's 33.5 MB alone would fit): GB/s against the copy's
@@ -763,8 +762,7 @@ def gemv_fusion(copy_gb_s: float) -> dict:
     res = {"sms": torch.cuda.get_device_properties(0).multi_processor_count, "correct": {}, "gemv": {}}
 
     def keep() -> None:
-        RESULTS["gemv_fusion"] = dict(res, partial=True)
-        save(OUT_DIR[0])
+        save_partial("gemv_fusion", res)
 
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, device=dev, generator=g) * scale).to(dt)
@@ -889,6 +887,13 @@ def save(out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
         json.dump(RESULTS, f, indent=1)
+
+
+def save_partial(name: str, res: dict) -> None:
+    """What a section has measured so far, on disk: it survives a later phase's failure or time limit (the
+    section wrapper keeps it, with the error, when the section raises)."""
+    RESULTS[name] = dict(res, partial=True)
+    save(OUT_DIR[0])
 
 
 def worker(args) -> None:

@@ -79,10 +79,11 @@ class DecoderLayer(nn.Module):
         self.folds_gemvs: bool | None = None  # decided at the first forward (_can_fold_gemvs)
 
     def forward(self, x, residual, cos, sin, kv_cache, meta, backend):
-        if 0 < x.shape[0] <= triton_gemv.MAX_ROWS and self._can_fold_gemvs(x):
+        if self.folds_gemvs is not False and 0 < x.shape[0] <= triton_gemv.MAX_ROWS and self._can_fold_gemvs(x):
             try:
                 return self._forward_folded(x, residual, cos, sin, kv_cache, meta, backend)
-            except Exception as e:  # raised before any write (checks, a compile failure): the plain path is clean
+            except Exception as e:  # checks or a compile failure: the inputs are untouched (a KV write
+                # already made is the same one the plain path makes again)
                 self.folds_gemvs = False
                 triton_gemv.logger.warning("folded GEMVs failed (%s: %s); this layer runs the plain ops from now on",
                                            type(e).__name__, str(e)[:300])

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.ops import triton_lazy as triton  # cdiv, next_power_of_2; triton loads with the kernels
+from tokenmill.ops.triton_attention import _sm_count  # 132 (H100 / H200) off the GPU, as the planners there
 
 logger = logging.getLogger(__name__)
 
@@ -115,12 +116,6 @@ def constexprs(p: GemvPlan, k: int, dtype: torch.dtype, interpreted: bool) -> di
                 BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
                 STAT_BLOCK=max(16, min(triton.next_power_of_2(k), _STAT_TILE // p.block_m)),
                 NUM_STAGES=p.num_stages)
-
-
-@lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    """132 (an H100 / H200) off the GPU: the interpreter and the compile tests plan as for one."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 # ---------------------------------------------------------------- the kernels
