@@ -236,8 +236,11 @@ class EngineCore:
         for rid, rows in result.prompt_logprobs.items():
             outputs[rid] = EngineCoreOutput(rid, [], prompt_logprobs=rows)
         for req, tokens in self.scheduler.update(sched, result.sampled_token_ids):
-            o = outputs.setdefault(req.request_id, EngineCoreOutput(req.request_id, []))
-            o.new_token_ids.extend(tokens)
+            o = outputs.get(req.request_id)
+            if o is None:
+                o = outputs[req.request_id] = EngineCoreOutput(req.request_id, tokens)
+            else:  # its prompt logprobs came first
+                o.new_token_ids.extend(tokens)
             o.finish_reason, o.stop_reason = req.finish_reason, req.stop_reason
             o.num_cached_tokens = max(req.num_cached_tokens, 0)
             if req.request_id in result.logprobs:

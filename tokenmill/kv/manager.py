@@ -69,7 +69,8 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str, start: int = 0) -> list[int]:
         """The request's block table from entry `start` on."""
-        return [b.block_id for b in self.req_blocks.get(request_id, ())[start:]]
+        blocks = self.req_blocks.get(request_id, ())
+        return [b.block_id for b in blocks[start:]] if len(blocks) > start else []  # most steps: none new
 
     def _hashes(self, req: Request, num_tokens: int) -> list[bytes]:
         extend_block_hashes(req.block_hashes, req.token_ids, num_tokens, self.block_size, req.block_extra_keys)
@@ -147,7 +148,9 @@ class KVCacheManager:
                 blocks.extend(self.pool.allocate(need))
         if self.enable_caching and register:
             # Blocks that will be full once this step runs are registered now; their tokens are known.
-            self._register(req, blocks, (total - num_draft_tokens) // self.block_size)
+            full = (total - num_draft_tokens) // self.block_size
+            if full > self._num_cached.get(req.request_id, 0):  # most decodes fill none
+                self._register(req, blocks, full)
         return True
 
     def _register(self, req: Request, blocks: list[KVBlock], full: int) -> None:

@@ -249,23 +249,24 @@ class Scheduler:
         steps = self._plan_decode_steps(scheduled) if quiet and not preempted_now and not drafting else {}
         out.burst_forgone = (quiet and not preempted_now and drafting
                              and all(self._may_burst(rid, n) for rid, n in scheduled.items()))
-        out.seqs = [self._scheduled(self.requests[rid], n, propose.get(rid, 0), steps.get(rid, 1))
-                    for rid, n in scheduled.items()]
+        seqs, in_flight, serials = out.seqs, self.in_flight, out.serials
+        for rid, n in scheduled.items():
+            req = self.requests[rid]
+            samples = self._samples(req, n)
+            seqs.append(self._scheduled(req, n, samples, propose.get(rid, 0), steps.get(rid, 1)))
+            if req.mm_items:  # before counting this step's tokens: their images are read by this step's forward
+                self.encoder.advance(req)
+            if samples and self.async_scheduling:
+                req.num_pending += 1
+            req.num_computed_tokens += n
+            in_flight[rid] = in_flight.get(rid, 0) + 1
+            serials[rid] = req.serial
         out.num_scheduled_tokens = sum(scheduled.values())
         out.burst_steps = max(steps.values(), default=1)
         self._drafts = {}
         out.kv_stores, out.kv_backups = self.kv.take_stores()
         out.kv_loads, self._new_loads = self._new_loads, []
         out.kv_load_cancels, self._load_cancels = self._load_cancels, []
-        for rid, n in scheduled.items():
-            req = self.requests[rid]
-            if req.mm_items:  # before counting this step's tokens: their images are read by this step's forward
-                self.encoder.advance(req)
-            if self.async_scheduling and self._samples(req, n):
-                req.num_pending += 1
-            req.num_computed_tokens += n
-            self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
-            out.serials[rid] = req.serial
         if self.encoder is not None:
             self._prefetch_waiting(out)
         return out
@@ -405,12 +406,13 @@ class Scheduler:
             return False
         if not req.num_pending:  # a prefill chunk in flight: the next one needs no token of it
             return True
-        if req.num_pending > 1 or req.sampling_params.needs_penalties:
+        sp = req.sampling_params
+        if req.num_pending > 1 or sp.needs_penalties:
             return False
-        max_tokens = req.sampling_params.max_tokens
-        if max_tokens is not None and req.num_output_tokens + req.num_pending >= max_tokens:
+        after = len(req.output_token_ids) + 1  # output tokens once the pending one is in
+        if sp.max_tokens is not None and after >= sp.max_tokens:
             return False
-        return req.num_tokens + req.num_pending < self.max_model_len
+        return len(req.prompt_token_ids) + after < self.max_model_len
 
     def _pick_victim(self) -> Request | None:
         # Async scheduling runs steps in one stream, in order: a request in the step before may be preempted,
@@ -524,9 +526,11 @@ class Scheduler:
             if req is not None and req.status == RequestStatus.RUNNING:
                 req.spec_token_ids, req.spec_placeholders = d, False
 
-    def _scheduled(self, req: Request, n: int, propose_k: int = 0, num_steps: int = 1) -> ScheduledRequest:
+    def _scheduled(self, req: Request, n: int, samples: bool, propose_k: int = 0, num_steps: int = 1
+                   ) -> ScheduledRequest:
+        """The step's message about `req` (before its counters move); `samples`: self._samples(req, n)."""
         rid, start = req.request_id, req.num_computed_tokens
-        drafts = self._drafts.get(rid, [])
+        drafts = self._drafts.get(rid, ())
         sent = self._blocks_sent.get(rid)
         new = None
         if sent is None:  # just admitted (or resumed after preemption): the worker gets everything once
@@ -537,18 +541,16 @@ class Scheduler:
         else:
             new_blocks = self.kv.block_ids(rid, start=sent)
             self._blocks_sent[rid] = sent + len(new_blocks)
-        out_start, new_outputs = self._new_outputs(req, new is not None)
+        out_start, new_outputs = self._new_outputs(req, new is not None) if self.sync_output_tokens else (0, [])
         return ScheduledRequest(
             request_id=rid, start_pos=start, num_new_tokens=n, new_block_ids=new_blocks,
-            num_sampled_positions=1 + len(drafts) if self._samples(req, n) else 0,
+            num_sampled_positions=1 + len(drafts) if samples else 0,
             wants_prompt_logprobs=req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens,
             new_request=new, draft_token_ids=list(drafts), draft_placeholders=bool(drafts) and req.spec_placeholders,
             propose_k=propose_k, num_steps=num_steps, output_start=out_start,
             new_output_token_ids=new_outputs)
 
     def _new_outputs(self, req: Request, sent_whole: bool) -> tuple[int, list[int]]:
-        if not self.sync_output_tokens:
-            return 0, []
         start = len(req.output_token_ids) if sent_whole else self._outputs_sent.get(req.request_id, 0)
         self._outputs_sent[req.request_id] = len(req.output_token_ids)
         return start, req.output_token_ids[start:]
@@ -599,15 +601,15 @@ class Scheduler:
         return touched
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
-        sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens:
+        sp, num_output = req.sampling_params, len(req.output_token_ids)
+        if num_output >= sp.min_tokens:
             if not sp.ignore_eos and token in sp.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if token in sp.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
+        if sp.max_tokens is not None and num_output >= sp.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.max_model_len:
+        if len(req.prompt_token_ids) + num_output >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -22,7 +22,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionBatch
 from tokenmill.device_copy import to_device, to_pinned_host
-from tokenmill.sample.sampler import SampleRow, Sampler, TokenLogprobs, batch_token_logprobs
+from tokenmill.sample.sampler import SampleRow, Sampler, TokenLogprobs, argmax_rows, batch_token_logprobs
 from tokenmill.sched.output import ScheduledRequest, SchedulerOutput
 from tokenmill.spec_decode.verify import DraftCheck, accept_greedy, verify
 from tokenmill.worker.request_state import RequestState, RequestStates
@@ -105,7 +105,7 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.release(request_ids)
 
-    def prepare_batch(self, seqs: list[ScheduledRequest]):
+    def prepare_batch(self, seqs: list[ScheduledRequest], states: list[RequestState] | None = None):
         """Returns (input_ids, positions, AttentionBatch, token_starts): token_starts[i] .. token_starts[i + 1]
         are seq i's rows in the flat token batch.
 
@@ -118,7 +118,8 @@ class ModelRunner:
             seq B: verify at 4, 2 drafts -> rows B0, B1, B2   seq_lens 5, 6, 7   (B's block table each)
             seq C: prefill chunk         -> row C     seq_len start + n
         """
-        states = [self.requests[s.request_id] for s in seqs]
+        if states is None:
+            states = [self.requests[s.request_id] for s in seqs]
         if all(s.num_new_tokens == 1 or s.draft_token_ids for s in seqs):
             return self._prepare_decodes(seqs, states)
         return self._prepare_mixed(seqs, states)
@@ -171,8 +172,20 @@ class ModelRunner:
         width = max(len(st.block_ids) for st in states)
         for s, st in zip(seqs, states):
             n, start, blocks = s.num_new_tokens, s.start_pos, st.block_ids
+            pad = width - len(blocks)
+            if n == 1 and not s.draft_token_ids:  # a plain decode (most rows): its token, without a range
+                prompt = st.prompt_token_ids
+                toks.append(prompt[start] if start < len(prompt) else st.output_token_ids[start - len(prompt)])
+                pos.append(start)
+                slots.append(blocks[start // bs] * bs + start % bs)
+                lens.append(start + 1)
+                tables += blocks
+                if pad:
+                    tables += [0] * pad
+                qsl.append(qsl[-1] + 1)
+                continue
             toks += st.token_ids(start, start + n - len(s.draft_token_ids)) + s.draft_token_ids
-            row = blocks + [0] * (width - len(blocks))
+            row = blocks + [0] * pad
             for p in range(start, start + n):
                 pos.append(p)
                 slots.append(blocks[p // bs] * bs + p % bs)
@@ -205,9 +218,10 @@ class ModelRunner:
         bursting = any(s.num_steps > 1 for s in seqs)
         if bursting:
             seqs.sort(key=lambda s: -s.num_steps)
-        input_ids, positions, batch, qsl = self.prepare_batch(seqs)
+        states = [self.requests[s.request_id] for s in seqs]
+        input_ids, positions, batch, qsl = self.prepare_batch(seqs, states)
         if self._pending:
-            self._fill_pending(seqs, input_ids, qsl)
+            self._fill_pending(seqs, states, input_ids, qsl)
         if bursting:
             burst = self._run_burst(seqs, input_ids, positions, batch)
             if burst is not None:
@@ -232,7 +246,8 @@ class ModelRunner:
             return out
         plain = [i for i, s in enumerate(seqs) if s.num_sampled_positions and not s.draft_token_ids]
         if plain:
-            self._sample(out, [seqs[i] for i in plain], _rows(hidden, [qsl[i + 1] - 1 for i in plain]))
+            self._sample(out, [seqs[i] for i in plain], [states[i] for i in plain],
+                         _rows(hidden, [qsl[i + 1] - 1 for i in plain]))
         drafted = [i for i, s in enumerate(seqs) if s.draft_token_ids]
         if drafted:
             rows = [r for i in drafted for r in range(qsl[i + 1] - seqs[i].num_sampled_positions, qsl[i + 1])]
@@ -241,20 +256,21 @@ class ModelRunner:
             self._propose(out, seqs)
         for i, s in enumerate(seqs):
             if s.wants_prompt_logprobs:
-                out.prompt_logprobs[s.request_id] = self._prompt_logprobs(s, self.requests[s.request_id],
-                                                                          hidden[qsl[i]:qsl[i + 1]])
+                out.prompt_logprobs[s.request_id] = self._prompt_logprobs(s, states[i], hidden[qsl[i]:qsl[i + 1]])
         return out
 
-    def _fill_pending(self, seqs: list[ScheduledRequest], input_ids: torch.Tensor, qsl: list[int]) -> None:
+    def _fill_pending(self, seqs: list[ScheduledRequest], states: list[RequestState], input_ids: torch.Tensor,
+                      qsl: list[int]) -> None:
         """Async scheduling: inputs that are tokens the step before sampled and has not sent back yet (the
         placeholders in the states) are copied in on the device, from that step's token tensor."""
         by_step: dict[int, tuple[DeferredTokens, list[int], list[int]]] = {}  # id(step) -> its rows, its sources
-        for i, s in enumerate(seqs):
-            pending = self._pending.get(s.request_id)
+        pending_of = self._pending
+        for i, (s, st) in enumerate(zip(seqs, states)):
+            pending = pending_of.get(s.request_id)
             if pending is None:
                 continue
             step, src, slot = pending
-            pos = len(self.requests[s.request_id].prompt_token_ids) + slot  # the placeholder's position
+            pos = len(st.prompt_token_ids) + slot  # the placeholder's position
             if s.start_pos <= pos < s.start_pos + s.num_new_tokens - len(s.draft_token_ids):
                 _, rows, srcs = by_step.setdefault(id(step), (step, [], []))
                 rows.append(qsl[i] + pos - s.start_pos)
@@ -352,12 +368,21 @@ class ModelRunner:
                  if st.mm_items and s.start_pos < st.mm_items[-1].end]
         return enc.inputs_embeds(input_ids, spans) if spans else None
 
-    def _sample(self, out: ModelRunnerOutput, seqs: list[ScheduledRequest], hidden: torch.Tensor) -> None:
+    def _sample(self, out: ModelRunnerOutput, seqs: list[ScheduledRequest], states: list[RequestState],
+                hidden: torch.Tensor) -> None:
         """One token per sequence from its last position's hidden state; appended to the worker's state."""
-        states = [self.requests[s.request_id] for s in seqs]
+        logits = self.model.compute_logits(hidden)
+        if all(st.takes_argmax() for st in states):  # the common greedy batch: the argmax is the whole sampler
+            tokens = argmax_rows(logits)
+            if self.defer_tokens:
+                self._sample_deferred(out, seqs, states, tokens, [], ())
+                return
+            for s, st, tok in zip(seqs, states, tokens.tolist()):
+                st.output_token_ids.append(tok)
+                out.sampled_token_ids[s.request_id] = [tok]
+            return
         rows = [SampleRow(st.sampling_params, st.prompt_token_ids, st.output_token_ids,
                           self.requests.generator(s.request_id)) for s, st in zip(seqs, states)]
-        logits = self.model.compute_logits(hidden)
         if self.defer_tokens:
             tokens = self.sampler.sample(logits, rows)
             self._sample_deferred(out, seqs, states, tokens, rows, self.sampler.logprob_tensors(logits, tokens, rows))
