@@ -31,6 +31,9 @@ SCENARIOS = {
     "chunked+prefix": dict(max_num_batched_tokens=20, enable_prefix_caching=True),
     "preemption": dict(num_kv_blocks=16, max_model_len=96, max_num_seqs=5, max_tokens=40),
     "padded-graphs": dict(max_num_seqs=5, graphs=True),
+    # the same with async scheduling: the decode inputs are staged in the graphs' buffers and the tokens the step
+    # before sampled are filled in there on the device
+    "padded-graphs-async": dict(max_num_seqs=5, graphs=True, async_scheduling=True),
     # the fused rotary + KV-write launch raises at the first layer: rotary and write_kv run apart from then
     # on, attention stays on Triton
     "fused-launch-fails": dict(max_num_batched_tokens=20, break_fused=True),
@@ -38,7 +41,8 @@ SCENARIOS = {
     # chunks take the folded GEMVs, longer prefill chunks the plain ops (float weights kept: no CPU repacking)
     "folded-gemvs": dict(max_num_batched_tokens=20, fold_gemvs=True, cpu_linear_kernel="torch"),
 }
-TORCH_RUN = {"fused-launch-fails": "chunked+prefix", "folded-gemvs": "chunked+prefix"}  # shared torch runs
+TORCH_RUN = {"fused-launch-fails": "chunked+prefix", "folded-gemvs": "chunked+prefix",  # shared torch runs
+             "padded-graphs-async": "padded-graphs"}
 
 
 def _generate(model_dir: str, backend: str, graphs: bool = False, max_tokens: int = GREEDY.max_tokens,
@@ -80,7 +84,8 @@ def _generate(model_dir: str, backend: str, graphs: bool = False, max_tokens: in
     stats = llm.llm_engine.get_stats()
     runner_backend = llm.llm_engine.core.runner.backend
     return dict(tokens=[o.outputs[0].token_ids for o in outs], backend=type(runner_backend).__name__,
-                graph_steps=getattr(runner.decode_step, "steps", 0),
+                graph_steps=getattr(runner.decode_step, "steps", 0), deferred_steps=runner.num_deferred_steps,
+                pending_fills=sum(runner.num_pending_fills),
                 failure=getattr(runner_backend, "failure", None), preemptions=stats.num_preemptions,
                 fused=getattr(runner_backend, "fuse_rotary_kv", None),
                 folded=[layer.folds_gemvs for layer in runner.model.model.layers],
@@ -122,8 +127,10 @@ def test_triton_engine_matches_torch_backend(interpreted, scenario):
     elif scenario == "folded-gemvs":
         assert triton_run["folded"] == [True] * len(triton_run["folded"])
         assert torch_run["folded"] == [False] * len(torch_run["folded"])
-    elif scenario == "padded-graphs":
+    elif scenario.startswith("padded-graphs"):
         assert triton_run["graph_steps"] >= GREEDY.max_tokens - 1  # the decode steps took the padded path
+        if scenario.endswith("async"):  # tokens stayed on the device and were filled into the graphs' inputs
+            assert triton_run["deferred_steps"] > 0 and triton_run["pending_fills"] > 0
     else:
         assert triton_run["prefix_hits"] >= 2 * 32  # prompts 1 and 2 reuse prompt 0's two shared blocks
 
@@ -216,3 +223,54 @@ def test_gpu_budget_and_the_not_enough_memory_error(llama_dir):
 
 if __name__ == "__main__":
     _child_main(sys.argv[1], sys.argv[2])
+
+
+def test_graph_buffers_take_staged_rows_and_reset_the_padding():
+    """DecodeGraphs.stage puts a decode step's host rows straight into the graphs' buffers, run() replays them
+    as they are, and resets only the padding rows an earlier, larger step left (token and position 0, slot -1,
+    length 1, table row 0). The same step copied in by run() (prepared elsewhere) fills the same buffers."""
+    from tokenmill.attention.backend import AttentionBatch
+    from tokenmill.worker.cuda_graphs import DecodeGraphs
+    graphs = DecodeGraphs(None, None, None, max_num_seqs=8, max_model_len=64, block_size=16, device="cpu",
+                          capture=False)
+    seen = []
+
+    def forward(size):  # what a replay of bucket `size` would read
+        seen.append((graphs.longs[:, :size].tolist(), graphs.seq_lens[:size].tolist(),
+                     graphs.query_start_loc[:size + 1].tolist(), graphs.block_tables[:size].tolist()))
+        return torch.zeros(size, 2)
+    graphs._forward = forward
+
+    def step(rows: int, width: int, staged: bool):
+        ids, pos, slots = [7 + r for r in range(rows)], [20 + r for r in range(rows)], [40 + r for r in range(rows)]
+        lens = [21 + r for r in range(rows)]
+        tables = [b for r in range(rows) for b in range(r + 1, r + 1 + width)]
+        longs = torch.tensor(ids + pos + slots)
+        ints = torch.tensor(lens + tables, dtype=torch.int32)
+        if staged:
+            ids_t, pos_t, slot_t, qsl_t, lens_t, tables_t = graphs.stage(longs, ints, rows, width)
+            assert ids_t.data_ptr() == graphs.input_ids.data_ptr()
+        else:
+            ids_t, pos_t, slot_t = longs[:rows], longs[rows:2 * rows], longs[2 * rows:]
+            qsl_t, lens_t = torch.arange(rows + 1, dtype=torch.int32), ints[:rows]
+            tables_t = ints[rows:].view(rows, width)
+        batch = AttentionBatch(slot_t, qsl_t, lens_t, tables_t, num_decodes=rows, max_seq_len=max(lens),
+                               max_query_len=1, query_start_loc_host=list(range(rows + 1)), seq_lens_host=lens)
+        assert graphs.can_stage(rows, width) and graphs.can_run(batch, rows)
+        assert graphs.run(ids_t, pos_t, batch).shape == (rows, 2)
+        return seen[-1]
+
+    for staged in (True, False):
+        first = step(5, 3, staged)  # bucket 8: rows 5-7 are padding from the start
+        assert first[0] == [[7, 8, 9, 10, 11, 0, 0, 0], [20, 21, 22, 23, 24, 0, 0, 0], [40, 41, 42, 43, 44, -1, -1, -1]]
+        assert first[1] == [21, 22, 23, 24, 25, 1, 1, 1] and first[2] == list(range(9))
+        assert first[3][4][:3] == [5, 6, 7] and first[3][5] == [0] * 4
+        second = step(3, 2, staged)  # bucket 4: row 3 held the first step's fourth row
+        assert second[0] == [[7, 8, 9, 0], [20, 21, 22, 0], [40, 41, 42, -1]]
+        assert second[1] == [21, 22, 23, 1] and second[3][3] == [0] * 4
+        assert second[3][2][:2] == [3, 4]  # columns past this step's width keep what they held: never read
+        graphs.filled = 0  # a fresh start for the copied-in variant
+        graphs.longs[:2].zero_()
+        graphs.slot_mapping.fill_(-1)
+        graphs.seq_lens.fill_(1)
+        graphs.block_tables.zero_()

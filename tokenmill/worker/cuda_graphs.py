@@ -5,14 +5,18 @@ exceed the math at small batch. So each batch-size bucket's forward is captured 
 replayed. A step of n rows runs in the smallest bucket >= n:
 
     buckets   1, 2, 4, 8, 16, 24, 32, ... (steps of 8) up to max_num_seqs
-    buffers   input_ids [B]  positions [B]  slot_mapping [B]  seq_lens [B]  query_start_loc [B+1]
-              block_tables [B, max_blocks]        (B = the largest bucket; bucket b uses rows [:b])
+    buffers   longs [3, B]: input_ids | positions | slot_mapping      (one copy fills all three)
+              seq_lens [B]  query_start_loc [B+1] (constant: 0, 1, .., B)  block_tables [B, max_blocks]
+              (B = the largest bucket; bucket b uses rows [:b], columns [:width] of the tables)
 
     rows      0 .. n-1: this step's        n .. b-1: padding
     padding   slot_mapping -1 (writes nothing), seq_len 1, block table row 0, token 0, position 0:
               they attend to one cached key and their hidden rows are never read
 
-Inputs live in the persistent buffers, so a replay only copies this step's rows into them. The logits
+Inputs live in the persistent buffers. The runner stages a decode step's host rows straight into them
+(`stage`: three copies from pinned host memory), where a step prepared elsewhere costs two such copies and
+five more on the device (`run`). Padding rows that an earlier, larger step left are reset before the replay.
+The logits
 are computed outside the graph, from the rows that sample. The attention backend's launch plan is fixed
 at capture, so the graph is captured with max_seq_len = the longest a sequence can be (split-KV sized for
 the worst case; the kernel reads the real lengths from seq_lens). Only backends whose `cuda_graph_safe`
@@ -49,9 +53,9 @@ class DecodeGraphs:
         self.max_blocks = cdiv(max_model_len, block_size)
         b = self.sizes[-1]
         i32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(b, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(b, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((b,), -1, dtype=torch.int64, device=device)
+        self.longs = torch.zeros(3, b, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self.longs.unbind(0)
+        self.slot_mapping.fill_(-1)
         self.seq_lens = torch.ones(b, **i32)
         self.query_start_loc = torch.arange(b + 1, **i32)
         self.block_tables = torch.zeros(b, self.max_blocks, **i32)
@@ -98,21 +102,39 @@ class DecodeGraphs:
         return (self.enabled and batch.num_decodes == batch.num_seqs == num_tokens and num_tokens <= self.sizes[-1]
                 and batch.block_tables.shape[1] <= self.max_blocks)
 
+    def can_stage(self, rows: int, width: int) -> bool:
+        """Whether a decode step of `rows` rows and `width` block-table columns runs in a bucket (can_run)."""
+        return self.enabled and rows <= self.sizes[-1] and width <= self.max_blocks
+
+    def stage(self, longs: torch.Tensor, ints: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, ...]:
+        """A decode step's host rows straight into the buffers: `longs` holds the input ids, positions and slots
+        (`rows` each), `ints` the sequence lengths (`rows`), then the block tables (rows x width). Returns the
+        step's input_ids, positions, slot_mapping, query_start_loc, seq_lens and block_tables: views of the
+        buffers, which `run` then finds in place."""
+        if self.longs.is_cuda:  # through pinned memory: the copies never wait for the step in flight
+            longs, ints = longs.pin_memory(), ints.pin_memory()
+        self.longs[:, :rows].copy_(longs.view(3, rows), non_blocking=True)
+        self.seq_lens[:rows].copy_(ints[:rows], non_blocking=True)
+        self.block_tables[:rows, :width].copy_(ints[rows:].view(rows, width), non_blocking=True)
+        return (self.input_ids[:rows], self.positions[:rows], self.slot_mapping[:rows],
+                self.query_start_loc[:rows + 1], self.seq_lens[:rows], self.block_tables[:rows, :width])
+
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """This step's rows into the buffers, padding rows reset, replay; the step's hidden rows [n, H]."""
+        """This step's rows into the buffers (unless staged there), padding rows reset, replay; the step's
+        hidden rows [n, H]."""
         n = input_ids.shape[0]
         size = next(s for s in self.sizes if s >= n)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(batch.slot_mapping)
-        self.seq_lens[:n].copy_(batch.seq_lens)
-        width = batch.block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(batch.block_tables)
+        if input_ids.data_ptr() != self.input_ids.data_ptr():  # not staged in place
+            self.input_ids[:n].copy_(input_ids)
+            self.positions[:n].copy_(positions)
+            self.slot_mapping[:n].copy_(batch.slot_mapping)
+            self.seq_lens[:n].copy_(batch.seq_lens)
+            width = batch.block_tables.shape[1]
+            self.block_tables[:n, :width].copy_(batch.block_tables)
         stale = min(size, self.filled)
         if stale > n:  # an earlier, larger step left real rows in this bucket's padding: reset only those
-            self.input_ids[n:stale].zero_()
-            self.positions[n:stale].zero_()
+            self.longs[:2, n:stale].zero_()
             self.slot_mapping[n:stale].fill_(-1)
             self.seq_lens[n:stale].fill_(1)
             self.block_tables[n:stale].zero_()

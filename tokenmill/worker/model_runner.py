@@ -105,7 +105,8 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.release(request_ids)
 
-    def prepare_batch(self, seqs: list[ScheduledRequest], states: list[RequestState] | None = None):
+    def prepare_batch(self, seqs: list[ScheduledRequest], states: list[RequestState] | None = None,
+                      stage: bool = False):
         """Returns (input_ids, positions, AttentionBatch, token_starts): token_starts[i] .. token_starts[i + 1]
         are seq i's rows in the flat token batch.
 
@@ -117,11 +118,13 @@ class ModelRunner:
             seq A: decode at 9           -> row A     seq_len 10
             seq B: verify at 4, 2 drafts -> rows B0, B1, B2   seq_lens 5, 6, 7   (B's block table each)
             seq C: prefill chunk         -> row C     seq_len start + n
+
+        `stage`: a decode step that fits the CUDA graphs goes straight into their buffers (DecodeGraphs.stage).
         """
         if states is None:
             states = [self.requests[s.request_id] for s in seqs]
         if all(s.num_new_tokens == 1 or s.draft_token_ids for s in seqs):
-            return self._prepare_decodes(seqs, states)
+            return self._prepare_decodes(seqs, states, stage)
         return self._prepare_mixed(seqs, states)
 
     def _prepare_mixed(self, seqs: list[ScheduledRequest], states: list[RequestState]):
@@ -163,7 +166,7 @@ class ModelRunner:
         return (dev(torch.tensor(input_ids, dtype=torch.int64)), dev(torch.from_numpy(positions)), batch,
                 qsl.tolist())
 
-    def _prepare_decodes(self, seqs: list[ScheduledRequest], states: list[RequestState]):
+    def _prepare_decodes(self, seqs: list[ScheduledRequest], states: list[RequestState], stage: bool = False):
         """prepare_batch for a step of decode rows only (plain decodes, verifications, a draft model's steps: the
         common steps), in plain lists: at batch 1 the general path's dozen numpy calls cost several times this.
         Sequence i's n_i tokens are rows at positions start_i .. start_i + n_i - 1, each with its own length."""
@@ -194,15 +197,24 @@ class ModelRunner:
             qsl.append(qsl[-1] + n)
         rows = len(pos)
         # two tensors (host-to-device copies): the int64 rows and the int32 rows, cut into views; from
-        # arrays, which torch wraps without a per-element conversion (4x cheaper than torch.tensor(list))
+        # arrays, which torch wraps without a per-element conversion (4x cheaper than torch.tensor(list)).
+        # A step the CUDA graphs will run goes straight into their buffers instead (no copies device to device)
         longs = torch.frombuffer(array("q", toks + pos + slots), dtype=torch.int64)
-        ints = torch.frombuffer(array("i", list(range(rows + 1)) + lens + tables), dtype=torch.int32)
-        longs, ints = to_device(longs, dev), to_device(ints, dev)
+        graphs = self.decode_step if stage else None
+        if graphs is not None and getattr(graphs, "can_stage", None) and graphs.can_stage(rows, width):
+            ints = torch.frombuffer(array("i", lens + tables), dtype=torch.int32)
+            ids, positions, slot_mapping, qsl_t, seq_lens, block_tables = graphs.stage(longs, ints, rows, width)
+        else:
+            ints = torch.frombuffer(array("i", list(range(rows + 1)) + lens + tables), dtype=torch.int32)
+            longs, ints = to_device(longs, dev), to_device(ints, dev)
+            ids, positions, slot_mapping = longs[:rows], longs[rows:2 * rows], longs[2 * rows:]
+            qsl_t, seq_lens = ints[:rows + 1], ints[rows + 1:2 * rows + 1]
+            block_tables = ints[2 * rows + 1:].view(rows, width)
         batch = AttentionBatch(
-            slot_mapping=longs[2 * rows:], query_start_loc=ints[:rows + 1], seq_lens=ints[rows + 1:2 * rows + 1],
-            block_tables=ints[2 * rows + 1:].view(rows, width), num_decodes=rows, max_seq_len=max(lens),
-            max_query_len=1, query_start_loc_host=list(range(rows + 1)), seq_lens_host=lens)
-        return longs[:rows], longs[rows:2 * rows], batch, qsl
+            slot_mapping=slot_mapping, query_start_loc=qsl_t, seq_lens=seq_lens, block_tables=block_tables,
+            num_decodes=rows, max_seq_len=max(lens), max_query_len=1, query_start_loc_host=list(range(rows + 1)),
+            seq_lens_host=lens)
+        return ids, positions, batch, qsl
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -219,7 +231,7 @@ class ModelRunner:
         if bursting:
             seqs.sort(key=lambda s: -s.num_steps)
         states = [self.requests[s.request_id] for s in seqs]
-        input_ids, positions, batch, qsl = self.prepare_batch(seqs, states)
+        input_ids, positions, batch, qsl = self.prepare_batch(seqs, states, stage=not bursting)
         if self._pending:
             self._fill_pending(seqs, states, input_ids, qsl)
         if bursting:
