@@ -98,6 +98,13 @@ def assert_near_twin(err: float, mutant_err: dict[str, float], tol: float, margi
         assert e > margin * tol, f"mutant {mutant} is within {e:.2e}: weak case"
 
 
+def assert_compiled(r: dict) -> None:
+    """A compile case's verdict: Triton's compiler, which the interpreter skips (dot shapes, layouts, casts),
+    got the kernel down to a cubin."""
+    assert "exception" not in r, r.get("exception")
+    assert r["cubin_bytes"] > 0
+
+
 def run_jobs(mode: str, interpret_jobs: dict, compile_jobs: dict) -> None:
     """The child's entry point: the interpreter cases or the compile cases, by `mode`."""
     child_main(interpret_jobs if mode == "interpret" else compile_jobs)

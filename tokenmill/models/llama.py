@@ -85,8 +85,7 @@ class DecoderLayer(nn.Module):
             except Exception as e:  # checks or a compile failure: the inputs are untouched (a KV write
                 # already made is the same one the plain path makes again)
                 self.folds_gemvs = False
-                triton_gemv.logger.warning("folded GEMVs failed (%s: %s); this layer runs the plain ops from now on",
-                                           type(e).__name__, str(e)[:300])
+                triton_gemv.give_up(e)
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:

@@ -40,9 +40,20 @@ _TILE = 4096  # weight elements per K step: 32 float32 accumulators a thread at 
 _STAT_TILE = 4096  # elements per step of the RMSNorm statistic loop (rows x columns)
 
 
+_failure: list[str] = []  # why folding was given up (give_up), once; then enabled() is False for good
+
+
 def enabled() -> bool:
     """TOKENMILL_TRITON_GEMV=1 and triton installed: the Llama layers fold their GEMVs (models/llama.py)."""
-    return os.environ.get(ENABLE_ENV) == "1" and triton.installed()
+    return os.environ.get(ENABLE_ENV) == "1" and triton.installed() and not _failure
+
+
+def give_up(error: Exception) -> None:
+    """A layer's folded GEMV raised (a compile failure on this GPU, say: before it wrote anything): one warning,
+    and every layer runs the plain ops from now on (a layer that already folds fails the same way, silently)."""
+    if not _failure:
+        _failure.append(f"{type(error).__name__}: {error}"[:500])
+        logger.warning("folded GEMVs failed (%s); the layers run the plain ops from now on", _failure[0])
 
 
 def runs_on(x: torch.Tensor) -> bool:
