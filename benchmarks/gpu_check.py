@@ -264,7 +264,8 @@ def _greedy_tokens(path: str, prompts, sp=None, **kw) -> list[list[int]]:
     model = core.runner.model
     info = (type(backend).__name__, getattr(backend, "failure", None), graphs is not None and graphs.enabled,
             f"async={core.config.async_scheduling} run_ahead={core.scheduler.num_run_ahead} "
-            f"deferred={core.runner.num_deferred_steps}",
+            f"deferred={core.runner.num_deferred_steps} staged={getattr(graphs, 'num_staged_steps', None)} "
+            f"drafts={core.scheduler.spec.stats.num_draft_tokens if core.scheduler.spec else None}",
             # which variant actually ran: a silent fallback would compare plain with plain
             f"fused_rotary_kv={getattr(backend, 'fuse_rotary_kv', None)} "
             f"folded_layers={sum(bool(getattr(layer, 'folds_gemvs', False)) for layer in model.model.layers)} "
@@ -315,6 +316,9 @@ def engine_greedy() -> dict:
     with _env("TOKENMILL_DISABLE_TRITON_QUANT", "1"):
         head4_twin, i12 = _greedy_tokens(path, prompts, attention_backend="triton", quantize_lm_head="int4")
     head4_triton, i13 = _greedy_tokens(path, prompts, attention_backend="triton", quantize_lm_head="int4")
+    # n-gram speculation over the decode graphs (verification rows replay in the buckets; no async with it)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+    spec_graphs, i14 = _greedy_tokens(path, prompts, attention_backend="triton", speculative_config=ngram, **chunked)
 
     def agree(a, b) -> float:
         return sum(x == y for x, y in zip(a, b)) / len(a)
@@ -326,7 +330,8 @@ def engine_greedy() -> dict:
             "fused_rotary_kv_vs_two_launch": agree(triton_graphs, two_launch),
             "folded_gemvs_vs_plain": agree(folded, triton_graphs),
             "int4_head_triton_vs_twin": agree(head4_triton, head4_twin),
-            "backends": [i1, i2, i3, i4, i5, i6, i7, i8, i9, i10, i11, i12, i13]}
+            "ngram_spec_vs_plain_graphs": agree(spec_graphs, graphs_sync),
+            "backends": [i1, i2, i3, i4, i5, i6, i7, i8, i9, i10, i11, i12, i13, i14]}
 
 
 # ------------------------------------------------------------------ timings on the 8B shape

@@ -85,6 +85,7 @@ def _generate(model_dir: str, backend: str, graphs: bool = False, max_tokens: in
     runner_backend = llm.llm_engine.core.runner.backend
     return dict(tokens=[o.outputs[0].token_ids for o in outs], backend=type(runner_backend).__name__,
                 graph_steps=getattr(runner.decode_step, "steps", 0), deferred_steps=runner.num_deferred_steps,
+                staged_steps=getattr(runner.decode_step, "num_staged_steps", 0),
                 pending_fills=sum(runner.num_pending_fills),
                 failure=getattr(runner_backend, "failure", None), preemptions=stats.num_preemptions,
                 fused=getattr(runner_backend, "fuse_rotary_kv", None),
@@ -129,6 +130,7 @@ def test_triton_engine_matches_torch_backend(interpreted, scenario):
         assert torch_run["folded"] == [False] * len(torch_run["folded"])
     elif scenario.startswith("padded-graphs"):
         assert triton_run["graph_steps"] >= GREEDY.max_tokens - 1  # the decode steps took the padded path
+        assert triton_run["staged_steps"] == triton_run["graph_steps"]  # each staged straight into the buffers
         if scenario.endswith("async"):  # tokens stayed on the device and were filled into the graphs' inputs
             assert triton_run["deferred_steps"] > 0 and triton_run["pending_fills"] > 0
     else:
@@ -221,9 +223,6 @@ def test_gpu_budget_and_the_not_enough_memory_error(llama_dir):
     assert num_kv_blocks(cfg, mc, torch.float32, 2, 2, budget=tight) == tight.kv_bytes // per_block < cap
 
 
-if __name__ == "__main__":
-    _child_main(sys.argv[1], sys.argv[2])
-
 
 def test_graph_buffers_take_staged_rows_and_reset_the_padding():
     """DecodeGraphs.stage puts a decode step's host rows straight into the graphs' buffers, run() replays them
@@ -257,7 +256,9 @@ def test_graph_buffers_take_staged_rows_and_reset_the_padding():
         batch = AttentionBatch(slot_t, qsl_t, lens_t, tables_t, num_decodes=rows, max_seq_len=max(lens),
                                max_query_len=1, query_start_loc_host=list(range(rows + 1)), seq_lens_host=lens)
         assert graphs.can_stage(rows, width) and graphs.can_run(batch, rows)
+        staged_before = graphs.num_staged_steps
         assert graphs.run(ids_t, pos_t, batch).shape == (rows, 2)
+        assert graphs.num_staged_steps == staged_before + staged  # run() found a staged step's rows in place
         return seen[-1]
 
     for staged in (True, False):
@@ -274,3 +275,23 @@ def test_graph_buffers_take_staged_rows_and_reset_the_padding():
         graphs.slot_mapping.fill_(-1)
         graphs.seq_lens.fill_(1)
         graphs.block_tables.zero_()
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1], sys.argv[2])
+
+
+def test_speculative_decoding_starts_over_decode_graphs(llama_dir, monkeypatch):
+    """The draft policy bounds a step's rows by the captured decode step's (CUDA graphs: the largest bucket);
+    an engine with speculation over decode graphs used to fail at startup (no max_rows)."""
+    from tokenmill.worker import build
+    from tokenmill.worker.cuda_graphs import DecodeGraphs
+
+    def graphs(config, model, backend, kv_caches):
+        return DecodeGraphs(model, backend, kv_caches, config.max_num_seqs, config.max_model_len, config.block_size,
+                            "cpu", capture=False)
+    monkeypatch.setattr(build, "captured_decode_step", graphs)
+    llm = make_llm(llama_dir, max_num_seqs=12, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    core = llm.llm_engine.core
+    assert isinstance(core.runner.decode_step, DecodeGraphs)
+    assert core.scheduler.spec.max_rows == core.runner.decode_step.max_rows == 12  # buckets 1, 2, 4, 8, 12

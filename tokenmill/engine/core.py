@@ -113,7 +113,8 @@ class EngineCore:
         if spec is not None and spec.method == "draft_model":
             self.scheduler.spec_lookahead = spec.num_speculative_tokens
         if self.scheduler.spec is not None and getattr(self.runner, "decode_step", None) is not None:
-            self.scheduler.spec.max_rows = self.runner.decode_step.max_rows  # the CPU's one-call step
+            # the CPU's one-call step, or the decode graphs' largest bucket
+            self.scheduler.spec.max_rows = self.runner.decode_step.max_rows
         self.auto_burst = None  # num_scheduler_steps=0: burst lengths from measured step times
         if config.num_scheduler_steps != 1:
             if (self.executor is None and getattr(self.runner.decode_step, "runs_greedy_steps", False)

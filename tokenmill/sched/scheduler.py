@@ -561,17 +561,19 @@ class Scheduler:
         stop are dropped); free finished requests. Returns the requests that got tokens, with the tokens
         they kept (finished requests included)."""
         touched = []
+        in_flight, requests, serials, placeholders = self.in_flight, self.requests, out.serials, out.placeholder_drafts
         for seq in out.seqs:
-            left = self.in_flight.pop(seq.request_id, 1) - 1
+            rid = seq.request_id
+            left = in_flight.pop(rid, 1) - 1
             if left:
-                self.in_flight[seq.request_id] = left
-            tokens = sampled.get(seq.request_id)
-            req = self.requests.get(seq.request_id)
-            if req is not None and req.serial != out.serials.get(seq.request_id):
-                continue  # the step's request finished while it ran (async or pipeline); this one reuses its id
-            if req is not None and seq.num_sampled_positions and self.async_scheduling:
+                in_flight[rid] = left
+            req = requests.get(rid)
+            if req is None or req.serial != serials.get(rid):
+                continue  # the step's request finished while it ran (async or pipeline), or this one reuses its id
+            if seq.num_sampled_positions and self.async_scheduling:
                 req.num_pending -= 1
-            if not tokens or req is None:
+            tokens = sampled.get(rid)
+            if not tokens:
                 continue
             if seq.num_steps > 1:  # a burst: every token but the last was also an input, its KV written
                 req.num_computed_tokens += len(tokens) - 1
@@ -594,7 +596,7 @@ class Scheduler:
                         self.kv.cache_written(req, min(req.num_computed_tokens, req.num_tokens))
                     self.finish(req, status)
                     break
-            k = out.placeholder_drafts.get(seq.request_id, 0)
+            k = placeholders.get(rid, 0) if placeholders else 0
             if k and not req.is_finished:  # the last token repeated: free to make, and lossless to verify
                 req.spec_token_ids, req.spec_placeholders = [kept[-1]] * k, True
             touched.append((req, kept))

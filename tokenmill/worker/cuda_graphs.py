@@ -14,10 +14,11 @@ replayed. A step of n rows runs in the smallest bucket >= n:
               they attend to one cached key and their hidden rows are never read
 
 Inputs live in the persistent buffers. The runner stages a decode step's host rows straight into them
-(`stage`: three copies from pinned host memory), where a step prepared elsewhere costs two such copies and
-five more on the device (`run`). Padding rows that an earlier, larger step left are reset before the replay.
-The logits
-are computed outside the graph, from the rows that sample. The attention backend's launch plan is fixed
+(`stage`: three copies from pinned host memory; a slice that is not contiguous, the longs when the step has
+fewer rows than B and the tables when it is narrower than max_blocks, goes through a temporary and one copy
+on the device), where a step prepared elsewhere costs two copies to the device and five on it (`run`).
+Padding rows that an earlier, larger step left are reset before the replay. The logits are computed
+outside the graph, from the rows that sample. The attention backend's launch plan is fixed
 at capture, so the graph is captured with max_seq_len = the longest a sequence can be (split-KV sized for
 the worst case; the kernel reads the real lengths from seq_lens). Only backends whose `cuda_graph_safe`
 is True (no host loops over the batch: the buffers' host lists are placeholders) are captured; the
@@ -49,6 +50,7 @@ class DecodeGraphs:
                  block_size: int, device: str, capture: bool = True):
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
         self.sizes = graph_batch_sizes(max_num_seqs)
+        self.max_rows = self.sizes[-1]  # decode rows a replay takes (speculation's draft policy stays within it)
         self.max_model_len, self.block_size, self.device = max_model_len, block_size, device
         self.max_blocks = cdiv(max_model_len, block_size)
         b = self.sizes[-1]
@@ -61,6 +63,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(b, self.max_blocks, **i32)
         self.filled = 0  # rows [0, filled) may hold an earlier step's real rows; the rest are padding
         self._staged: tuple = (None, None)  # (rows, width) of the last staged step, and its views of the buffers
+        self.num_staged_steps = 0  # replays whose rows were staged in place (tests)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.use_graphs = capture  # False: the padded buffers run eagerly (CPU tests)
@@ -131,7 +134,9 @@ class DecodeGraphs:
         hidden rows [n, H]. Called inside ModelRunner.execute's inference mode (entering it again costs ~5 us)."""
         n = input_ids.shape[0]
         size = next(s for s in self.sizes if s >= n)
-        if input_ids.data_ptr() != self.input_ids.data_ptr():  # not staged in place
+        if input_ids.data_ptr() == self.input_ids.data_ptr():  # staged in place
+            self.num_staged_steps += 1
+        else:
             self.input_ids[:n].copy_(input_ids)
             self.positions[:n].copy_(positions)
             self.slot_mapping[:n].copy_(batch.slot_mapping)
