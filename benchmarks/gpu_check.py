@@ -276,6 +276,28 @@ def _greedy_tokens(path: str, prompts, sp=None, **kw) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs], info
 
 
+def _tier_round_trip(path: str, prompts) -> dict:
+    """KV tiers on the GPU (host RAM and disk): each prompt alone, twice, in a pool too small to keep them all,
+    so the second pass loads evicted prefix blocks back from the tiers; tokens against a run without tiers."""
+    import tempfile
+    from tokenmill import LLM, SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    res = {}
+    with tempfile.TemporaryDirectory() as d:
+        for name, kw in (("plain", {}), ("tiers", dict(kv_host_cache_gb=0.05, kv_disk_cache_dir=d))):
+            llm = LLM(path, skip_tokenizer_init=True, dtype="float32", max_model_len=1024, num_kv_blocks=48,
+                      max_num_seqs=2, enable_prefix_caching=True, **kw)
+            res[name] = [llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0].token_ids
+                         for p in prompts + prompts]
+            llm.llm_engine.check_invariants()
+            if kw:
+                res["stats"] = llm.llm_engine.get_stats().kv_tiers
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+    return res
+
+
 @section("engine_greedy")
 def engine_greedy() -> dict:
     path = tiny_checkpoint()
@@ -306,6 +328,11 @@ def engine_greedy() -> dict:
     # W8A8 on the GPU (cuBLAS int8 GEMM through torch._int_mm) against the same method on the CPU
     w8a8_gpu, _ = _greedy_tokens(path, prompts, quantization="w8a8", attention_backend="triton")
     w8a8_cpu, _ = _greedy_tokens(path, prompts, quantization="w8a8", device="cpu")
+    # W8A8 where cuBLAS's int8 GEMM refuses the shape (K, N not multiples of 8): the exact float64 path
+    from tokenmill.quantization.int8 import int_matmul
+    gen = torch.Generator().manual_seed(3)
+    a, b = (torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8) for shape in ((5, 250), (37, 250)))
+    odd_exact = torch.equal(int_matmul(a.cuda(), b.cuda(), False).cpu(), (a.int() @ b.int().t()).float())
     # rotary and the KV write as two launches (the fused launch is the default) against the fused graphs run
     with _env("TOKENMILL_DISABLE_TRITON_ROTARY_KV", "1"):
         two_launch, i10 = _greedy_tokens(path, prompts, attention_backend="triton", **chunked)
@@ -320,17 +347,20 @@ def engine_greedy() -> dict:
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
     spec_graphs, i14 = _greedy_tokens(path, prompts, attention_backend="triton", speculative_config=ngram, **chunked)
 
+    tiers = _tier_round_trip(path, prompts)
+
     def agree(a, b) -> float:
         return sum(x == y for x, y in zip(a, b)) / len(a)
     return {"triton_vs_torch": agree(triton_eager, torch_eager), "graphs_vs_eager": agree(triton_graphs, triton_eager),
             "preemption_vs_torch": agree(preempt, torch_eager), "int8_triton_vs_twin": agree(int8_triton, int8_twin),
             "async_vs_sync_graphs": agree(triton_graphs, graphs_sync),
             "async_vs_sync_sampled": agree(sampled_async, sampled_sync),
-            "w8a8_gpu_vs_cpu": agree(w8a8_gpu, w8a8_cpu),
+            "w8a8_gpu_vs_cpu": agree(w8a8_gpu, w8a8_cpu), "w8a8_odd_shape_exact": odd_exact,
             "fused_rotary_kv_vs_two_launch": agree(triton_graphs, two_launch),
             "folded_gemvs_vs_plain": agree(folded, triton_graphs),
             "int4_head_triton_vs_twin": agree(head4_triton, head4_twin),
             "ngram_spec_vs_plain_graphs": agree(spec_graphs, graphs_sync),
+            "kv_tiers_vs_plain": agree(tiers["tiers"], tiers["plain"]), "kv_tier_stats": tiers["stats"],
             "backends": [i1, i2, i3, i4, i5, i6, i7, i8, i9, i10, i11, i12, i13, i14]}
 
 

@@ -277,9 +277,6 @@ def test_graph_buffers_take_staged_rows_and_reset_the_padding():
         graphs.block_tables.zero_()
 
 
-if __name__ == "__main__":
-    _child_main(sys.argv[1], sys.argv[2])
-
 
 def test_speculative_decoding_starts_over_decode_graphs(llama_dir, monkeypatch):
     """The draft policy bounds a step's rows by the captured decode step's (CUDA graphs: the largest bucket);
@@ -295,3 +292,37 @@ def test_speculative_decoding_starts_over_decode_graphs(llama_dir, monkeypatch):
     core = llm.llm_engine.core
     assert isinstance(core.runner.decode_step, DecodeGraphs)
     assert core.scheduler.spec.max_rows == core.runner.decode_step.max_rows == 12  # buckets 1, 2, 4, 8, 12
+
+
+@needs_triton
+def test_graph_warm_up_survives_a_triton_failure(llama_dir, monkeypatch):
+    """The graphs' warm-up is where a Triton compile failure first shows: the backend falls back to torch and
+    redoes the layer, whose write_kv takes no padding slot -1 (a device-side assert that would end the CUDA
+    context at startup). The warm-up's rows write real slots instead; the padding is -1 again after it."""
+    from tokenmill.worker.cuda_graphs import DecodeGraphs
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the kernels cannot launch on a CPU: they fail
+    llm = make_llm(llama_dir, attention_backend="triton", enforce_eager=True)
+    runner = llm.llm_engine.core.runner
+    graphs = DecodeGraphs(runner.model, runner.backend, runner.kv_caches, 4, 64, 16, "cpu", capture=False)
+    graphs._warm_up(4)
+    assert runner.backend.failure and not runner.backend.cuda_graph_safe
+    assert graphs.slot_mapping.tolist() == [-1] * 4
+
+
+def test_bursts_do_not_turn_async_scheduling_off_on_a_gpu(llama_dir):
+    """A GPU ignores num_scheduler_steps (the CPU's one-call step runs bursts), so it must not block async
+    scheduling there."""
+    from tokenmill.config import ModelConfig
+    from tokenmill.models.loader import load_hf_config
+    mc = ModelConfig.from_hf(load_hf_config(llama_dir))
+    cfg = EngineConfig(model=llama_dir, num_scheduler_steps=8)
+    cfg.device = "cuda"
+    cfg._resolve_async_scheduling(mc)
+    assert cfg.async_scheduling
+    cpu = EngineConfig(model=llama_dir, num_scheduler_steps=8, device="cpu")
+    cpu._resolve_async_scheduling(mc)
+    assert not cpu.async_scheduling
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1], sys.argv[2])

@@ -9,9 +9,12 @@ from conftest import hf_greedy, make_llm, random_prompts
 LENGTHS = [1, 7, 16, 23, 32, 45]
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
-def test_prompt_logprobs_match_transformers(model_dirs, arch):
-    path, hf = model_dirs[arch]
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "llama-in-slices"])
+def test_prompt_logprobs_match_transformers(model_dirs, arch, monkeypatch):
+    if arch == "llama-in-slices":  # the logits of 7 prompt rows at a time (a chunk's whole would not fit a GPU)
+        from tokenmill.worker import model_runner
+        monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_ROWS", 7)
+    path, hf = model_dirs[arch.split("-")[0]]
     llm = make_llm(path)
     prompts = random_prompts([40, 17], seed=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],

@@ -338,7 +338,8 @@ class EngineConfig:
         blockers = [why for why, on in (
             ("tensor or pipeline parallelism", self.world_size > 1),
             ("speculative decoding", bool(self.speculative_config)),
-            ("num_scheduler_steps > 1", self.num_scheduler_steps > 1),  # 0 (automatic) just stays off (core.py)
+            # 0 (automatic) just stays off (core.py); a GPU ignores bursts (the CPU's one-call step runs them)
+            ("num_scheduler_steps > 1", self.num_scheduler_steps > 1 and self.device != "cuda"),
             ("KV tiers", self.kv_tiers_enabled),
             ("a multimodal model", model_config.is_multimodal)) if on]
         if self.async_scheduling is None:

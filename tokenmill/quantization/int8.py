@@ -181,20 +181,25 @@ class Int8LinearMethod(LinearMethod):
             y = y[:m].mul_(t[:, None])
         else:
             xq, t = quantize_rows(x, qmax)
-            q = self.codes(layer)
-            if layer.use_int_mm and x.is_cuda and xq.shape[0] <= 16:  # cuBLAS's int8 GEMM takes more than 16 rows
-                acc = torch._int_mm(F.pad(xq, (0, 0, 0, 17 + (-17 % 8) - xq.shape[0])), q.t())[:xq.shape[0]]
-            elif layer.use_int_mm:
-                acc = torch._int_mm(xq, q.t())
-            else:
-                acc = xq.to(torch.int32) @ q.to(torch.int32).t()
-            y = acc.float().mul_(t[:, None]).mul_(layer.wscale[None, :])
+            y = int_matmul(xq, self.codes(layer), layer.use_int_mm).float().mul_(t[:, None]).mul_(layer.wscale[None, :])
         if layer.bias is not None:
             y += layer.bias.float()
         return y.to(x.dtype)
 
     def dense_weight(self, layer):
         return self.codes(layer).float() * layer.wscale[:, None]
+
+
+def int_matmul(xq: torch.Tensor, q: torch.Tensor, use_int_mm: bool) -> torch.Tensor:
+    """int8 [M, K] @ int8 [N, K].T, exact, as int32 [M, N] (float32 on a GPU without torch._int_mm)."""
+    if use_int_mm and xq.is_cuda and xq.shape[0] <= 16:  # cuBLAS's int8 GEMM takes more than 16 rows
+        return torch._int_mm(F.pad(xq, (0, 0, 0, 17 + (-17 % 8) - xq.shape[0])), q.t())[:xq.shape[0]]
+    if use_int_mm:
+        return torch._int_mm(xq, q.t())
+    if xq.is_cuda:  # no int32 matmul on a GPU (shapes cuBLAS's int8 GEMM refuses: K or N not a multiple of 8);
+        # float64 holds every sum of K int8 products exactly (K x 127 x 128 < 2^53)
+        return (xq.double() @ q.double().t()).float()
+    return xq.to(torch.int32) @ q.to(torch.int32).t()
 
 
 class Int8Config(QuantizationConfig):

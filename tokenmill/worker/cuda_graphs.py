@@ -85,7 +85,7 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         pool = None
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
-            self._forward(size)  # warm-up: Triton compiles, lazy buffers allocate, outside the graph
+            self._warm_up(size)
             torch.cuda.synchronize()
             if not self.backend.cuda_graph_safe:  # e.g. the Triton kernels failed and it fell back
                 logger.warning("attention backend %s cannot be captured; decode steps run eagerly",
@@ -100,6 +100,17 @@ class DecodeGraphs:
             self.graphs[size] = graph
         torch.cuda.synchronize()
         logger.info("CUDA graphs captured for decode batch sizes %s", self.sizes)
+
+    def _warm_up(self, size: int) -> None:
+        """Bucket `size` run once outside the graph (Triton compiles, lazy buffers allocate), its rows writing
+        real slots 0 .. size-1 rather than -1: if a Triton kernel fails here, the torch fallback redoes the layer,
+        and its write_kv takes no -1 (an index error on a CPU, a device-side assert that ends the CUDA context on
+        a GPU). Nothing is cached yet at startup, so what the rows write there is never read."""
+        self.slot_mapping[:size].copy_(torch.arange(size, device=self.slot_mapping.device))
+        try:
+            self._forward(size)
+        finally:
+            self.slot_mapping[:size].fill_(-1)
 
     def can_run(self, batch: AttentionBatch, num_tokens: int) -> bool:
         """Decode rows only (one query each), within the largest bucket and the buffers' table width."""

@@ -49,6 +49,8 @@ class KVTransferWorker:
         self.chain = chain
         self.load_timeout_s = load_timeout_s
         self.lower = [t for t in chain.tiers if t is not chain.host]
+        # the tiers hold host tensors: a GPU's blocks are gathered and copied to the host (_host_blocks)
+        self.gather_to_host = kv_cache.device.type != "cpu"
         self.stores_dropped = 0
         self._store_q: queue.Queue = queue.Queue(maxsize=max_queued_stores)
         self._load_q: queue.Queue = queue.Queue()
@@ -63,9 +65,20 @@ class KVTransferWorker:
         return self.kv_cache[:, :, block_id]
 
     # -- stores -----------------------------------------------------------------------------------------
+    def _host_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """Each block as its own contiguous host tensor [layers, 2, block_size, heads, head_dim]. On a GPU: one
+        gather and one copy to the host for them all (it waits for the stream: with tiers the engine schedules
+        without overlap, so the step before is done by now), then a host copy each, so that a tier that keeps
+        one block keeps no other's memory alive."""
+        if not self.gather_to_host:
+            return [self.block(b).clone() for b in block_ids]
+        together = torch.stack([self.block(b) for b in block_ids]).cpu()
+        return [b.clone() for b in together]
+
     def store(self, stores: list[BlockStore]) -> None:
-        for s in stores:
-            data = self.block(s.block_id).clone()  # contiguous [layers, 2, block_size, heads, head_dim]
+        if not stores:
+            return
+        for s, data in zip(stores, self._host_blocks([s.block_id for s in stores])):
             if self.chain.host is not None:
                 self.chain.host.put(s.block_hash, data)
             if self.lower:
@@ -82,7 +95,7 @@ class KVTransferWorker:
         for s in stores:
             if time.monotonic() >= end:
                 break
-            self._put_lower(s.block_hash, self.block(s.block_id).clone())
+            self._put_lower(s.block_hash, self._host_blocks([s.block_id])[0])
             n += 1
         return n
 

@@ -57,6 +57,12 @@ class DeferredTokens:
     logprobs: tuple = ()  # sampler.logprob_tensors', copied back with the tokens
 
 
+# prompt logprobs take the logits of this many prompt rows at a time: a whole chunk's (2,048 rows of a 128K
+# vocabulary: 1 GiB of float32, and as much again for its log_softmax) would be far past what the KV sizing's
+# worst-case step measured (the logits of max_num_seqs rows)
+PROMPT_LOGPROB_ROWS = 256
+
+
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """t[rows] for strictly increasing rows: a slice when they are consecutive (decode-only steps), which
     costs a fifth of a gather."""
@@ -467,6 +473,10 @@ class ModelRunner:
         count = min(seq.num_new_tokens, len(prompt) - 1 - seq.start_pos)
         if count <= 0:
             return []
-        lps = self.model.compute_logits(hidden[:count]).log_softmax(dim=-1)
-        targets = torch.tensor(prompt[seq.start_pos + 1: seq.start_pos + 1 + count], device=lps.device)
-        return batch_token_logprobs(lps, targets, state.sampling_params.prompt_logprobs)
+        rows = []
+        for lo in range(0, count, PROMPT_LOGPROB_ROWS):
+            hi = min(count, lo + PROMPT_LOGPROB_ROWS)
+            lps = self.model.compute_logits(hidden[lo:hi]).log_softmax(dim=-1)
+            targets = torch.tensor(prompt[seq.start_pos + 1 + lo: seq.start_pos + 1 + hi], device=lps.device)
+            rows += batch_token_logprobs(lps, targets, state.sampling_params.prompt_logprobs)
+        return rows
