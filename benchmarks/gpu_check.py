@@ -9,8 +9,9 @@ Writes JSON (and a log) to --out-dir and prints a short table last.
     engine_greedy   on a tiny random Llama: Triton == torch backend, CUDA graphs == eager, preemption, int8
                     Triton == twin, async scheduling == none (greedy, and seeded sampling with a penalty, logprobs
                     and stops), W8A8 on the GPU against the CPU, fused rotary + KV write == two launches,
-                    folded GEMVs == plain,
-                    the int4 LM head's Triton GEMM == its twin
+                    folded GEMVs == plain, the int4 LM head's Triton GEMM == its twin, n-gram speculation over
+                    the graphs == plain, KV tiers (host + disk) == none with tier hits, W8A8 on shapes
+                    cuBLAS's int8 GEMM refuses exact
     nccl_tp1        issue 19: an NCCL group through the engine's rendezvous, a tp=1 runner through it == plain
     multimodal      issue 18: the shipped tiny-llava on CUDA, inline / encoder thread on a side stream / int8
     mm_encoder      the LLaVA-1.5 vision tower in bf16 / int8 / W8A8, ms per image
