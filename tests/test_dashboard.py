@@ -80,3 +80,24 @@ def test_dashboard_data_reflects_the_load(server):
     assert httpx.get(server.url + "/dashboard/static/uPlot.iife.min.js").status_code == 200
     assert httpx.get(server.url + "/dashboard/static/config.py").status_code in (401, 404)  # only the two files
     assert httpx.post(server.url + "/v1/completions", json={}).status_code == 401  # the API still needs the key
+
+
+def test_gpu_meter_reads_the_gpu_cuda_sees_as_its_first(monkeypatch):
+    """NVML numbers every GPU of the machine and ignores CUDA_VISIBLE_DEVICES: the engine's cuda:0 is the first
+    visible entry, by index or by UUID."""
+    from tokenmill.nvml import device_handle
+
+    class FakeNvml:
+        @staticmethod
+        def nvmlDeviceGetHandleByIndex(i):
+            return ("index", i)
+
+        @staticmethod
+        def nvmlDeviceGetHandleByUUID(u):
+            return ("uuid", u)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert device_handle(FakeNvml) == ("index", 0) and device_handle(FakeNvml, 2) == ("index", 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5")
+    assert device_handle(FakeNvml) == ("index", 3) and device_handle(FakeNvml, 1) == ("index", 5)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8f2a")
+    assert device_handle(FakeNvml) == ("uuid", "GPU-8f2a")

@@ -53,7 +53,8 @@ class ResourceMonitor:
                 import pynvml
 
                 pynvml.nvmlInit()
-                self._nvml = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+                from tokenmill.nvml import device_handle
+                self._nvml = device_handle(pynvml, torch.cuda.current_device())
             except Exception:  # NVML is optional
                 self._nvml = None
         self._cpu0, self._wall0 = time.process_time(), time.perf_counter()

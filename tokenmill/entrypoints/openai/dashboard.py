@@ -62,7 +62,8 @@ class GpuMeter:
             import pynvml
 
             pynvml.nvmlInit()
-            self._pynvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+            from tokenmill.nvml import device_handle
+            self._pynvml, self._handle = pynvml, device_handle(pynvml)  # the engine's cuda:0
         except Exception:
             self._handle = None
 

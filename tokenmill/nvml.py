@@ -1,0 +1,15 @@
+"""NVML handles for the GPU that CUDA calls device `cuda_index`. NVML numbers the machine's GPUs and ignores
+CUDA_VISIBLE_DEVICES, so with CUDA_VISIBLE_DEVICES=3 the engine's cuda:0 is NVML's GPU 3 (or a UUID)."""
+from __future__ import annotations
+
+import os
+
+
+def device_handle(pynvml, cuda_index: int = 0):
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if cuda_index >= len(visible):  # unset (every GPU visible in NVML's order), or fewer entries than asked
+        return pynvml.nvmlDeviceGetHandleByIndex(cuda_index)
+    entry = visible[cuda_index]
+    if entry.isdigit():
+        return pynvml.nvmlDeviceGetHandleByIndex(int(entry))
+    return pynvml.nvmlDeviceGetHandleByUUID(entry)  # GPU-... or MIG-...
