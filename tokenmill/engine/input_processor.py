@@ -141,10 +141,6 @@ class InputProcessor:
         self.validate(ids)
         if params.stop and self.tokenizer is None:
             raise ValueError("'stop' strings need a tokenizer")
-        if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:
-            # min_tokens masks them in the logits: an id past the vocabulary would fail the whole step (on a GPU,
-            # a device-side assert that ends the process's CUDA context)
-            raise ValueError(f"'stop_token_ids' must be token ids in [0, {self.vocab_size})")
         params = replace(params, eos_token_ids=self.eos_token_ids)
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         return text, EngineCoreRequest(request_id, child_ids, ids, params, arrival_time, priority, items)

@@ -57,7 +57,9 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     for i, r in enumerate(rows):
         sp = r.params
         if len(r.output_token_ids) < sp.min_tokens:
-            banned = sp.stop_ids
+            # ids past the logits (a tokenizer's added tokens, a client's typo) can never be sampled: masking them
+            # would fail the step (on a GPU, a device-side assert that ends the CUDA context)
+            banned = [t for t in sp.stop_ids if t < logits.shape[-1]]
             if banned:
                 logits[i, banned] = float("-inf")
 

@@ -103,14 +103,17 @@ class DecodeGraphs:
 
     def _warm_up(self, size: int) -> None:
         """Bucket `size` run once outside the graph (Triton compiles, lazy buffers allocate), its rows writing
-        real slots 0 .. size-1 rather than -1: if a Triton kernel fails here, the torch fallback redoes the layer,
-        and its write_kv takes no -1 (an index error on a CPU, a device-side assert that ends the CUDA context on
-        a GPU). Nothing is cached yet at startup, so what the rows write there is never read."""
-        self.slot_mapping[:size].copy_(torch.arange(size, device=self.slot_mapping.device))
+        real slots (0, 1, .. within the cache) rather than -1: if a Triton kernel fails here, the torch fallback
+        redoes the layer, and its write_kv takes no -1 (an index error on a CPU, a device-side assert that ends
+        the CUDA context on a GPU). Capture runs at startup, when nothing is cached, so what the rows write is
+        never read; the slots the buffer held before are put back (-1 at startup)."""
+        saved = self.slot_mapping[:size].clone()
+        num_slots = self.kv_caches[0][0].shape[0] * self.block_size
+        self.slot_mapping[:size].copy_(torch.arange(size, device=saved.device) % num_slots)
         try:
             self._forward(size)
         finally:
-            self.slot_mapping[:size].fill_(-1)
+            self.slot_mapping[:size].copy_(saved)
 
     def can_run(self, batch: AttentionBatch, num_tokens: int) -> bool:
         """Decode rows only (one query each), within the largest bucket and the buffers' table width."""

@@ -11,7 +11,9 @@ A load writes only blocks that its request holds, and the scheduler frees them o
 result, so nothing else reads or writes them meanwhile. A load past its deadline, or cancelled, is
 finished by the main thread under the load's lock; the load thread checks that flag under the same lock
 before each block it writes, so a late read can never land in a block that has been given back.
-On CPU, the copies are memcpys; on a GPU the same calls would run on a side stream into pinned memory.
+On CPU, the copies are memcpys. On a GPU a step's evicted blocks are gathered and copied to the host in
+chunks (pageable memory, waiting for the stream), and loads copy host blocks into the cache on the default
+stream, ahead of any step that reads them.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from tokenmill.kv.tiers.chain import TierChain
 from tokenmill.sched.output import BlockStore, KVLoad, KVLoadResult
 
 logger = logging.getLogger("tokenmill")
+_GATHER_BLOCKS = 64  # evicted blocks gathered on a GPU per copy to the host (an 8B model's: 128 MiB)
 
 _READ_BATCH = 32  # blocks per batched tier read (one Redis MGET)
 
@@ -72,8 +75,11 @@ class KVTransferWorker:
         one block keeps no other's memory alive."""
         if not self.gather_to_host:
             return [self.block(b).clone() for b in block_ids]
-        together = torch.stack([self.block(b) for b in block_ids]).cpu()
-        return [b.clone() for b in together]
+        out = []
+        for i in range(0, len(block_ids), _GATHER_BLOCKS):  # bounds the gather's device memory
+            together = torch.stack([self.block(b) for b in block_ids[i:i + _GATHER_BLOCKS]]).cpu()
+            out += [b.clone() for b in together]
+        return out
 
     def store(self, stores: list[BlockStore]) -> None:
         if not stores:
