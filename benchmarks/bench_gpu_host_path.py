@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import collections
-import json
 import os
 import pstats
 import statistics
@@ -83,10 +82,8 @@ def run_batch(llm, batch: int, new_tokens: int, profile: bool = False) -> dict:
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for i in range(batch):
         engine.add_request(None, {"prompt_token_ids": list(range(10 + i % 7, 42 + i % 7))}, sp)
-    steps = []
-    while len(steps) < 4:  # the prefill and the first decodes
+    for _ in range(4):  # the prefill and the first decodes
         engine.step(final_only=True)
-        steps.append(0.0)
     times = []
     for _ in range(new_tokens // 2):
         t = time.perf_counter()
@@ -112,7 +109,7 @@ def run_batch(llm, batch: int, new_tokens: int, profile: bool = False) -> dict:
 
 
 def main() -> None:
-    from common import machine
+    from common import machine, write_json
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--new-tokens", type=int, default=200)
@@ -125,14 +122,11 @@ def main() -> None:
     runs = {b: [run_batch(llm, b, args.new_tokens, profile=(r == 0)) for r in range(args.reps)]
             for b in batches}
     best = {b: min(rs, key=lambda x: x["host_ms"]) for b, rs in runs.items()}
-    for b, rs in runs.items():
-        if "top_us_per_step" in rs[0]:
-            best[b]["top_us_per_step"] = rs[0]["top_us_per_step"]
+    for b, rs in runs.items():  # the first run of each batch size is the profiled one
+        best[b]["top_us_per_step"] = rs[0]["top_us_per_step"]
     res = {"machine": machine(), "new_tokens": args.new_tokens, "by_batch": best,
            "host_ms_runs": {b: [r["host_ms"] for r in rs] for b, rs in runs.items()}}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(res, args.out)
     for b, r in best.items():
         print(f"batch {b:3d}: host {r['host_ms']:.3f} ms per decode step (runs {res['host_ms_runs'][b]}), "
               f"{r['torch_ops']:.0f} torch ops")

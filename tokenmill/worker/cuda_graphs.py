@@ -53,7 +53,7 @@ class DecodeGraphs:
         self.max_rows = self.sizes[-1]  # decode rows a replay takes (speculation's draft policy stays within it)
         self.max_model_len, self.block_size, self.device = max_model_len, block_size, device
         self.max_blocks = cdiv(max_model_len, block_size)
-        b = self.sizes[-1]
+        b = self.max_rows
         i32 = dict(dtype=torch.int32, device=device)
         self.longs = torch.zeros(3, b, dtype=torch.int64, device=device)
         self.input_ids, self.positions, self.slot_mapping = self.longs.unbind(0)
@@ -117,12 +117,12 @@ class DecodeGraphs:
 
     def can_run(self, batch: AttentionBatch, num_tokens: int) -> bool:
         """Decode rows only (one query each), within the largest bucket and the buffers' table width."""
-        return (self.enabled and batch.num_decodes == batch.num_seqs == num_tokens and num_tokens <= self.sizes[-1]
+        return (self.enabled and batch.num_decodes == batch.num_seqs == num_tokens and num_tokens <= self.max_rows
                 and batch.block_tables.shape[1] <= self.max_blocks)
 
     def can_stage(self, rows: int, width: int) -> bool:
         """Whether a decode step of `rows` rows and `width` block-table columns runs in a bucket (can_run)."""
-        return self.enabled and rows <= self.sizes[-1] and width <= self.max_blocks
+        return self.enabled and rows <= self.max_rows and width <= self.max_blocks
 
     def stage(self, longs: torch.Tensor, ints: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, ...]:
         """A decode step's host rows straight into the buffers: `longs` holds the input ids, positions and slots

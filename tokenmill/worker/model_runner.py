@@ -181,20 +181,12 @@ class ModelRunner:
         width = max(len(st.block_ids) for st in states)
         for s, st in zip(seqs, states):
             n, start, blocks = s.num_new_tokens, s.start_pos, st.block_ids
-            pad = width - len(blocks)
-            if n == 1 and not s.draft_token_ids:  # a plain decode (most rows): its token, without a range
+            if n == 1 and not s.draft_token_ids:  # a plain decode (most rows): its one token, without slicing
                 prompt = st.prompt_token_ids
                 toks.append(prompt[start] if start < len(prompt) else st.output_token_ids[start - len(prompt)])
-                pos.append(start)
-                slots.append(blocks[start // bs] * bs + start % bs)
-                lens.append(start + 1)
-                tables += blocks
-                if pad:
-                    tables += [0] * pad
-                qsl.append(qsl[-1] + 1)
-                continue
-            toks += st.token_ids(start, start + n - len(s.draft_token_ids)) + s.draft_token_ids
-            row = blocks + [0] * pad
+            else:
+                toks += st.token_ids(start, start + n - len(s.draft_token_ids)) + s.draft_token_ids
+            row = blocks + [0] * (width - len(blocks))
             for p in range(start, start + n):
                 pos.append(p)
                 slots.append(blocks[p // bs] * bs + p % bs)
