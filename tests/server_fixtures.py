@@ -92,6 +92,29 @@ class ServerProcess:
         return code
 
 
+# A hook that makes each engine step running a prompt that starts with SLOW_MARKER take 0.1 s: requests that
+# are surely still running when a test looks (other prompts keep their speed).
+SLOW_MARKER = [9] * 11
+SLOW_SITECUSTOMIZE = f'''
+import time
+
+from tokenmill.worker import model_runner
+
+_marker = {SLOW_MARKER!r}
+_execute = model_runner.ModelRunner.execute
+
+
+def execute(self, sched):
+    if any(list((s.new_request or self.requests[s.request_id]).prompt_token_ids[:len(_marker)]) == _marker
+           for s in sched.seqs):
+        time.sleep(0.1)
+    return _execute(self, sched)
+
+
+model_runner.ModelRunner.execute = execute
+'''
+
+
 def hook_env(hook_dir: Path, sitecustomize: str) -> dict:
     """Environment for a server whose processes (API and engine core) all run `sitecustomize` at startup:
     fault and spy hooks from outside the package."""

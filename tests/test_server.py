@@ -11,7 +11,8 @@ import httpx
 import openai
 import pytest
 
-from server_fixtures import ServerProcess, engine_stats, tiny_model_dir  # noqa: F401  (fixture)
+from server_fixtures import (SLOW_MARKER, SLOW_SITECUSTOMIZE, ServerProcess, engine_stats, hook_env,  # noqa: F401
+                             tiny_model_dir)
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -20,8 +21,9 @@ PROMPTS = ["To be, or not to be", "All the world's a stage", "Friends, Romans", 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):  # noqa: F811
-    srv = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("server") / "server.log",
-                        "--max-request-body-bytes", "200000", "--max-num-seqs", "64", api_key=API_KEY)
+    log_dir = tmp_path_factory.mktemp("server")
+    srv = ServerProcess(tiny_model_dir, log_dir / "server.log", "--max-request-body-bytes", "200000",
+                        "--max-num-seqs", "64", api_key=API_KEY, env=hook_env(log_dir, SLOW_SITECUSTOMIZE))
     try:
         srv.wait_ready()
         yield srv
@@ -277,8 +279,8 @@ def _wait_idle(server, timeout=30) -> dict:
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_frees_kv_blocks(server, stream):
-    body = {"model": MODEL, "prompt": "To be, or not to be " * 5, "max_tokens": 200, "ignore_eos": True,
-            "stream": stream}
+    # the hook makes this prompt's steps take 0.1 s each: the request is surely running when the client leaves
+    body = {"model": MODEL, "prompt": SLOW_MARKER, "max_tokens": 200, "ignore_eos": True, "stream": stream}
     if stream:
         with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers) as r:
             it = r.iter_lines()
@@ -286,7 +288,6 @@ def test_disconnect_frees_kv_blocks(server, stream):
             s = engine_stats(server)
             assert s["num_running"] == 1 and s["num_free_kv_blocks"] < s["num_kv_blocks"]
     else:
-        # 200 tokens take well over 0.1 s even on a fast, quiet machine: the client leaves mid-request
         with pytest.raises(httpx.TimeoutException):
             httpx.post(server.url + "/v1/completions", json=body, headers=server.headers, timeout=0.1)
     s = _wait_idle(server)

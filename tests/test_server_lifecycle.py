@@ -10,7 +10,8 @@ import time
 import httpx
 import pytest
 
-from server_fixtures import ServerProcess, engine_stats, hook_env, tiny_model_dir  # noqa: F401  (fixture)
+from server_fixtures import (SLOW_MARKER, SLOW_SITECUSTOMIZE, ServerProcess, engine_stats, hook_env,  # noqa: F401
+                             tiny_model_dir)
 
 BODY = {"model": "tiny", "prompt": "To be, or not to be", "max_tokens": 40, "ignore_eos": True}
 
@@ -105,27 +106,6 @@ def test_stream_interval_groups_tokens_per_chunk(interval_server):
                         per_choice[choice["index"]].append(len(choice["logprobs"]["tokens"]))
     for counts in per_choice.values():
         assert sum(counts) == 10 and all(n >= 4 for n in counts[1:-1]) and len(counts) <= 4, per_choice
-
-
-SLOW_MARKER = [9] * 11  # the hook makes each engine step that runs such a prompt take 0.1 s
-SLOW_SITECUSTOMIZE = f'''
-import time
-
-from tokenmill.worker import model_runner
-
-_marker = {SLOW_MARKER!r}
-_execute = model_runner.ModelRunner.execute
-
-
-def execute(self, sched):
-    if any(list((s.new_request or self.requests[s.request_id]).prompt_token_ids[:len(_marker)]) == _marker
-           for s in sched.seqs):
-        time.sleep(0.1)
-    return _execute(self, sched)
-
-
-model_runner.ModelRunner.execute = execute
-'''
 
 
 def test_shutdown_past_the_timeout_ends_every_request_cleanly(tiny_model_dir, tmp_path):  # noqa: F811
