@@ -88,6 +88,53 @@ def test_penalties():
     assert b.tolist() == [[1.0, 2.0 - 1.5 - 1.0, -1.0, 0.5]]
 
 
+def _penalized_row_by_row(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """The oracle: each row on its own, from the definitions (HF's repetition penalty, OpenAI's others)."""
+    out = logits.clone().double()
+    for i, r in enumerate(rows):
+        sp = r.params
+        for t in set(r.prompt_token_ids + r.output_token_ids) if sp.repetition_penalty != 1.0 else ():
+            v = out[i, t]
+            out[i, t] = v / sp.repetition_penalty if v > 0 else v * sp.repetition_penalty
+        for t in set(r.output_token_ids):
+            out[i, t] -= sp.frequency_penalty * r.output_token_ids.count(t) + sp.presence_penalty
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_penalties_for_a_mixed_batch_match_row_by_row(dtype):
+    """Rows with and without penalties, each kind alone and together, empty outputs, repeats and prompts of
+    different lengths: the one batched pass equals each row done on its own."""
+    g = torch.Generator().manual_seed(0)
+    vocab = 50
+    ids = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
+    params = [SamplingParams(), SamplingParams(repetition_penalty=1.3),
+              SamplingParams(presence_penalty=0.7, frequency_penalty=0.4), SamplingParams(),
+              SamplingParams(repetition_penalty=0.8, presence_penalty=-0.5, frequency_penalty=1.1),
+              SamplingParams(frequency_penalty=2.0)]
+    rows = [SampleRow(p, ids(3 + 7 * i), ids([0, 9, 0, 4, 30, 12][i]), None) for i, p in enumerate(params)]
+    logits = torch.randn(len(rows), vocab, generator=g).to(dtype)
+    from tokenmill.sample.sampler import apply_penalties
+
+    got = logits.clone()
+    apply_penalties(got, rows)
+    want = _penalized_row_by_row(logits, rows)
+    assert torch.allclose(got.double(), want, atol=1e-5 if dtype == torch.float32 else 4e-2)
+    assert torch.equal(got[[0, 3]], logits[[0, 3]])  # rows without penalties are untouched
+    assert not torch.equal(got[[1, 2, 4, 5]], logits[[1, 2, 4, 5]])
+
+
+def test_min_tokens_masks_each_row_own_stop_ids_only():
+    from tokenmill.sample.sampler import apply_min_tokens
+
+    rows = [SampleRow(SamplingParams(min_tokens=3, stop_token_ids=[4, 7, 999]), [1], [2], None),  # 999: no logit
+            SampleRow(SamplingParams(min_tokens=1, stop_token_ids=[5]), [1], [2], None),  # has its min already
+            SampleRow(SamplingParams(min_tokens=2, stop_token_ids=[1]), [1], [], None)]
+    logits = torch.zeros(3, 10)
+    apply_min_tokens(logits, rows)
+    assert torch.isinf(logits).nonzero().tolist() == [[0, 4], [0, 7], [2, 1]]
+
+
 def test_logprobs_are_raw_log_softmax(llama_dir, hf_llama):
     llm = make_llm(llama_dir)
     prompt = random_prompts([10], seed=21)[0]

@@ -33,35 +33,60 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+def padded_ids(lists: list[list[int]], pad: int) -> torch.Tensor:
+    """Ragged token lists as one [rows, longest] host tensor, `pad` after each list's end."""
+    width = max(map(len, lists), default=0)
+    return torch.tensor([ids + [pad] * (width - len(ids)) for ids in lists], dtype=torch.int64).view(len(lists), width)
+
+
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     """In place. Repetition penalty covers prompt and output (as HF and vLLM); presence and
-    frequency penalties cover the output only (as OpenAI)."""
-    vocab = logits.shape[-1]
-    for i, r in enumerate(rows):
-        sp = r.params
-        if not sp.needs_penalties:
-            continue
-        row = logits[i]
-        out = torch.tensor(r.output_token_ids, dtype=torch.int64, device=logits.device)
-        if sp.repetition_penalty != 1.0:
-            seen = torch.tensor(r.prompt_token_ids + r.output_token_ids, dtype=torch.int64,
-                                device=logits.device).unique()
-            vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
-        if len(out) and (sp.presence_penalty or sp.frequency_penalty):
-            counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
-            row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(row.dtype)
+    frequency penalties cover the output only (as OpenAI).
+
+    All penalized rows at once, with no device reads: token ids go over as padded [rows, longest] tensors
+    whose pad id is `vocab`, so scatters drop pads into a spare column.
+
+        output ids   [[5, 9, 5, V],        counts  [rows, V + 1]  (column V: the pads, cut off)
+                      [7, V, V, V]]   -->          row 0: id 5 -> 2, id 9 -> 1
+    """
+    idx = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+    if not idx:
+        return
+    vocab, dev = logits.shape[-1], logits.device
+    sub = [rows[i] for i in idx]
+    floats = device_tensor([[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty]
+                            for r in sub], torch.float32, dev)
+    rep, freq, pres = floats.unsqueeze(2).unbind(1)
+    out = to_device(padded_ids([r.output_token_ids for r in sub], vocab), dev)
+    counts = torch.zeros(len(sub), vocab + 1, dtype=torch.float32, device=dev)
+    counts.scatter_add_(1, out, torch.ones(out.shape, dtype=torch.float32, device=dev))
+    counts = counts[:, :vocab]
+    rows_at = device_tensor(idx, torch.int64, dev)
+    picked = logits.index_select(0, rows_at).float()
+    if any(r.params.repetition_penalty != 1.0 for r in sub):
+        seen = torch.zeros(len(sub), vocab + 1, dtype=torch.bool, device=dev)
+        prompts = to_device(padded_ids([r.prompt_token_ids for r in sub], vocab), dev)
+        seen.scatter_(1, prompts.clamp_(max=vocab), True)  # ids past the logits (none today) can't be sampled
+        seen = seen[:, :vocab] | (counts > 0)
+        picked = torch.where(seen, torch.where(picked > 0, picked / rep, picked * rep), picked)
+    picked -= freq * counts + pres * (counts > 0).float()
+    logits.index_copy_(0, rows_at, picked.to(logits.dtype))
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """Stop ids get -inf until a row has its min_tokens, for all rows in one masked write."""
+    at_rows, at_ids = [], []
     for i, r in enumerate(rows):
         sp = r.params
         if len(r.output_token_ids) < sp.min_tokens:
             # ids past the logits (a tokenizer's added tokens, a client's typo) can never be sampled: masking them
             # would fail the step (on a GPU, a device-side assert that ends the CUDA context)
             banned = [t for t in sp.stop_ids if t < logits.shape[-1]]
-            if banned:
-                logits[i, banned] = float("-inf")
+            at_rows += [i] * len(banned)
+            at_ids += banned
+    if at_rows:
+        at = device_tensor([at_rows, at_ids], torch.int64, logits.device)
+        logits.index_put_((at[0], at[1]), torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
@@ -125,14 +150,16 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """The token ids, left on the logits' device (async scheduling reads them there first)."""
         adjusted = self.adjusted_logits(logits, rows)
-        tokens = argmax_rows(adjusted)
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if len(rand) == len(rows):
+            return exponential_sample(self.probs(adjusted, rows), [r.generator for r in rows], self.generator)
+        tokens = argmax_rows(adjusted)
         if rand:
             sub = [rows[i] for i in rand]
-            sampled = exponential_sample(self.probs(adjusted[rand], sub), [r.generator for r in sub], self.generator)
-            if len(rand) == len(rows):
-                return sampled
-            tokens[device_tensor(rand, torch.int64, tokens.device)] = sampled
+            at = device_tensor(rand, torch.int64, tokens.device)
+            sampled = exponential_sample(self.probs(adjusted.index_select(0, at), sub), [r.generator for r in sub],
+                                         self.generator)
+            tokens[at] = sampled
         return tokens
 
     @staticmethod
