@@ -17,16 +17,15 @@ model's math replaced by zeros, and reports per decode step:
 from __future__ import annotations
 
 import argparse
-import cProfile
 import collections
 import os
-import pstats
 import statistics
 import sys
 import time
 import types
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import profile_top  # noqa: E402
 
 
 def build_llm(max_num_seqs: int):
@@ -97,12 +96,7 @@ def run_batch(llm, batch: int, new_tokens: int, profile: bool = False) -> dict:
            "torch_ops": round(sum(ops.counts.values()) / 10, 1),
            "ops": {k: v / 10 for k, v in ops.counts.most_common()}}
     if profile:
-        prof = cProfile.Profile()
-        prof.runcall(lambda: [engine.step(final_only=True) for _ in range(20)])
-        stats = pstats.Stats(prof)
-        top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:20]  # by own time
-        res["top_us_per_step"] = [(f"{os.path.basename(f)}:{line} {fn}", round(tt * 1e6 / 20, 1),
-                                   round(ct * 1e6 / 20, 1)) for (f, line, fn), (_, _, tt, ct, _) in top]
+        _, res["top_us_per_step"] = profile_top(lambda: engine.step(final_only=True), 20, n=20)
     while engine.has_unfinished_requests():
         engine.step(final_only=True)
     return res

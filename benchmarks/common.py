@@ -83,6 +83,21 @@ def write_json(result: dict, path: str) -> None:
     print(f"wrote {path}")
 
 
+def profile_top(fn, calls: int, n: int = 15) -> tuple[float, list]:
+    """`fn` run `calls` times under cProfile: the wall seconds, and the top `n` functions by own time as
+    ("file:line name", own us per call, cumulative us per call)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.runcall(lambda: [fn() for _ in range(calls)])
+    seconds = time.perf_counter() - t
+    top = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:n]
+    return seconds, [(f"{os.path.basename(f)}:{line} {name}", round(tt * 1e6 / calls, 1), round(ct * 1e6 / calls, 1))
+                     for (f, line, name), (_, _, tt, ct, _) in top]
+
+
 def run_job(script: str, job: dict, tree: str | None = None) -> dict:
     """Run `python script --worker JOBFILE` in a fresh process (its own memory, warm caches and threads) and
     return the dict it wrote. The job travels in a file: long prompts are too big for a command line. `tree`:

@@ -666,9 +666,8 @@ def decode_profile(copy_gb_s: float) -> dict:
     dependency bubbles), each linear's one-row GEMV bandwidth against the copy bandwidth, the host's top
     functions per engine step at batch 1; then the replays again with rotary and the KV write as two
     launches, and with the GEMVs folded (ops/triton_gemv.py)."""
-    import cProfile
-    import pstats
     import torch.nn.functional as F
+    from common import profile_top
     from tokenmill import LLM, SamplingParams
     path = model_dir(LLAMA3_8B, "llama3-8b")
     llm = LLM(path, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=2048,
@@ -734,18 +733,11 @@ def decode_profile(copy_gb_s: float) -> dict:
                        SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     for _ in range(10):
         engine.step()
-    prof = cProfile.Profile()
-    t = time.perf_counter()
-    prof.runcall(lambda: [engine.step() for _ in range(100)])
-    res["engine_step_b1_ms_under_cprofile"] = round((time.perf_counter() - t) * 10, 3)
-    stats = pstats.Stats(prof)
-    rows_ = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:15]  # by own time
-    res["host_top_b1"] = [(f"{os.path.basename(f)}:{line} {fn}", round(tt * 1e4, 1), round(ct * 1e4, 1))
-                          for (f, line, fn), (_, _, tt, ct, _) in rows_]  # us per step: own, cumulative
+    seconds, res["host_top_b1"] = profile_top(engine.step, 100)  # us per step: own, cumulative
+    res["engine_step_b1_ms_under_cprofile"] = round(seconds * 10, 3)
     engine.abort_request(["prof"])
     while engine.has_unfinished_requests():
         engine.step()
-    prof = stats = None
     keep()
     if res["fused_rotary_kv"]:  # the same graphs with rotary and write_kv as two launches
         backend.fuse_rotary_kv = False
