@@ -21,3 +21,30 @@ def test_one_busy_thread_shows_as_one_core():
     assert out["cpu_cores"] == _cores()
     assert 100 / _cores() * 0.5 < out["cpu_utilization"] <= min(100.0, 100 / _cores() * 1.1)
     assert out["peak_rss_mb"] > 0
+
+
+def test_a_gpu_without_a_utilization_counter_stops_only_the_gpu_meter(monkeypatch):
+    """A MIG slice's NVML handle raises on the utilization read: the sampling thread drops the GPU meter and
+    keeps sampling memory (it used to end on the exception)."""
+    import sys
+    import types
+
+    class NVMLError(Exception):
+        pass
+
+    calls = []
+
+    def utilization(handle):
+        calls.append(handle)
+        raise NVMLError("Not Supported")
+
+    monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(NVMLError=NVMLError,
+                                                                      nvmlDeviceGetUtilizationRates=utilization))
+    mon = ResourceMonitor(interval_s=0.01)
+    mon._nvml = "mig-handle"
+    with mon:
+        time.sleep(0.05)
+        mon.peak_rss = 0  # sampled again below only if the thread is still alive
+        time.sleep(0.1)
+    assert calls == ["mig-handle"] and mon.gpu_util == []
+    assert mon.peak_rss > 0 and mon._thread.is_alive() is False

@@ -70,7 +70,10 @@ class ResourceMonitor:
             if self._nvml is not None:
                 import pynvml
 
-                self.gpu_util.append(float(pynvml.nvmlDeviceGetUtilizationRates(self._nvml).gpu))
+                try:
+                    self.gpu_util.append(float(pynvml.nvmlDeviceGetUtilizationRates(self._nvml).gpu))
+                except pynvml.NVMLError:  # e.g. a MIG slice has no utilization counter: keep sampling memory
+                    self._nvml = None
             if self._stop.wait(self.interval_s):
                 return
 
