@@ -14,12 +14,12 @@ def test_utilization_is_busy_time_over_wall_time_and_cores_and_stops_at_100():
 
 def test_one_busy_thread_shows_as_one_core():
     with ResourceMonitor(interval_s=0.01) as mon:
-        end = time.perf_counter() + 0.3
+        end = time.perf_counter() + 1.0  # the sampler thread and any neighbour stay small beside 1 s
         while time.perf_counter() < end:
             pass
     out = mon.summary()
     assert out["cpu_cores"] == _cores()
-    assert 100 / _cores() * 0.5 < out["cpu_utilization"] <= min(100.0, 100 / _cores() * 1.1)
+    assert 100 / _cores() * 0.4 < out["cpu_utilization"] <= min(100.0, 100 / _cores() * 1.25)
     assert out["peak_rss_mb"] > 0
 
 

@@ -107,7 +107,7 @@ def _child_main(mode: str, model_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def interpreted(llama_dir) -> dict:
-    return run_child(__file__, "interpret", timeout=900, extra_args=[llama_dir])
+    return run_child(__file__, "interpret", timeout=500, extra_args=[llama_dir])  # inside pytest-timeout's 600 s
 
 
 @needs_triton

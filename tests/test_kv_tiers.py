@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -216,29 +217,35 @@ def test_tiers_under_chunked_prefill_and_preemption(llama_dir, tmp_path):
 
 
 class _SlowTier(HostTier):
-    """A host tier whose reads take `delay` seconds per block: loads stay in flight for a while."""
+    """A host tier whose reads take `delay` seconds per block, and wait for `gate` when one is given: loads
+    stay in flight for a while, or until the test lets them finish."""
 
-    def __init__(self, delay):
+    def __init__(self, delay, gate: threading.Event | None = None):
         super().__init__(1 << 26)
-        self.delay = delay
+        self.delay, self.gate = delay, gate
 
     def get(self, key):
+        if self.gate is not None:
+            self.gate.wait(30)
         time.sleep(self.delay)
         return super().get(key)
 
 
-def _with_slow_tier(llm, delay):
+def _with_slow_tier(llm, delay, gate: threading.Event | None = None):
     core = llm.llm_engine.core
-    slow = _SlowTier(delay)
+    slow = _SlowTier(delay, gate)
     core.kv.tiers.tiers[0] = core.kv.tiers.host = core.kv_transfer.chain.host = slow
     return slow
 
 
 def test_requests_arriving_while_a_load_is_in_flight(llama_dir, plain_outputs):
     llm = make_llm(llama_dir, **POOL, kv_host_cache_gb=0.05)
-    _with_slow_tier(llm, 0.02)  # ~0.2 s per document load
+    gate = threading.Event()
+    gate.set()
+    _with_slow_tier(llm, 0.0, gate)
     rounds = _workload()
     assert _run(llm, rounds[:3]) == plain_outputs[:3]
+    gate.clear()  # q2's load now waits until "other" has finished, however fast or slow this machine is
     eng = llm.llm_engine
     eng.add_request("q2", rounds[3][0], GREEDY)
     eng.step()  # q2's load starts
@@ -251,6 +258,8 @@ def test_requests_arriving_while_a_load_is_in_flight(llama_dir, plain_outputs):
             if o.finished:
                 done[o.request_id] = o.outputs[0].token_ids
         ran_during_load |= eng.get_stats().num_loading_kv > 0 and "other" in done
+        if "other" in done:
+            gate.set()
     assert [done["q2"], done["q3"]] == plain_outputs[3]
     assert ran_during_load  # the other request finished while the load was still running
     assert _tier_stats(llm)["host"]["blocks_loaded"] == DOC_LEN // 16  # loaded once, for q2 only

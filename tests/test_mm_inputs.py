@@ -347,7 +347,7 @@ def test_fetch_trickling_server_times_out(server, path):
     start = time.monotonic()
     with pytest.raises(ValueError, match="timed out after 1 s"):
         get(server + path, timeout_s=1.0)
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 4.0  # the trickle lasts 100 s
 
 
 def test_data_uris():

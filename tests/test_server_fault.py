@@ -12,12 +12,15 @@ import time
 import httpx
 import pytest
 
-from server_fixtures import ServerProcess, core_pid, engine_stats, hook_env, tiny_model_dir  # noqa: F401  (fixture)
+from server_fixtures import (SLOW_MARKER, SLOW_SITECUSTOMIZE, ServerProcess, core_pid, engine_stats,  # noqa: F401
+                             hook_env, tiny_model_dir)
 
 MARKER = [7] * 13  # fails on its first step
 LATE_MARKER = [8] * 13  # fails once it has generated 5 tokens
 
 SITECUSTOMIZE = f'''
+import time
+
 from tokenmill.worker import model_runner
 
 _marker, _late = {MARKER!r}, {LATE_MARKER!r}
@@ -30,6 +33,7 @@ def execute(self, sched):
         head = list(state.prompt_token_ids[:len(_marker)])
         if head == _marker or (head == _late and len(state.output_token_ids) >= 5):
             raise RuntimeError("injected fault")
+    time.sleep(0.02)  # every step: a 200-token stream surely outlasts another request's admission and 5 steps
     return _execute(self, sched)
 
 
@@ -96,8 +100,8 @@ def test_failure_after_output_reaches_waiting_and_streaming_clients(faulty_serve
 
 
 def _kill_core_mid_stream(srv) -> list[str]:
-    """Kill -9 the engine core while a stream runs; the stream's events."""
-    body = {"model": "tiny", "prompt": "To be", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    """Kill -9 the engine core while a stream runs (slowed by the hook to 20 s); the stream's events."""
+    body = {"model": "tiny", "prompt": SLOW_MARKER, "max_tokens": 200, "ignore_eos": True, "stream": True}
     events = []
     with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
         it = (l for l in r.iter_lines() if l.startswith("data: "))
@@ -110,7 +114,7 @@ def _kill_core_mid_stream(srv) -> list[str]:
 def test_engine_core_death_ends_the_server_with_an_error_code(tiny_model_dir, tmp_path):  # noqa: F811
     """vLLM's semantics: the requests in flight fail (503 event, [DONE]), then the API process exits non-zero
     so a supervisor restarts it. Before the fix it answered 503 forever and exited 0 when stopped."""
-    srv = ServerProcess(tiny_model_dir, tmp_path / "server.log")
+    srv = ServerProcess(tiny_model_dir, tmp_path / "server.log", env=hook_env(tmp_path, SLOW_SITECUSTOMIZE))
     try:
         srv.wait_ready()
         events = _kill_core_mid_stream(srv)
@@ -126,7 +130,8 @@ def test_engine_core_death_with_keep_alive_leaves_the_api_answering(tiny_model_d
     """--keep-alive-on-engine-death: the stream ends with a 503 event and [DONE], and the API process keeps
     answering (503 on /health and for new work) instead of blocking on a send to the dead core when the
     stream's cleanup aborts its request; stopped, it still reports the failure."""
-    srv = ServerProcess(tiny_model_dir, tmp_path / "server.log", "--keep-alive-on-engine-death")
+    srv = ServerProcess(tiny_model_dir, tmp_path / "server.log", "--keep-alive-on-engine-death",
+                        env=hook_env(tmp_path, SLOW_SITECUSTOMIZE))
     try:
         srv.wait_ready()
         events = _kill_core_mid_stream(srv)

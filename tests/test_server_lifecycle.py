@@ -18,8 +18,9 @@ BODY = {"model": "tiny", "prompt": "To be, or not to be", "max_tokens": 40, "ign
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):  # noqa: F811
-    srv = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("server") / "server.log",
-                        "--max-num-seqs", "1", "--max-waiting-requests", "2", "--shutdown-timeout", "60")
+    log_dir = tmp_path_factory.mktemp("server")
+    srv = ServerProcess(tiny_model_dir, log_dir / "server.log", "--max-num-seqs", "1", "--max-waiting-requests",
+                        "2", "--shutdown-timeout", "60", env=hook_env(log_dir, SLOW_SITECUSTOMIZE))
     try:
         srv.wait_ready()
         yield srv
@@ -47,13 +48,17 @@ def test_queue_full_gets_429_with_retry_after(server):
 
 
 def test_sigterm_drains_and_exits_zero(server):
-    body = {**BODY, "max_tokens": 60, "stream": True}
+    # the hook slows this prompt to 0.1 s a step: the request is surely in flight through the whole drain
+    body = {**BODY, "prompt": SLOW_MARKER, "max_tokens": 20, "stream": True}
     lines = []
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
         it = r.iter_lines()
         lines.append(next(l for l in it if l.startswith("data: ")))
         server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        deadline = time.time() + 30
+        while httpx.get(server.url + "/health", timeout=10).status_code != 503:  # draining has begun
+            assert time.time() < deadline, "the server never started draining"
+            time.sleep(0.05)
         # no new work is admitted while draining
         try:
             refused = httpx.post(server.url + "/v1/completions", json=BODY, timeout=10).status_code

@@ -19,7 +19,7 @@ def test_a_tiny_search_writes_its_outputs_and_its_winner_meets_the_slo(tmp_path)
                         "--max-trials", "2", "--num-prompts", "8", "--input-len", "32", "--output-len", "8",
                         "--max-concurrency", "4", "--search", "max_num_seqs,enable_prefix_caching",
                         "--max-model-len", "256", "--output-dir", str(out), "--disable-tqdm"],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=500)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads((out / "tune.json").read_text())
     assert len(doc["trials"]) == 2 and all(not t["failed"] for t in doc["trials"])
