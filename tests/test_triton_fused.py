@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from tokenmill.layers import activation, norm, rotary
 from tokenmill.ops import triton_fused as tf
+from tokenmill.ops.failure_latch import FailureLatch
 from triton_child import (TRITON_TYPES, assert_compiled, compile_for_sm90, kernel_fixtures, needs_triton, run_jobs,
                           stdout_without_triton)
 
@@ -383,7 +384,7 @@ def test_a_failing_op_turns_the_triton_ops_off_with_one_warning(monkeypatch, cap
     def broken(*a, **k):
         calls.append("tried")
         raise RuntimeError("PTXAS error: no kernel image")
-    monkeypatch.setattr(tf, "_failure", [])
+    monkeypatch.setattr(tf, "_failure", FailureLatch(tf._failure.warning))
     monkeypatch.setattr(tf, "usable", lambda *tensors: not tf._failure)  # as for CUDA tensors, until a failure
     for name in ("add_rmsnorm", "rotary_", "silu_mul"):
         monkeypatch.setattr(tf, name, broken)
@@ -391,7 +392,7 @@ def test_a_failing_op_turns_the_triton_ops_off_with_one_warning(monkeypatch, cap
         for _ in range(2):
             for got, ref in zip(_layer_outputs("float32"), want):
                 torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
-    assert calls == ["tried"] and tf._failure and "PTXAS" in tf._failure[0]
+    assert calls == ["tried"] and tf._failure and "PTXAS" in tf._failure.reason
     assert sum("Triton fused ops failed" in r.message for r in caplog.records) == 1
 
 

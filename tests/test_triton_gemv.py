@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.ops import triton_gemv as tg
+from tokenmill.ops.failure_latch import FailureLatch
 from triton_child import (TRITON_TYPES, assert_compiled, assert_near_twin, compile_for_sm90, kernel_fixtures,
                           needs_triton, run_jobs)
 
@@ -193,7 +194,7 @@ def test_a_failing_fold_falls_back_to_the_plain_layer(llama_dir, monkeypatch, ca
     def broken(*a, **k):
         raise RuntimeError("PTX compile failed")
     monkeypatch.setattr(tg, "add_rmsnorm_gemv", broken)
-    monkeypatch.setattr(tg, "_failure", [])
+    monkeypatch.setattr(tg, "_failure", FailureLatch(tg._failure.warning))
     llm = make_llm(llama_dir, cpu_linear_kernel="torch")
     with caplog.at_level("WARNING"):
         got = [o.outputs[0].token_ids for o in llm.generate([[5, 6, 7], [9]], sp, use_tqdm=False)]

@@ -21,21 +21,21 @@ one warning, and the layers go on with their torch paths.
 """
 from __future__ import annotations
 
-import logging
 import os
 from functools import lru_cache
 
 import torch
 
 from tokenmill.ops import triton_lazy as triton  # cdiv, next_power_of_2; triton loads with the kernels
+from tokenmill.ops.failure_latch import FailureLatch
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DISABLE_ENV = "TOKENMILL_DISABLE_TRITON_FUSED"
 MAX_HIDDEN = 65536  # add_rmsnorm keeps a whole row in registers
 _SILU_BLOCK = 1024
 _ROTARY_TILE = 2048  # heads x half-head elements per rotary program
-logger = logging.getLogger(__name__)
-_failure: list[str] = []  # why the ops were given up (give_up), once; then usable() is False for good
+_failure = FailureLatch("Triton fused ops failed (%s); add+RMSNorm, rotary and SiLU-and-mul run as torch ops "
+                        "from now on")  # tripped by give_up; then usable() is False for good
 
 
 def available() -> bool:
@@ -54,10 +54,7 @@ def usable(*tensors: torch.Tensor) -> bool:
 def give_up(error: Exception) -> None:
     """A layer's op raised (a Triton compile failure on this GPU, say: before any kernel ran, so nothing was
     written): one warning, and the layers take their torch paths from now on instead of crashing a step."""
-    if not _failure:
-        _failure.append(f"{type(error).__name__}: {error}"[:500])
-        logger.warning("Triton fused ops failed (%s); add+RMSNorm, rotary and SiLU-and-mul run as torch ops "
-                       "from now on", _failure[0])
+    _failure.trip(error)
 
 
 @lru_cache(maxsize=1)

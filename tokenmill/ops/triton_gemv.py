@@ -20,7 +20,6 @@ On CPU the kernel runs only under Triton's interpreter (TRITON_INTERPRET=1). No 
 """
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -29,9 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.ops import triton_lazy as triton  # cdiv, next_power_of_2; triton loads with the kernels
+from tokenmill.ops.failure_latch import FailureLatch
 from tokenmill.ops.triton_attention import _sm_count  # 132 (H100 / H200) off the GPU, as the planners there
 
-logger = logging.getLogger(__name__)
 
 ENABLE_ENV = "TOKENMILL_TRITON_GEMV"
 MAX_ROWS = 8
@@ -40,7 +39,8 @@ _TILE = 4096  # weight elements per K step: 32 float32 accumulators a thread at 
 _STAT_TILE = 4096  # elements per step of the RMSNorm statistic loop (rows x columns)
 
 
-_failure: list[str] = []  # why folding was given up (give_up), once; then enabled() is False for good
+_failure = FailureLatch("folded GEMVs failed (%s); the layers run the plain ops from now on")  # then enabled()
+# is False for good
 
 
 def enabled() -> bool:
@@ -51,9 +51,7 @@ def enabled() -> bool:
 def give_up(error: Exception) -> None:
     """A layer's folded GEMV raised (a compile failure on this GPU, say: before it wrote anything): one warning,
     and every layer runs the plain ops from now on (a layer that already folds fails the same way, silently)."""
-    if not _failure:
-        _failure.append(f"{type(error).__name__}: {error}"[:500])
-        logger.warning("folded GEMVs failed (%s); the layers run the plain ops from now on", _failure[0])
+    _failure.trip(error)
 
 
 def runs_on(x: torch.Tensor) -> bool:
