@@ -266,7 +266,9 @@ def _greedy_tokens(path: str, prompts, sp=None, **kw) -> list[list[int]]:
     info = (type(backend).__name__, getattr(backend, "failure", None), graphs is not None and graphs.enabled,
             f"async={core.config.async_scheduling} run_ahead={core.scheduler.num_run_ahead} "
             f"deferred={core.runner.num_deferred_steps} staged={getattr(graphs, 'num_staged_steps', None)} "
-            f"drafts={core.scheduler.spec.stats.num_draft_tokens if core.scheduler.spec else None}",
+            f"drafts={core.scheduler.spec.stats.num_draft_tokens if core.scheduler.spec else None} "
+            f"accepted={core.scheduler.spec.stats.num_accepted_tokens if core.scheduler.spec else None} "
+            f"draft_graph_runs={getattr(getattr(core.runner.proposer, 'decode_step', None), 'num_runs', None)}",
             # which variant actually ran: a silent fallback would compare plain with plain
             f"fused_rotary_kv={getattr(backend, 'fuse_rotary_kv', None)} "
             f"folded_layers={sum(bool(getattr(layer, 'folds_gemvs', False)) for layer in model.model.layers)} "
@@ -349,6 +351,9 @@ def engine_greedy() -> dict:
     # n-gram speculation over the decode graphs (verification rows replay in the buckets; no async with it)
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
     spec_graphs, i14 = _greedy_tokens(path, prompts, attention_backend="triton", speculative_config=ngram, **chunked)
+    # a draft model (the target as its own draft: drafts all but always accepted) with CUDA graphs of its own
+    draft = {"method": "draft_model", "model": path, "num_speculative_tokens": 3, "adaptive": False}
+    draft_graphs, i15 = _greedy_tokens(path, prompts, attention_backend="triton", speculative_config=draft, **chunked)
 
     try:  # last and on its own: a failure here must not cost the checks above
         tiers = _tier_round_trip(path, prompts)
@@ -366,9 +371,10 @@ def engine_greedy() -> dict:
             "folded_gemvs_vs_plain": agree(folded, triton_graphs),
             "int4_head_triton_vs_twin": agree(head4_triton, head4_twin),
             "ngram_spec_vs_plain_graphs": agree(spec_graphs, graphs_sync),
+            "draft_model_graphs_vs_plain": agree(draft_graphs, graphs_sync),
             "kv_tiers_vs_plain": agree(tiers["tiers"], tiers["plain"]), "kv_tier_hits": tiers["tier_hits"],
             "kv_tier_stats": tiers["stats"],
-            "backends": [i1, i2, i3, i4, i5, i6, i7, i8, i9, i10, i11, i12, i13, i14]}
+            "backends": [i1, i2, i3, i4, i5, i6, i7, i8, i9, i10, i11, i12, i13, i14, i15]}
 
 
 # ------------------------------------------------------------------ timings on the 8B shape

@@ -34,6 +34,9 @@ SCENARIOS = {
     # the same with async scheduling: the decode inputs are staged in the graphs' buffers and the tokens the step
     # before sampled are filled in there on the device
     "padded-graphs-async": dict(max_num_seqs=5, graphs=True, async_scheduling=True),
+    # draft-model speculation (the target as its own draft) with the draft's steps in padded buffers of their
+    # own, as its CUDA graphs on a GPU; lossless, so the tokens are padded-graphs' torch run's
+    "draft-graphs": dict(max_num_seqs=5, graphs=True, draft_k=3),
     # the fused rotary + KV-write launch raises at the first layer: rotary and write_kv run apart from then
     # on, attention stays on Triton
     "fused-launch-fails": dict(max_num_batched_tokens=20, break_fused=True),
@@ -42,11 +45,19 @@ SCENARIOS = {
     "folded-gemvs": dict(max_num_batched_tokens=20, fold_gemvs=True, cpu_linear_kernel="torch"),
 }
 TORCH_RUN = {"fused-launch-fails": "chunked+prefix", "folded-gemvs": "chunked+prefix",  # shared torch runs
-             "padded-graphs-async": "padded-graphs"}
+             "padded-graphs-async": "padded-graphs", "draft-graphs": "padded-graphs"}
+
+
+def _padded_graphs(llm, model, backend, kv_caches):
+    """worker/cuda_graphs.py's buffers over `model`, run eagerly (a CPU cannot capture)."""
+    from tokenmill.worker.cuda_graphs import DecodeGraphs
+    cfg = llm.llm_engine.config
+    return DecodeGraphs(model, backend, kv_caches, cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, "cpu",
+                        capture=False)
 
 
 def _generate(model_dir: str, backend: str, graphs: bool = False, max_tokens: int = GREEDY.max_tokens,
-              break_fused: bool = False, fold_gemvs: bool = False, **kw) -> dict:
+              break_fused: bool = False, fold_gemvs: bool = False, draft_k: int = 0, **kw) -> dict:
     if fold_gemvs:
         from tokenmill.ops import triton_gemv
         os.environ[triton_gemv.ENABLE_ENV] = "1"
@@ -65,13 +76,16 @@ def _generate(model_dir: str, backend: str, graphs: bool = False, max_tokens: in
             return _generate(model_dir, backend, graphs, max_tokens, **kw)
         finally:
             triton_attention.rotary_write_kv = real
+    if draft_k:
+        kw["speculative_config"] = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": draft_k,
+                                    "adaptive": False}
     llm = make_llm(model_dir, attention_backend=backend, **kw)
     runner = llm.llm_engine.core.runner
+    draft = runner.proposer if draft_k and backend == "triton" else None
+    if draft is not None:
+        draft.decode_step = _padded_graphs(llm, draft.model, draft.backend, draft.kv_caches)
     if graphs and backend == "triton":
-        from tokenmill.worker.cuda_graphs import DecodeGraphs
-        cfg = llm.llm_engine.config
-        runner.decode_step = DecodeGraphs(runner.model, runner.backend, runner.kv_caches, cfg.max_num_seqs,
-                                     cfg.max_model_len, cfg.block_size, "cpu", capture=False)
+        runner.decode_step = _padded_graphs(llm, runner.model, runner.backend, runner.kv_caches)
         runner.decode_step.steps = 0
         run = runner.decode_step.run
 
@@ -90,7 +104,9 @@ def _generate(model_dir: str, backend: str, graphs: bool = False, max_tokens: in
                 failure=getattr(runner_backend, "failure", None), preemptions=stats.num_preemptions,
                 fused=getattr(runner_backend, "fuse_rotary_kv", None),
                 folded=[layer.folds_gemvs for layer in runner.model.model.layers],
-                prefix_hits=stats.prefix_cache_hits)
+                prefix_hits=stats.prefix_cache_hits, drafts=stats.spec_num_draft_tokens,
+                accepted=stats.spec_num_accepted_tokens,
+                draft_graph_steps=draft.decode_step.num_runs if draft is not None else 0)
 
 
 # ------------------------------------------------------------------ the interpreter child
@@ -128,6 +144,11 @@ def test_triton_engine_matches_torch_backend(interpreted, scenario):
     elif scenario == "folded-gemvs":
         assert triton_run["folded"] == [True] * len(triton_run["folded"])
         assert torch_run["folded"] == [False] * len(torch_run["folded"])
+    elif scenario == "draft-graphs":  # the draft's single-token steps ran in its own padded buffers (the target's
+        # verifications, 4 rows a request, mostly exceed the 5-row buckets)
+        assert triton_run["drafts"] > 0 and triton_run["draft_graph_steps"] > 0
+        # tokens are lossless whatever the drafts: the target drafting for itself must be (almost) always right
+        assert triton_run["accepted"] > 0.9 * triton_run["drafts"]
     elif scenario.startswith("padded-graphs"):
         assert triton_run["graph_steps"] >= GREEDY.max_tokens - 1  # the decode steps took the padded path
         assert triton_run["staged_steps"] == triton_run["graph_steps"]  # each staged straight into the buffers

@@ -35,7 +35,7 @@ class DraftModelProposer:
         self.kv_cache = kv_cache  # [draft layers, 2, num_blocks, block_size, draft kv heads, head_dim]
         self.kv_caches = [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
         self.backend = backend
-        self.decode_step = None  # worker/cpu_decode_step.py for the draft's single-token steps (set by the builder)
+        self.decode_step = None  # the draft's captured single-token steps: CUDA graphs, or the CPU's C step (builder)
         self._synced: dict[str, int] = {}  # request -> positions whose draft KV is valid
         # the last proposal's time spent catching up over runs longer than a verified one (new prompts, and
         # tokens skipped at depth 0): costs of admitting and of switching drafts back on, which the draft policy

@@ -59,9 +59,8 @@ def build_runner(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, shar
     if not config.enforce_eager and pipeline is None and not mc.is_multimodal:
         runner.decode_step = captured_decode_step(config, model, runner.backend, runner.kv_caches)
         proposer = runner.proposer
-        if isinstance(proposer, DraftModelProposer) and config.device == "cpu":  # the draft's own steps too
-            proposer.decode_step = CpuDecodeStep.build(proposer.model, proposer.backend, proposer.kv_caches,
-                                                       config.block_size)
+        if isinstance(proposer, DraftModelProposer):  # the draft's own steps too (CUDA graphs or the C step)
+            proposer.decode_step = captured_decode_step(config, proposer.model, proposer.backend, proposer.kv_caches)
     if mc.is_multimodal:
         runner.encoder = EncoderRunner(model, config.device, dtype, config.mm_encoder_overlap)
     if config.device == "cpu":

@@ -24,6 +24,9 @@ the worst case; the kernel reads the real lengths from seq_lens). Only backends 
 is True (no host loops over the batch: the buffers' host lists are placeholders) are captured; the
 torch backend is not.
 
+A draft model (speculative decoding) gets graphs of its own, over its model and KV cache: its single-token
+draft steps replay them as the target's decode steps do.
+
 `capture=False` runs the same padded buffers eagerly: the CPU tests use it to check the padding rules.
 """
 from __future__ import annotations
@@ -64,6 +67,7 @@ class DecodeGraphs:
         self.filled = 0  # rows [0, filled) may hold an earlier step's real rows; the rest are padding
         self._staged: tuple = (None, None)  # (rows, width) of the last staged step, and its views of the buffers
         self.num_staged_steps = 0  # replays whose rows were staged in place (tests)
+        self.num_runs = 0  # steps run through the buckets (tests, gpu_check)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.use_graphs = capture  # False: the padded buffers run eagerly (CPU tests)
@@ -120,6 +124,11 @@ class DecodeGraphs:
         return (self.enabled and batch.num_decodes == batch.num_seqs == num_tokens and num_tokens <= self.max_rows
                 and batch.block_tables.shape[1] <= self.max_blocks)
 
+    def can_draft(self, batch: AttentionBatch, num_tokens: int, num_seqs: int) -> bool:
+        """A draft model's whole proposal in one call is the CPU step's (`CpuDecodeStep.greedy`); over graphs
+        the proposer replays one draft step at a time (`run`)."""
+        return False
+
     def can_stage(self, rows: int, width: int) -> bool:
         """Whether a decode step of `rows` rows and `width` block-table columns runs in a bucket (can_run)."""
         return self.enabled and rows <= self.max_rows and width <= self.max_blocks
@@ -148,6 +157,7 @@ class DecodeGraphs:
         hidden rows [n, H]. Called inside ModelRunner.execute's inference mode (entering it again costs ~5 us)."""
         n = input_ids.shape[0]
         size = next(s for s in self.sizes if s >= n)
+        self.num_runs += 1
         if input_ids.data_ptr() == self.input_ids.data_ptr():  # staged in place
             self.num_staged_steps += 1
         else:
