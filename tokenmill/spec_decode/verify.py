@@ -14,7 +14,9 @@ d_1..d_j were accepted, which is exactly the history plain decoding would have h
 For a deterministic proposer (n-gram, or a draft model proposing its argmax), q is one-hot and the rule
 becomes: draw x ~ p_j with the request's generator; accept the draft iff x == d_{j+1}, else emit x
 (x given x != d is exactly norm(max(0, p_j - q_j))). Each emitted token costs one draw, in order, as in
-plain decoding, so a seeded request gives the *same* tokens with or without speculation, whatever k.
+plain decoding, so a seeded request gives the *same* tokens with or without speculation, whatever k. The draws
+are made ahead for every row and read back once per step (no device read per token on a GPU); a seeded
+request's generator is then put back to its state after the last emitted token's draw.
 """
 from __future__ import annotations
 
@@ -51,8 +53,9 @@ def verify(sampler: Sampler, logits: torch.Tensor, checks: list[DraftCheck]
     if rand:
         p = sampler.probs(adjusted[rand], [rows[i] for i in rand])
         probs = {i: p[j] for j, i in enumerate(rand)}
+    draws = _draw_ahead(sampler, checks, probs)
     emitted, emitted_rows, start = [], [], 0
-    for c in checks:
+    for i, c in enumerate(checks):
         n = len(c.drafts) + 1
         gen = c.row.generator or sampler.generator
         if c.draft_probs is not None and not c.row.params.greedy:
@@ -60,12 +63,10 @@ def verify(sampler: Sampler, logits: torch.Tensor, checks: list[DraftCheck]
         elif c.row.params.greedy:
             out = accept_greedy(greedy_tokens[start:start + n], c.drafts)
         else:
-            out = []
-            for j in range(n):
-                x = _draw(probs[start + j], gen)
-                out.append(x)
-                if j == n - 1 or x != c.drafts[j]:
-                    break
+            xs, states = draws[i]
+            out = accept_greedy(xs, c.drafts)  # x_j accepts draft j + 1 while equal: the one-hot q rule
+            if states is not None and len(out) < n:
+                gen.set_state(states[len(out)])  # as if only the emitted tokens had been drawn
         emitted.append(out)
         emitted_rows.append(list(range(start, start + len(out))))
         start += n
@@ -90,6 +91,34 @@ def accept_greedy(row_tokens: list[int], drafts: list[int]) -> list[int]:
         if d != out[j]:
             break
         out.append(row_tokens[j + 1])
+    return out
+
+
+def _draw_ahead(sampler: Sampler, checks: list[DraftCheck], probs: dict) -> dict:
+    """Per one-hot sampled check: every row's draw x_j, made ahead (one device read for the whole step instead of
+    one per emitted token), and for a request's own generator its state before each draw, so that the caller
+    can put it back after the last emitted token: a seeded request consumes one draw per emitted token, as
+    plain decoding does. The shared generator (unseeded rows) promises no such thing and is left as is."""
+    pending, start = {}, 0
+    for i, c in enumerate(checks):
+        n = len(c.drafts) + 1
+        if c.draft_probs is None and not c.row.params.greedy:
+            gen = c.row.generator or sampler.generator
+            states = [] if c.row.generator is not None else None
+            xs = []
+            for j in range(n):
+                if states is not None:
+                    states.append(gen.get_state())
+                xs.append(exponential_sample(probs[start + j].unsqueeze(0), [gen], gen))
+            pending[i] = (xs, states)
+        start += n
+    if not pending:
+        return {}
+    flat = torch.cat([x for xs, _ in pending.values() for x in xs]).tolist()
+    out, pos = {}, 0
+    for i, (xs, states) in pending.items():
+        out[i] = (flat[pos:pos + len(xs)], states)
+        pos += len(xs)
     return out
 
 
