@@ -233,9 +233,14 @@ def test_stop_strings_and_max_tokens_inside_an_accepted_run(llama_dir, stop_cuts
 
 
 # -- the engine: sampling ---------------------------------------------------------------------------------------
-def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(llama_dir):
+@pytest.mark.parametrize("draw_ahead", [False, True])
+def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(llama_dir, monkeypatch, draw_ahead):
     """With a deterministic proposer each emitted token costs one draw, in order (spec_decode/verify.py),
-    so a seed reproduces plain decoding exactly, penalties and filters included."""
+    so a seed reproduces plain decoding exactly, penalties and filters included. `draw_ahead`: the GPU's way,
+    every row drawn before one read back, the seeded generators then rewound to the last emitted draw."""
+    if draw_ahead:
+        from tokenmill.spec_decode import verify
+        monkeypatch.setattr(verify, "DRAW_AHEAD_DEVICES", {"cpu", "cuda"})
     prompts = _repetitive(4, seed=7)
     sps = [SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, ignore_eos=True),
            SamplingParams(temperature=1.2, top_k=5, min_p=0.05, repetition_penalty=1.1, seed=3, max_tokens=40,

@@ -14,8 +14,8 @@ d_1..d_j were accepted, which is exactly the history plain decoding would have h
 For a deterministic proposer (n-gram, or a draft model proposing its argmax), q is one-hot and the rule
 becomes: draw x ~ p_j with the request's generator; accept the draft iff x == d_{j+1}, else emit x
 (x given x != d is exactly norm(max(0, p_j - q_j))). Each emitted token costs one draw, in order, as in
-plain decoding, so a seeded request gives the *same* tokens with or without speculation, whatever k. The draws
-are made ahead for every row and read back once per step (no device read per token on a GPU); a seeded
+plain decoding, so a seeded request gives the *same* tokens with or without speculation, whatever k. On a GPU
+the draws are made ahead for every row and read back once per step (not one device read per token); a seeded
 request's generator is then put back to its state after the last emitted token's draw.
 """
 from __future__ import annotations
@@ -25,6 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.sample.sampler import SampleRow, Sampler, TokenLogprobs, argmax_rows, exponential_sample
+
+
+DRAW_AHEAD_DEVICES = {"cuda"}  # where reading a draw back means waiting for the device (the tests add "cpu")
 
 
 @dataclass
@@ -62,11 +65,18 @@ def verify(sampler: Sampler, logits: torch.Tensor, checks: list[DraftCheck]
             out = _verify_against_q(c, [probs[start + j] for j in range(n)], gen)
         elif c.row.params.greedy:
             out = accept_greedy(greedy_tokens[start:start + n], c.drafts)
-        else:
+        elif i in draws:
             xs, states = draws[i]
             out = accept_greedy(xs, c.drafts)  # x_j accepts draft j + 1 while equal: the one-hot q rule
             if states is not None and len(out) < n:
                 gen.set_state(states[len(out)])  # as if only the emitted tokens had been drawn
+        else:  # on a CPU a read costs nothing: draw only what is emitted
+            out = []
+            for j in range(n):
+                x = _draw(probs[start + j], gen)
+                out.append(x)
+                if j == n - 1 or x != c.drafts[j]:
+                    break
         emitted.append(out)
         emitted_rows.append(list(range(start, start + len(out))))
         start += n
@@ -98,7 +108,10 @@ def _draw_ahead(sampler: Sampler, checks: list[DraftCheck], probs: dict) -> dict
     """Per one-hot sampled check: every row's draw x_j, made ahead (one device read for the whole step instead of
     one per emitted token), and for a request's own generator its state before each draw, so that the caller
     can put it back after the last emitted token: a seeded request consumes one draw per emitted token, as
-    plain decoding does. The shared generator (unseeded rows) promises no such thing and is left as is."""
+    plain decoding does. The shared generator (unseeded rows) promises no such thing and is left as is.
+    GPU only: on a CPU the draws past a rejection would cost more than the reads they save."""
+    if not probs or next(iter(probs.values())).device.type not in DRAW_AHEAD_DEVICES:
+        return {}
     pending, start = {}, 0
     for i, c in enumerate(checks):
         n = len(c.drafts) + 1
