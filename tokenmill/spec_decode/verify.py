@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.sample.sampler import SampleRow, Sampler, TokenLogprobs, argmax_rows, exponential_sample
+from tokenmill.sample.sampler import (SampleRow, Sampler, TokenLogprobs, argmax_rows, device_tensor,
+                                     exponential_sample)
 
 
 DRAW_AHEAD_DEVICES = {"cuda"}  # where reading a draw back means waiting for the device (the tests add "cpu")
@@ -54,7 +55,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, checks: list[DraftCheck]
     rand = [i for i, r in enumerate(rows) if not r.params.greedy]
     probs = {}
     if rand:
-        p = sampler.probs(adjusted[rand], [rows[i] for i in rand])
+        p = sampler.probs(adjusted.index_select(0, device_tensor(rand, torch.int64, adjusted.device)),
+                          [rows[i] for i in rand])
         probs = {i: p[j] for j, i in enumerate(rand)}
     draws = _draw_ahead(sampler, checks, probs)
     emitted, emitted_rows, start = [], [], 0
@@ -84,8 +86,9 @@ def verify(sampler: Sampler, logits: torch.Tensor, checks: list[DraftCheck]
     want = [i for i, c in enumerate(checks) if c.row.params.logprobs is not None]
     if want:
         idx = [r for i in want for r in emitted_rows[i]]
-        toks = torch.tensor([t for i in want for t in emitted[i]], device=logits.device)
-        lps = sampler.logprobs(logits[idx], toks, [rows[r] for r in idx])
+        toks = device_tensor([t for i in want for t in emitted[i]], torch.int64, logits.device)
+        lps = sampler.logprobs(logits.index_select(0, device_tensor(idx, torch.int64, logits.device)), toks,
+                               [rows[r] for r in idx])
         pos = 0
         for i in want:
             logprobs[i] = lps[pos:pos + len(emitted[i])]
