@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+import tokenmill
 from tokenmill.entrypoints.server_process import free_port, stop, wait_until_up
 
 CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + "
@@ -119,7 +120,10 @@ def hook_env(hook_dir: Path, sitecustomize: str) -> dict:
     """Environment for a server whose processes (API and engine core) all run `sitecustomize` at startup:
     fault and spy hooks from outside the package."""
     (hook_dir / "sitecustomize.py").write_text(sitecustomize)
-    return {"PYTHONPATH": os.pathsep.join(p for p in (str(hook_dir), os.environ.get("PYTHONPATH")) if p)}
+    # sitecustomize runs before `python -m` puts the working directory on the path: without this checkout first,
+    # its imports would load an installed tokenmill (another clone's), or none, and the hook would silently fail
+    checkout = str(Path(tokenmill.__file__).parents[1])
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(hook_dir), checkout, os.environ.get("PYTHONPATH")) if p)}
 
 
 def core_pid(server) -> int:

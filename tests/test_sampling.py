@@ -101,10 +101,12 @@ def _penalized_row_by_row(logits: torch.Tensor, rows: list[SampleRow]) -> torch.
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_penalties_for_a_mixed_batch_match_row_by_row(dtype):
+@pytest.mark.parametrize("dtype,chunk", [(torch.float32, 32), (torch.bfloat16, 32), (torch.float32, 3)])
+def test_penalties_for_a_mixed_batch_match_row_by_row(dtype, chunk, monkeypatch):
     """Rows with and without penalties, each kind alone and together, empty outputs, repeats and prompts of
-    different lengths: the one batched pass equals each row done on its own."""
+    different lengths: the batched pass (in chunks of `chunk` penalized rows) equals each row done on its own."""
+    from tokenmill.sample import sampler
+    monkeypatch.setattr(sampler, "PENALTY_ROWS", chunk)
     g = torch.Generator().manual_seed(0)
     vocab = 50
     ids = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731

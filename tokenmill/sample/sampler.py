@@ -8,6 +8,7 @@ token ids (plus logprobs for the requests that ask), once per step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -33,43 +34,54 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
-def padded_ids(lists: list[list[int]], pad: int) -> torch.Tensor:
-    """Ragged token lists as one [rows, longest] host tensor, `pad` after each list's end."""
-    width = max(map(len, lists), default=0)
-    return torch.tensor([ids + [pad] * (width - len(ids)) for ids in lists], dtype=torch.int64).view(len(lists), width)
+PENALTY_ROWS = 32  # rows penalized at once: bounds the [rows, vocab] temporaries (~15 bytes a logit)
+
+
+def flat_token_positions(lists: list[list[int]], vocab: int) -> torch.Tensor:
+    """Ragged token lists as positions row * vocab + id in a flattened [rows, vocab] table (host, int64):
+
+        rows [[5, 9, 5], [7]]  -->  [5, 9, 5, vocab + 7]
+
+    Ids past the logits (none today: prompts are checked, outputs sampled) are left out: they can never be
+    sampled."""
+    ids = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(lists)), torch.tensor([len(x) for x in lists]))
+    flat = rows * vocab + ids
+    return flat if not len(ids) or int(ids.max()) < vocab else flat[ids < vocab]
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     """In place. Repetition penalty covers prompt and output (as HF and vLLM); presence and
     frequency penalties cover the output only (as OpenAI).
 
-    All penalized rows at once, with no device reads: token ids go over as padded [rows, longest] tensors
-    whose pad id is `vocab`, so scatters drop pads into a spare column.
-
-        output ids   [[5, 9, 5, V],        counts  [rows, V + 1]  (column V: the pads, cut off)
-                      [7, V, V, V]]   -->          row 0: id 5 -> 2, id 9 -> 1
-    """
+    The penalized rows go PENALTY_ROWS at a time, with no device reads: their token ids go over as flat
+    positions (flat_token_positions), scattered into per-row counts and a seen mask on the device."""
     idx = [i for i, r in enumerate(rows) if r.params.needs_penalties]
-    if not idx:
-        return
-    vocab, dev = logits.shape[-1], logits.device
-    sub = [rows[i] for i in idx]
+    for c in range(0, len(idx), PENALTY_ROWS):
+        _penalize(logits, idx[c:c + PENALTY_ROWS], [rows[i] for i in idx[c:c + PENALTY_ROWS]])
+
+
+def _penalize(logits: torch.Tensor, idx: list[int], sub: list[SampleRow]) -> None:
+    n, vocab, dev = len(sub), logits.shape[-1], logits.device
     floats = device_tensor([[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty]
                             for r in sub], torch.float32, dev)
-    rep, freq, pres = floats.unsqueeze(2).unbind(1)
-    out = to_device(padded_ids([r.output_token_ids for r in sub], vocab), dev)
-    counts = torch.zeros(len(sub), vocab + 1, dtype=torch.float32, device=dev)
-    counts.scatter_add_(1, out, torch.ones(out.shape, dtype=torch.float32, device=dev))
-    counts = counts[:, :vocab]
+    rep, freq, pres = floats.unsqueeze(2).unbind(1)  # [n, 1] each
+    out = to_device(flat_token_positions([r.output_token_ids for r in sub], vocab), dev)
+    counts = torch.zeros(n * vocab, dtype=torch.float32, device=dev)
+    counts = counts.scatter_add_(0, out, torch.ones(out.shape, dtype=torch.float32, device=dev)).view(n, vocab)
     rows_at = device_tensor(idx, torch.int64, dev)
-    picked = logits.index_select(0, rows_at).float()
+    picked = logits.index_select(0, rows_at).float()  # a copy: the arithmetic below is in place
     if any(r.params.repetition_penalty != 1.0 for r in sub):
-        seen = torch.zeros(len(sub), vocab + 1, dtype=torch.bool, device=dev)
-        prompts = to_device(padded_ids([r.prompt_token_ids for r in sub], vocab), dev)
-        seen.scatter_(1, prompts.clamp_(max=vocab), True)  # ids past the logits (none today) can't be sampled
-        seen = seen[:, :vocab] | (counts > 0)
-        picked = torch.where(seen, torch.where(picked > 0, picked / rep, picked * rep), picked)
-    picked -= freq * counts + pres * (counts > 0).float()
+        prompts = to_device(flat_token_positions([r.prompt_token_ids for r in sub], vocab), dev)
+        seen = torch.zeros(n * vocab, dtype=torch.bool, device=dev).index_fill_(0, prompts, True).view(n, vocab)
+        seen |= counts > 0
+        positive = picked > 0
+        # x / rep where seen and positive, x * rep where seen otherwise (x / 1 and x * 1 are exact)
+        picked.div_(torch.where(seen & positive, rep, 1.0))
+        picked.mul_(torch.where(seen & ~positive, rep, 1.0))
+    if any(r.params.frequency_penalty or r.params.presence_penalty for r in sub):
+        present = counts > 0
+        picked.sub_(counts.mul_(freq).add_(present * pres))
     logits.index_copy_(0, rows_at, picked.to(logits.dtype))
 
 
@@ -86,7 +98,7 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
             at_ids += banned
     if at_rows:
         at = device_tensor([at_rows, at_ids], torch.int64, logits.device)
-        logits.index_put_((at[0], at[1]), torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+        logits.index_put_((at[0], at[1]), logits.new_full((), float("-inf")))  # made on the device: no copy
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,

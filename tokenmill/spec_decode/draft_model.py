@@ -86,7 +86,9 @@ class DraftModelProposer:
         are decode rows that the captured step takes; None otherwise. Same forwards and argmaxes as
         `_draft_step_by_step`, without Python between the draft steps."""
         step = self.decode_step
-        if step is None or any(s.num_new_tokens > 1 and not s.draft_token_ids for s in catch_up):
+        if not getattr(step, "runs_greedy_steps", False):  # only the CPU's C step has `greedy` (not CUDA graphs)
+            return None
+        if any(s.num_new_tokens > 1 and not s.draft_token_ids for s in catch_up):
             return None  # a long catch-up (a prompt) runs as a chunk, op by op
         input_ids, positions, batch, starts = runner.prepare_batch(catch_up)
         if not step.can_draft(batch, len(input_ids), len(catch_up)):

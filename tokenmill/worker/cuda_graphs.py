@@ -124,11 +124,6 @@ class DecodeGraphs:
         return (self.enabled and batch.num_decodes == batch.num_seqs == num_tokens and num_tokens <= self.max_rows
                 and batch.block_tables.shape[1] <= self.max_blocks)
 
-    def can_draft(self, batch: AttentionBatch, num_tokens: int, num_seqs: int) -> bool:
-        """A draft model's whole proposal in one call is the CPU step's (`CpuDecodeStep.greedy`); over graphs
-        the proposer replays one draft step at a time (`run`)."""
-        return False
-
     def can_stage(self, rows: int, width: int) -> bool:
         """Whether a decode step of `rows` rows and `width` block-table columns runs in a bucket (can_run)."""
         return self.enabled and rows <= self.max_rows and width <= self.max_blocks
