@@ -665,6 +665,30 @@ def _profile_kernels(fn, reps: int) -> dict:
             "top": sorted(top, reverse=True)[:10]}
 
 
+def _sync_points(engine, sp, steps: int = 20) -> dict:
+    """Decode steps of one request under torch.cuda.set_sync_debug_mode("warn"): the synchronizing calls per
+    step and the lines that made them (async scheduling's one wait per step is an event, which it does not
+    count)."""
+    import collections
+    import warnings
+    engine.add_request("sync", {"prompt_token_ids": list(range(10, 138))}, sp)
+    for _ in range(5):  # the prefill and the first decodes
+        engine.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    engine.abort_request(["sync"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    where = collections.Counter(f"{os.path.basename(w.filename)}:{w.lineno}" for w in caught)
+    return {"per_step": round(len(caught) / steps, 2), "where": where.most_common(8)}
+
+
 @section("decode_profile")
 def decode_profile(copy_gb_s: float) -> dict:
     """Where a batch-1 decode step goes on the 8B shape (issue 15's 85 % of roofline): the graph replay at
@@ -744,6 +768,16 @@ def decode_profile(copy_gb_s: float) -> dict:
     engine.abort_request(["prof"])
     while engine.has_unfinished_requests():
         engine.step()
+    # where a decode step still makes the host wait for the GPU (torch's sync debug mode): plain greedy, then a
+    # seeded sample with penalties and min_tokens (the sampler's batched paths)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=1, repetition_penalty=1.1, presence_penalty=0.2,
+                             frequency_penalty=0.1, min_tokens=50, max_tokens=200, ignore_eos=True)
+    for name, sp in (("greedy", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)),
+                     ("sampled_penalties", sampled)):
+        try:
+            res[f"sync_points_{name}"] = _sync_points(engine, sp)
+        except Exception as e:
+            res[f"sync_points_{name}"] = f"{type(e).__name__}: {e}"[:300]
     keep()
     if res["fused_rotary_kv"]:  # the same graphs with rotary and write_kv as two launches
         backend.fuse_rotary_kv = False
