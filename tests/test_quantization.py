@@ -189,6 +189,21 @@ def test_w8a8_kernel_matches_its_twin_and_stays_close_to_float(model_dirs, head)
     assert (ours - expected).abs().max() > 0  # and really quantized
 
 
+@pytest.mark.parametrize("m,k,n", [(3, 37, 11), (5, 8191, 3)])
+def test_int_matmul_without_int32_is_exact(monkeypatch, m, k, n):
+    """The GPU's path for shapes cuBLAS's int8 GEMM refuses (K or N not a multiple of 8): float64 products, equal
+    to the int32 matmul to the last unit, with sums of odd products past float32's 2^24 (127 x -127, K times)."""
+    g = torch.Generator().manual_seed(0)
+    xq = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    xq[0], q[0] = 127, -127
+    want = int8_module.int_matmul(xq, q, use_int_mm=False)
+    monkeypatch.setattr(int8_module, "NO_INT32_MATMUL", {"cpu", "cuda"})
+    got = int8_module.int_matmul(xq, q, use_int_mm=False)
+    assert got.dtype == torch.float32 and want.dtype == torch.int32
+    assert torch.equal(got, want.float()) and got[0, 0] == -127 * 127 * k
+
+
 def set_quant_config(path: str, **changes) -> None:
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)

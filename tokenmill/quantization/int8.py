@@ -190,13 +190,16 @@ class Int8LinearMethod(LinearMethod):
         return self.codes(layer).float() * layer.wscale[:, None]
 
 
+NO_INT32_MATMUL = {"cuda"}  # devices without an int32 matmul (the tests add "cpu" to reach the float64 path)
+
+
 def int_matmul(xq: torch.Tensor, q: torch.Tensor, use_int_mm: bool) -> torch.Tensor:
     """int8 [M, K] @ int8 [N, K].T, exact, as int32 [M, N] (float32 on a GPU without torch._int_mm)."""
     if use_int_mm and xq.is_cuda and xq.shape[0] <= 16:  # cuBLAS's int8 GEMM takes more than 16 rows
         return torch._int_mm(F.pad(xq, (0, 0, 0, 17 + (-17 % 8) - xq.shape[0])), q.t())[:xq.shape[0]]
     if use_int_mm:
         return torch._int_mm(xq, q.t())
-    if xq.is_cuda:  # no int32 matmul on a GPU (shapes cuBLAS's int8 GEMM refuses: K or N not a multiple of 8);
+    if xq.device.type in NO_INT32_MATMUL:  # shapes cuBLAS's int8 GEMM refuses (K or N not a multiple of 8):
         # float64 holds every sum of K int8 products exactly (K x 127 x 128 < 2^53)
         return (xq.double() @ q.double().t()).float()
     return xq.to(torch.int32) @ q.to(torch.int32).t()
