@@ -26,6 +26,29 @@ def test_incremental_equals_full_decode(tok, text):
     assert d.output_text == text == tok.decode(ids)
 
 
+class _SlowTokenizer:
+    """Only `decode`, as a tokenizer without a Rust backend (no `_tokenizer`): the detokenizer's slow path."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("stop", [None, ["not to"]])
+def test_slow_tokenizers_decode_incrementally_too(tok, stop):
+    """Decoding the whole tail each token and taking what is new: the text so far must be read before it
+    grows (the in-place append detaches it while appending)."""
+    text = "To be, or not to be — “quotes” 你好"
+    ids = tok.encode(text)
+    d = IncrementalDetokenizer(_SlowTokenizer(tok), tok.encode("Héllo "), stop=stop)
+    for t in ids:
+        if d.update([t]) is not None:
+            break
+    assert d.output_text == (text if stop is None else "To be, or ")
+
+
 def test_split_multibyte_characters_are_held_back(tok):
     text = "龍🐉"  # not in the tokenizer's corpus: each character is several byte-level tokens
     ids = tok.encode(text)

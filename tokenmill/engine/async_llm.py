@@ -12,6 +12,7 @@ from typing import AsyncIterator, Callable, Protocol
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.core import EngineStats
 from tokenmill.engine.core_client import CoreClient, EngineDeadError
+from tokenmill.engine.detokenizer import append_text
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.messages import (INTERNAL_ERROR_PREFIX, AbortRequests, AddRequest, CoreDead, CoreOutputs,
                                        EngineCoreRequest, FinishRequests, UtilityCall, UtilityResult)
@@ -113,15 +114,15 @@ def _needs_tokenizer(prompt) -> bool:
 
 
 def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """Fold delta `b` into pending `a`. Lists grow in place (each delta owns fresh slices), so a request
-    read only at its end (final_only) costs O(tokens), not O(tokens^2)."""
+    """Fold delta `b` into pending `a`. Lists and the text grow in place (each delta owns fresh slices), so a
+    request read only at its end (final_only) costs O(tokens), not O(tokens^2)."""
     pending = {c.index: c for c in a.outputs}
     for cb in b.outputs:  # by index: n > 1 followers start a step after their leader, so deltas differ in choices
         ca = pending.get(cb.index)
         if ca is None:
             a.outputs.append(cb)
             continue
-        ca.text += cb.text
+        append_text(ca, "text", cb.text)  # in place: a long non-streaming output merges a delta per step
         ca.token_ids.extend(cb.token_ids)
         if ca.logprobs is not None and cb.logprobs is not None:
             ca.logprobs.extend(cb.logprobs)

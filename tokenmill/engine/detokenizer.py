@@ -10,6 +10,16 @@ from tokenizers.decoders import DecodeStream
 _PRIME_TOKENS = 6
 
 
+def append_text(obj, name: str, piece: str) -> None:
+    """obj.<name> += piece, growing the string in place: while it grows, `text` holds its only reference, which
+    lets CPython extend it. A plain `obj.name += piece` copies the whole text each time (the attribute keeps a
+    second reference): per token, that made detokenizing a 40K-token output cost 3.6x at its end."""
+    text = getattr(obj, name)
+    setattr(obj, name, "")
+    text += piece
+    setattr(obj, name, text)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
                  stop: list[str] | None = None, include_stop_str_in_output: bool = False):
@@ -42,11 +52,7 @@ class IncrementalDetokenizer:
         self.num_used = 0
         for t in new_token_ids:
             before = len(self.output_text)
-            # the text's only reference in `text` while it grows: CPython then extends the string in place
-            # (`self.output_text += ...` copies all of it per token, 3.4 us a token at 40K tokens against 1.2)
-            text, self.output_text = self.output_text, ""
-            text += self._decode_next(t)
-            self.output_text = text
+            append_text(self, "output_text", self._decode_next(t))
             self.num_used += 1
             if self.stop:
                 hit = self._find_stop(before)
