@@ -174,19 +174,32 @@ def test_greedy_identical_with_hits_from_each_tier(llama_dir, tmp_path, plain_ou
     _check_idle(llm)
 
 
-def test_the_gpu_store_path_gathers_blocks_to_the_host(llama_dir, tmp_path, plain_outputs):
-    """On a GPU the evicted blocks are gathered and copied to the host together (KVTransferWorker._host_blocks):
-    that path, forced on a CPU engine, gives each block its own contiguous copy, the same tokens and tier hits."""
-    llm = make_llm(llama_dir, **POOL, kv_host_cache_gb=0.05, kv_disk_cache_dir=str(tmp_path))
-    xfer = llm.llm_engine.core.kv_transfer
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_gpu_store_path_gathers_blocks_to_the_host(llama_dir, tmp_path, plain_outputs, async_scheduling):
+    """On a GPU stored blocks are gathered together and land in the tiers at a later poll, once their copy to
+    the host is done (KVTransferWorker.store / land): that path, forced on a CPU engine, with and without async
+    scheduling, gives each block its own contiguous copy, the same tokens and tier hits."""
+    llm = make_llm(llama_dir, **POOL, kv_host_cache_gb=0.05, kv_disk_cache_dir=str(tmp_path),
+                   async_scheduling=async_scheduling)
+    core = llm.llm_engine.core
+    xfer = core.kv_transfer
     assert not xfer.gather_to_host  # a CPU cache: the tiers could take views' clones directly
     xfer.gather_to_host = True
     blocks = xfer._host_blocks([3, 1])
     for b, i in zip(blocks, (3, 1)):
         assert b.is_contiguous() and torch.equal(b, xfer.block(i)) and b.untyped_storage().nbytes() == b.nbytes
+    landed, land = [], xfer.land
+
+    def spy(wait=False):
+        landed.append((len(xfer._landing), wait))
+        land(wait)
+    xfer.land = spy
     assert _run(llm, _workload()) == plain_outputs
+    assert any(n and not wait for n, wait in landed)  # stores waited for a step's poll to land
     stats = _tier_stats(llm)
     assert stats["host"]["hit_tokens"] >= 2 * 144 and stats["disk"]["bytes_stored"] > 0, stats
+    if async_scheduling:
+        assert core.scheduler.num_run_ahead > 0  # the steps overlapped
     _check_idle(llm)
 
 

@@ -11,12 +11,14 @@ A load writes only blocks that its request holds, and the scheduler frees them o
 result, so nothing else reads or writes them meanwhile. A load past its deadline, or cancelled, is
 finished by the main thread under the load's lock; the load thread checks that flag under the same lock
 before each block it writes, so a late read can never land in a block that has been given back.
-On CPU, the copies are memcpys. On a GPU a step's evicted blocks are gathered and copied to the host in
-chunks (pageable memory, waiting for the stream), and loads copy host blocks into the cache on the default
-stream, ahead of any step that reads them.
+On CPU, the copies are memcpys. On a GPU a step's stored blocks are gathered on the stream in chunks and
+copied to pinned host memory without waiting; they land in the tiers at a later poll, once the copy is done
+(async scheduling keeps its overlap). Loads copy host blocks into the cache on the default stream, ahead of
+any step that reads them.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.device_copy import to_pinned_host
 from tokenmill.kv.tiers.chain import TierChain
 from tokenmill.sched.output import BlockStore, KVLoad, KVLoadResult
 
@@ -59,6 +62,7 @@ class KVTransferWorker:
         self._load_q: queue.Queue = queue.Queue()
         self._loads: dict[str, _Load] = {}
         self._landed = threading.Event()
+        self._landing: collections.deque = collections.deque()  # (stores, host blocks, copy event) on a GPU
         self._threads = [threading.Thread(target=self._store_loop, name="kv-store", daemon=True),
                          threading.Thread(target=self._load_loop, name="kv-load", daemon=True)]
         for t in self._threads:
@@ -69,22 +73,48 @@ class KVTransferWorker:
 
     # -- stores -----------------------------------------------------------------------------------------
     def _host_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
-        """Each block as its own contiguous host tensor [layers, 2, block_size, heads, head_dim]. On a GPU: one
-        gather and one copy to the host for them all (it waits for the stream: with tiers the engine schedules
-        without overlap, so the step before is done by now), then a host copy each, so that a tier that keeps
-        one block keeps no other's memory alive."""
+        """Each block as its own contiguous host tensor [layers, 2, block_size, heads, head_dim], now (a GPU's
+        wait for the stream: shutdown only; steps store through `store`)."""
         if not self.gather_to_host:
             return [self.block(b).clone() for b in block_ids]
         out = []
         for i in range(0, len(block_ids), _GATHER_BLOCKS):  # bounds the gather's device memory
-            together = torch.stack([self.block(b) for b in block_ids[i:i + _GATHER_BLOCKS]]).cpu()
-            out += [b.clone() for b in together]
+            out += [b.clone() for b in torch.stack([self.block(b) for b in block_ids[i:i + _GATHER_BLOCKS]]).cpu()]
         return out
 
     def store(self, stores: list[BlockStore]) -> None:
+        """Copy blocks out to the tiers. On a GPU without waiting: the blocks are gathered on the stream (before
+        any later kernel can overwrite them) and copied to pinned host memory; they land in the tiers once that
+        copy is done, checked at the next `poll` (so async scheduling keeps its overlap)."""
         if not stores:
             return
-        for s, data in zip(stores, self._host_blocks([s.block_id for s in stores])):
+        if not self.gather_to_host:
+            self._put_stored(stores, [self.block(s.block_id).clone() for s in stores])
+            return
+        for i in range(0, len(stores), _GATHER_BLOCKS):  # bounds the gather's device memory
+            chunk = stores[i:i + _GATHER_BLOCKS]
+            together = torch.stack([self.block(s.block_id) for s in chunk])
+            copied = None
+            if together.is_cuda:  # (the tests take this path on a CPU, where the gather is the copy)
+                together = to_pinned_host(together)
+                copied = torch.cuda.Event()
+                copied.record()
+            self._landing.append((chunk, together, copied))
+
+    def land(self, wait: bool = False) -> None:
+        """Stores whose copy to the host is done go into the tiers (oldest first; `wait`: all of them)."""
+        while self._landing:
+            chunk, together, copied = self._landing[0]
+            if copied is not None and not wait and not copied.query():
+                return
+            if copied is not None:
+                copied.synchronize()
+            self._landing.popleft()
+            # a host copy each, so that a tier that keeps one block keeps no other's memory alive
+            self._put_stored(chunk, [b.clone() for b in together])
+
+    def _put_stored(self, stores: list[BlockStore], blocks: list[torch.Tensor]) -> None:
+        for s, data in zip(stores, blocks):
             if self.chain.host is not None:
                 self.chain.host.put(s.block_hash, data)
             if self.lower:
@@ -97,6 +127,7 @@ class KVTransferWorker:
         """Write blocks to the lower tiers now, on this thread (shutdown), after the queued stores; stops
         when `timeout_s` is spent. Returns how many it wrote."""
         end, n = time.monotonic() + timeout_s, 0
+        self.land(wait=True)
         self.flush(timeout_s)
         for s in stores:
             if time.monotonic() >= end:
@@ -124,7 +155,8 @@ class KVTransferWorker:
                 self._store_q.task_done()
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait until queued stores have reached the lower tiers; False if `timeout_s` ran out first."""
+        """Wait until stores have reached the tiers; False if `timeout_s` ran out first."""
+        self.land(wait=True)
         end = time.monotonic() + timeout_s
         while self._store_q.unfinished_tasks:
             if time.monotonic() >= end:
@@ -152,7 +184,9 @@ class KVTransferWorker:
         return len(self._loads)
 
     def poll(self) -> list[KVLoadResult]:
-        """Loads that landed, were cancelled or ran past their deadline; each is reported once."""
+        """Loads that landed, were cancelled or ran past their deadline; each is reported once. Also puts
+        stores whose copy to the host is done into the tiers."""
+        self.land()
         now, out = time.monotonic(), []
         for rid, job in list(self._loads.items()):
             with job.lock:
