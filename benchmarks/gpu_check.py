@@ -671,20 +671,24 @@ def _sync_points(engine, sp, steps: int = 20) -> dict:
     count)."""
     import collections
     import warnings
-    engine.add_request("sync", {"prompt_token_ids": list(range(10, 138))}, sp)
-    for _ in range(5):  # the prefill and the first decodes
-        engine.step()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            for _ in range(steps):
-                engine.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    engine.abort_request(["sync"])
-    while engine.has_unfinished_requests():
-        engine.step()
+    rid = f"sync-{time.monotonic_ns()}"
+    engine.add_request(rid, {"prompt_token_ids": list(range(10, 138))}, sp)
+    try:
+        for _ in range(5):  # the prefill and the first decodes
+            engine.step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(steps):
+                    engine.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        engine.abort_request([rid])
+        while engine.has_unfinished_requests():
+            engine.step()
+    caught = [w for w in caught if "synchroniz" in str(w.message)]  # torch: "called a synchronizing CUDA op"
     where = collections.Counter(f"{os.path.basename(w.filename)}:{w.lineno}" for w in caught)
     return {"per_step": round(len(caught) / steps, 2), "where": where.most_common(8)}
 

@@ -191,8 +191,9 @@ def test_w8a8_kernel_matches_its_twin_and_stays_close_to_float(model_dirs, head)
 
 @pytest.mark.parametrize("m,k,n", [(3, 37, 11), (5, 8191, 3)])
 def test_int_matmul_without_int32_is_exact(monkeypatch, m, k, n):
-    """The GPU's path for shapes cuBLAS's int8 GEMM refuses (K or N not a multiple of 8): float64 products, equal
-    to the int32 matmul to the last unit, with sums of odd products past float32's 2^24 (127 x -127, K times)."""
+    """The GPU's path for shapes cuBLAS's int8 GEMM refuses (K or N not a multiple of 8): float64 products, as
+    float32 equal to the int32 matmul's, sums of odd products past float32's 2^24 included (127 x -127, K times;
+    both round the same exact integer; the shapes and the branch are what this reaches on a CPU)."""
     g = torch.Generator().manual_seed(0)
     xq = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
     q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)

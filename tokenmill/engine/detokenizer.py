@@ -16,8 +16,10 @@ def append_text(obj, name: str, piece: str) -> None:
     second reference): per token, that made detokenizing a 40K-token output cost 3.6x at its end."""
     text = getattr(obj, name)
     setattr(obj, name, "")
-    text += piece
-    setattr(obj, name, text)
+    try:
+        text += piece
+    finally:  # (a MemoryError must not leave the text empty)
+        setattr(obj, name, text)
 
 
 class IncrementalDetokenizer:

@@ -15,8 +15,9 @@ For a deterministic proposer (n-gram, or a draft model proposing its argmax), q 
 becomes: draw x ~ p_j with the request's generator; accept the draft iff x == d_{j+1}, else emit x
 (x given x != d is exactly norm(max(0, p_j - q_j))). Each emitted token costs one draw, in order, as in
 plain decoding, so a seeded request gives the *same* tokens with or without speculation, whatever k. On a GPU
-the draws are made ahead for every row and read back once per step (not one device read per token); a seeded
-request's generator is then put back to its state after the last emitted token's draw.
+the draws are made ahead for every row and read back with the rows' argmaxes in one transfer (not one device
+read per token); a seeded request's generator is then put back to its state after the last emitted token's
+draw. (Logprobs, when asked for, are one more read.)
 """
 from __future__ import annotations
 
@@ -51,14 +52,14 @@ def verify(sampler: Sampler, logits: torch.Tensor, checks: list[DraftCheck]
     (accepted drafts, then one more) and, for requests that asked, one logprobs row per emitted token."""
     rows = [row for c in checks for row in expanded_rows(c)]
     adjusted = sampler.adjusted_logits(logits, rows)
-    greedy_tokens = argmax_rows(adjusted).tolist()
+    greedy_tokens = argmax_rows(adjusted)
     rand = [i for i, r in enumerate(rows) if not r.params.greedy]
     probs = {}
     if rand:
         p = sampler.probs(adjusted.index_select(0, device_tensor(rand, torch.int64, adjusted.device)),
                           [rows[i] for i in rand])
         probs = {i: p[j] for j, i in enumerate(rand)}
-    draws = _draw_ahead(sampler, checks, probs)
+    greedy_tokens, draws = _draw_ahead(sampler, checks, probs, greedy_tokens)
     emitted, emitted_rows, start = [], [], 0
     for i, c in enumerate(checks):
         n = len(c.drafts) + 1
@@ -107,14 +108,16 @@ def accept_greedy(row_tokens: list[int], drafts: list[int]) -> list[int]:
     return out
 
 
-def _draw_ahead(sampler: Sampler, checks: list[DraftCheck], probs: dict) -> dict:
-    """Per one-hot sampled check: every row's draw x_j, made ahead (one device read for the whole step instead of
-    one per emitted token), and for a request's own generator its state before each draw, so that the caller
-    can put it back after the last emitted token: a seeded request consumes one draw per emitted token, as
-    plain decoding does. The shared generator (unseeded rows) promises no such thing and is left as is.
-    GPU only: on a CPU the draws past a rejection would cost more than the reads they save."""
+def _draw_ahead(sampler: Sampler, checks: list[DraftCheck], probs: dict, greedy: torch.Tensor
+                ) -> tuple[list[int], dict]:
+    """Every row's argmax and, per one-hot sampled check, every row's draw x_j, read back together (one device
+    read for the step instead of one per emitted token), with, for a request's own generator, its state before
+    each draw, so that the caller can put it back after the last emitted token: a seeded request consumes one
+    draw per emitted token, as plain decoding does. The shared generator (unseeded rows) promises no such thing
+    and is left as is. Draws ahead only on a GPU: on a CPU the draws past a rejection would cost more than the
+    reads they save (the caller then draws what it emits)."""
     if not probs or next(iter(probs.values())).device.type not in DRAW_AHEAD_DEVICES:
-        return {}
+        return greedy.tolist(), {}
     pending, start = {}, 0
     for i, c in enumerate(checks):
         n = len(c.drafts) + 1
@@ -128,14 +131,12 @@ def _draw_ahead(sampler: Sampler, checks: list[DraftCheck], probs: dict) -> dict
                 xs.append(exponential_sample(probs[start + j].unsqueeze(0), [gen], gen))
             pending[i] = (xs, states)
         start += n
-    if not pending:
-        return {}
-    flat = torch.cat([x for xs, _ in pending.values() for x in xs]).tolist()
-    out, pos = {}, 0
+    flat = torch.cat([greedy] + [x for xs, _ in pending.values() for x in xs]).tolist()
+    out, pos = {}, len(greedy)
     for i, (xs, states) in pending.items():
         out[i] = (flat[pos:pos + len(xs)], states)
         pos += len(xs)
-    return out
+    return flat[:len(greedy)], out
 
 
 def _draw(p: torch.Tensor, gen: torch.Generator) -> int:
