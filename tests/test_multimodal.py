@@ -132,17 +132,19 @@ def test_encoder_cache_hit_gives_the_same_tokens_without_prefix_caching(llava_di
     baseline.llm_engine.check_invariants()
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_many_requests_with_and_without_overlap_match_one_at_a_time(llava_dirs, overlap):
+@pytest.mark.parametrize("overlap, async_scheduling", [(True, False), (False, False), (True, True)])
+def test_many_requests_with_and_without_overlap_match_one_at_a_time(llava_dirs, overlap, async_scheduling):
     """Requests arriving while others decode: with overlap their images are encoded in the encoder thread;
-    the tokens are those of each request run alone."""
+    the tokens are those of each request run alone. With async scheduling too (a GPU's default), steps are
+    scheduled while the one before is in flight."""
     path, _ = llava_dirs["llama"]
     imgs = [random_image(40 + i) for i in range(6)]
     prompts = [_req(mm_prompt(50 + i, [3 + i, 5]), [imgs[i % 4]]) for i in range(6)]
     alone = make_llm(path, mm_encoder_overlap=False)
     expected = [alone.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     llm = make_llm(path, mm_encoder_overlap=overlap, max_num_seqs=3, mm_encoder_budget=TOKENS_PER_IMAGE,
-                   mm_encoder_cache_tokens=4 * TOKENS_PER_IMAGE, max_num_batched_tokens=32)
+                   mm_encoder_cache_tokens=4 * TOKENS_PER_IMAGE, max_num_batched_tokens=32,
+                   async_scheduling=async_scheduling)
     engine = llm.llm_engine
     ids = [engine.add_request(None, prompts[0], GREEDY)]
     done = {}
@@ -162,6 +164,7 @@ def test_many_requests_with_and_without_overlap_match_one_at_a_time(llava_dirs, 
     assert enc.images_encoded >= 4  # the cache holds 4 images: at least each distinct one once
     assert (enc.images_prefetched > 0) == overlap
     assert (engine.core.scheduler.encoder.cache.used <= 4 * TOKENS_PER_IMAGE)
+    assert (engine.core.scheduler.num_run_ahead > 0) == async_scheduling
 
 
 def test_text_prompt_with_image_and_video_markers(llava_dirs):
