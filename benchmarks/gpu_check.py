@@ -458,6 +458,9 @@ def multimodal() -> dict:
         enc = llm.llm_engine.core.runner.encoder
         res[name] = {"correct": sum(synthetic.is_correct(smp, o.outputs[0].text) for smp, o in zip(samples, outs)),
                      "seconds": round(el, 2), "images_prefetched": enc.images_prefetched,
+                     # async scheduling, on by default on a GPU, runs with multimodal models since session 30
+                     "async": llm.llm_engine.core.config.async_scheduling,
+                     "run_ahead": llm.llm_engine.core.scheduler.num_run_ahead,
                      "device": str(next(llm.llm_engine.core.runner.model.parameters()).device)}
         del llm
         gc.collect()
