@@ -186,34 +186,41 @@ def kernels() -> dict:
     ta.write_kv(k, v, kc, vc, slots)
     ta.write_kv_ref(k, v, kr, vr, slots)
     res["write_kv_exact"] = bool(torch.equal(kc, kr) and torch.equal(vc, vr))
-    # fused ops
-    x = torch.randn(300, 4096, device="cuda", dtype=torch.bfloat16)
-    r = torch.randn_like(x)
-    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
-    r2 = r.clone()
-    out = tf.add_rmsnorm(x, r2, w, 1e-5)
-    h = (x + r).float()
-    want = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
-    res["add_rmsnorm"] = rel_err(out, want)
-    gu = torch.randn(300, 2 * 14336, device="cuda", dtype=torch.bfloat16)
-    res["silu_mul"] = rel_err(tf.silu_mul(gu), torch.nn.functional.silu(gu[:, :14336].float()) * gu[:, 14336:].float())
-    qkv = torch.randn(300, 48 * 128, device="cuda", dtype=torch.bfloat16)
-    pos = torch.randint(0, 4096, (300,), device="cuda")
-    inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, device="cuda").float() / 128))
-    f = torch.outer(pos.float(), inv)
-    cos, sin = torch.cat((f, f), -1).cos().bfloat16(), torch.cat((f, f), -1).sin().bfloat16()
-    want = apply_rotary(qkv[:, :40 * 128].view(300, 40, 128), cos, sin)
-    tf.rotary_(qkv, cos, sin, 40, 128)
-    res["rotary"] = rel_err(qkv[:, :40 * 128].view(300, 40, 128), want)
-    # dequantize-GEMMs
+    # fused ops, in both half types (fp16 models take them too)
+    for dt in (torch.bfloat16, torch.float16):
+        name = str(dt)[6:]
+        x = torch.randn(300, 4096, device="cuda", dtype=dt)
+        r = torch.randn_like(x)
+        w = torch.randn(4096, device="cuda", dtype=dt)
+        out = tf.add_rmsnorm(x, r.clone(), w, 1e-5)
+        h = (x + r).float()
+        want = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+        res[f"add_rmsnorm-{name}"] = rel_err(out, want)
+        gu = torch.randn(300, 2 * 14336, device="cuda", dtype=dt)
+        res[f"silu_mul-{name}"] = rel_err(tf.silu_mul(gu), torch.nn.functional.silu(gu[:, :14336].float())
+                                          * gu[:, 14336:].float())
+        qkv = torch.randn(300, 48 * 128, device="cuda", dtype=dt)
+        pos = torch.randint(0, 4096, (300,), device="cuda")
+        inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, device="cuda").float() / 128))
+        f = torch.outer(pos.float(), inv)
+        cos, sin = torch.cat((f, f), -1).cos().to(dt), torch.cat((f, f), -1).sin().to(dt)
+        want = apply_rotary(qkv[:, :40 * 128].view(300, 40, 128), cos, sin)
+        tf.rotary_(qkv, cos, sin, 40, 128)
+        res[f"rotary-{name}"] = rel_err(qkv[:, :40 * 128].view(300, 40, 128), want)
+    # dequantize-GEMMs, without and with a bias (Qwen2-style qkv), through the GEMV (m <= 8) and GEMM plans
     wq = torch.randn(4096, 4096)
     qw, qz, s = (t.cuda() for t in awq_format.quantize_w4(wq, 128))
-    for m in (1, 64):
-        xa = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
-        res[f"awq_gemm_m{m}"] = rel_err(tq.awq_gemm(xa, qw, qz, s, 128), tq.awq_gemm_ref(xa, qw, qz, s, 128))
     q8, s8 = (t.cuda() for t in awq_format.quantize_w8(wq))
-    xa = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
-    res["int8_gemm_m8"] = rel_err(tq.int8_gemm(xa, q8, s8), tq.int8_gemm_ref(xa, q8, s8))
+    for bias in (None, torch.randn(4096, device="cuda", dtype=torch.float16)):
+        tag = "" if bias is None else "_bias"
+        for m in (1, 64):
+            xa = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
+            res[f"awq_gemm_m{m}{tag}"] = rel_err(tq.awq_gemm(xa, qw, qz, s, 128, bias),
+                                                 tq.awq_gemm_ref(xa, qw, qz, s, 128, bias))
+        b16 = None if bias is None else bias.bfloat16()
+        for m in (8, 64):
+            xa = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+            res[f"int8_gemm_m{m}{tag}"] = rel_err(tq.int8_gemm(xa, q8, s8, b16), tq.int8_gemm_ref(xa, q8, s8, b16))
     bad = [k for k, v in res.items() if (v is False) or (isinstance(v, float) and not v < 2e-2)]
     return {"errors": res, "ok": not bad, "failed": bad}
 
