@@ -219,6 +219,34 @@ def test_bad_multimodal_settings_are_refused(llava_dirs, kw, message):
         make_llm(llava_dirs["llama"][0], **kw)
 
 
+def test_a_waiting_image_is_encoded_while_async_steps_schedule_nothing(llava_dirs):
+    """Async scheduling with one seat: a penalized request cannot run ahead, so every other schedule is empty
+    while its step is in flight; the image of the request waiting behind it is ordered to the encoder thread
+    in such a schedule. Those orders used to be dropped (the empty step returned first): the waiting request
+    then never got its image and the engine spun forever."""
+    path, _ = llava_dirs["llama"]
+    penalized = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, presence_penalty=0.5)
+    first, waiting = _req(mm_prompt(70, [4, 5]), [random_image(71)]), _req(mm_prompt(72, [3, 6]), [random_image(73)])
+    alone = make_llm(path, mm_encoder_overlap=False)
+    expected = [alone.generate(first, penalized, use_tqdm=False)[0].outputs[0].token_ids,
+                alone.generate(waiting, GREEDY, use_tqdm=False)[0].outputs[0].token_ids]
+    for arrival in (3, 4):  # the step after which the second request arrives: one of them is an empty schedule
+        llm = make_llm(path, max_num_seqs=1, mm_encoder_overlap=True, async_scheduling=True)
+        engine = llm.llm_engine
+        ids, done = [engine.add_request(None, first, penalized)], {}
+        for step in range(500):  # a few dozen steps are enough; a lost order spins forever
+            if step == arrival:
+                ids.append(engine.add_request(None, waiting, GREEDY))
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            if len(ids) == 2 and not engine.has_unfinished_requests():
+                break
+        assert [done.get(i) for i in ids] == expected, arrival
+        assert engine.core.runner.encoder.images_prefetched > 0  # the waiting image went to the encoder thread
+        engine.check_invariants()
+
+
 @pytest.mark.parametrize("reuse, overlap", [(False, False), (True, False), (True, True)])
 def test_shared_images_under_preemption_and_chunking_match_one_at_a_time(llava_dirs, reuse, overlap):
     """A small KV pool (preemptions), a small budget (chunks through images) and two images shared by eight

@@ -169,16 +169,16 @@ class EngineCore:
             xfer.cancel(sched.kv_load_cancels)
         if sched.is_empty:
             self._executor().release_requests(sched.finished_ids)
+            if encoder is not None:  # no forward this step to hand the encoder its orders (prefetches, frees,
+                encoder.apply(sched)  # encodes of requests preempted in this schedule): they must not be lost
             if self._deferred is not None:
                 return self._finish_deferred()
             if self._in_flight:
                 return self._finish_oldest()
             if xfer is not None and xfer.num_in_flight:
                 xfer.wait(0.01)  # only loads are in flight: sleep until one lands instead of spinning
-            if encoder is not None:  # no forward this step to hand the encoder its orders
-                encoder.apply(sched)  # (encodes of requests preempted in this schedule: the ledger keeps them)
-                if encoder.num_in_flight:  # only encodes are in flight: sleep until one lands
-                    self.scheduler.finish_encodes(encoder.poll(wait_s=0.01))
+            if encoder is not None and encoder.num_in_flight:  # only encodes are in flight: sleep until one lands
+                self.scheduler.finish_encodes(encoder.poll(wait_s=0.01))
             return []
         self.num_steps += 1
         if self.executor is not None and self.executor.max_in_flight > 1:

@@ -19,6 +19,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import numpy as np
 import torch
 
+from tokenmill.device_copy import to_device
 from tokenmill.multimodal.inputs import MultiModalItem
 
 
@@ -94,7 +95,9 @@ class EncoderRunner:
         for item in items:
             by_shape.setdefault(item.shape, []).append(item)
         for group in by_shape.values():
-            pixels = torch.from_numpy(np.stack([it.pixel_array() for it in group])).to(self.device, self.dtype)
+            # through pinned memory: an inline encode does not wait for the decode step in flight
+            pixels = to_device(torch.from_numpy(np.stack([it.pixel_array() for it in group])), self.device)
+            pixels = pixels.to(self.dtype)
             rows = self.model.encode_images(pixels)
             for it, r in zip(group, rows):
                 if r.shape[0] != it.length:

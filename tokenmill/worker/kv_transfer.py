@@ -13,8 +13,8 @@ finished by the main thread under the load's lock; the load thread checks that f
 before each block it writes, so a late read can never land in a block that has been given back.
 On CPU, the copies are memcpys. On a GPU a step's stored blocks are gathered on the stream in chunks and
 copied to pinned host memory without waiting; they land in the tiers at a later poll, once the copy is done
-(async scheduling keeps its overlap). Loads copy host blocks into the cache on the default stream, ahead of
-any step that reads them.
+(async scheduling keeps its overlap). Loads copy host blocks into the cache through pinned memory on the
+default stream, without waiting for the steps queued there; the step that reads them is queued after.
 """
 from __future__ import annotations
 
@@ -235,7 +235,12 @@ class KVTransferWorker:
                 with job.lock:
                     if job.cancelled:
                         return
-                    self.block(spec.block_ids[i]).copy_(block)
+                    dst = self.block(spec.block_ids[i])
+                    if dst.is_cuda:  # from pinned memory, not waiting for the steps queued on the stream (the
+                        # step that reads the block is queued after this copy)
+                        dst.copy_(block.pin_memory(), non_blocking=True)
+                    else:
+                        dst.copy_(block)
                     job.num_loaded += 1
                     job.tiers.append(where)
                 if self.chain.host is not None and self.chain.tiers[where] is not self.chain.host:
@@ -261,7 +266,10 @@ class KVTransferWorker:
 
     def close(self, flush_timeout_s: float = 10.0) -> None:
         """Finish queued stores (up to `flush_timeout_s`), stop the threads, close the tiers."""
-        self.flush(flush_timeout_s)
+        try:
+            self.flush(flush_timeout_s)
+        except Exception:  # e.g. a CUDA error that ended the context: still stop the threads and close
+            logger.exception("KV stores could not be finished at shutdown")
         for q in (self._store_q, self._load_q):
             try:
                 q.put(None, timeout=1.0)
