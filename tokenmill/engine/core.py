@@ -169,6 +169,8 @@ class EngineCore:
             xfer.cancel(sched.kv_load_cancels)
         if sched.is_empty:
             self._executor().release_requests(sched.finished_ids)
+            if xfer is not None:  # write-through copies of blocks earlier steps filled (no forward to wait for)
+                xfer.store(sched.kv_backups)
             if encoder is not None:  # no forward this step to hand the encoder its orders (prefetches, frees,
                 encoder.apply(sched)  # encodes of requests preempted in this schedule): they must not be lost
             if self._deferred is not None:
