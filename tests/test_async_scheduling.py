@@ -67,6 +67,21 @@ def test_seeded_sampling_and_penalties_reproduce(llama_dir):
     assert core.scheduler.num_run_ahead > 0
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_penalized_requests_run_ahead_and_count_their_token_still_on_the_device(llama_dir, temperature):
+    """Every request penalized (repetition, presence, frequency; some with min_tokens): they run ahead, their
+    last token still a placeholder, and the sampler counts it from the device. Large penalties make a token
+    counted wrongly (or not at all) change the next choice."""
+    prompts = random_prompts(LENGTHS, seed=44)
+    sps = [SamplingParams(temperature=temperature, seed=3 + i, max_tokens=20, ignore_eos=True,
+                          repetition_penalty=1.8 if i % 2 else 1.0, presence_penalty=1.5 if i % 3 else 0.0,
+                          frequency_penalty=0.7, min_tokens=8 if i == 2 else 0)
+           for i in range(len(prompts))]
+    ref, got, core = _pair(llama_dir, prompts, sps, enforce_eager=True)
+    assert got == ref
+    assert core.scheduler.num_run_ahead > 0  # penalized requests joined the step after the one in flight
+
+
 def test_abort_while_a_step_is_in_flight_frees_everything(llama_dir):
     prompts = random_prompts(LENGTHS, seed=43)
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -26,6 +26,13 @@ class SampleRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None
+    # async scheduling: the last output token, sampled by the step in flight and not on the host yet ([1], on
+    # the device; not in output_token_ids): penalties count it there, without waiting for it
+    pending: torch.Tensor | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + (self.pending is not None)
 
 
 @dataclass
@@ -68,7 +75,12 @@ def _penalize(logits: torch.Tensor, idx: list[int], sub: list[SampleRow]) -> Non
     rep, freq, pres = floats.unsqueeze(2).unbind(1)  # [n, 1] each
     out = to_device(flat_token_positions([r.output_token_ids for r in sub], vocab), dev)
     counts = torch.zeros(n * vocab, dtype=torch.float32, device=dev)
-    counts = counts.scatter_add_(0, out, torch.ones(out.shape, dtype=torch.float32, device=dev)).view(n, vocab)
+    counts = counts.scatter_add_(0, out, torch.ones(out.shape, dtype=torch.float32, device=dev))
+    waiting = [j for j, r in enumerate(sub) if r.pending is not None]
+    if waiting:  # last tokens still on the device: their positions computed there
+        at = device_tensor(waiting, torch.int64, dev) * vocab + torch.cat([sub[j].pending for j in waiting])
+        counts.scatter_add_(0, at, torch.ones(at.shape, dtype=torch.float32, device=dev))
+    counts = counts.view(n, vocab)
     rows_at = device_tensor(idx, torch.int64, dev)
     picked = logits.index_select(0, rows_at).float()  # a copy: the arithmetic below is in place
     if any(r.params.repetition_penalty != 1.0 for r in sub):
@@ -90,7 +102,7 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     at_rows, at_ids = [], []
     for i, r in enumerate(rows):
         sp = r.params
-        if len(r.output_token_ids) < sp.min_tokens:
+        if r.num_output_tokens < sp.min_tokens:
             # ids past the logits (a tokenizer's added tokens, a client's typo) can never be sampled: masking them
             # would fail the step (on a GPU, a device-side assert that ends the CUDA context)
             banned = [t for t in sp.stop_ids if t < logits.shape[-1]]
@@ -178,7 +190,7 @@ class Sampler:
     def adjusted_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """Penalties and min_tokens applied (to a copy: the caller's logits stay raw)."""
         penalties = any(r.params.needs_penalties for r in rows)
-        min_tokens = any(len(r.output_token_ids) < r.params.min_tokens for r in rows)
+        min_tokens = any(r.num_output_tokens < r.params.min_tokens for r in rows)
         if penalties or min_tokens:
             logits = logits.clone()
             apply_penalties(logits, rows)

@@ -399,15 +399,15 @@ class Scheduler:
 
     def _may_run_ahead(self, req: Request) -> bool:
         """Async scheduling: whether a request in the step in flight may join the next one. Its pending token
-        is the next step's input, filled in on the device. It may not when that token could end it by length
-        (max_tokens, max_model_len: known without the token), nor when its sampler reads the output token ids
-        (penalties). If the token ends it otherwise (EOS, a stop), the next step's token for it is dropped."""
+        is the next step's input, filled in on the device (and what penalties count there). It may not when that
+        token could end it by length (max_tokens, max_model_len: known without the token). If the token ends it
+        otherwise (EOS, a stop), the next step's token for it is dropped."""
         if not self.async_scheduling:
             return False
         if not req.num_pending:  # a prefill chunk in flight: the next one needs no token of it
             return True
         sp = req.sampling_params
-        if req.num_pending > 1 or sp.needs_penalties:
+        if req.num_pending > 1:
             return False
         after = len(req.output_token_ids) + 1  # output tokens once the pending one is in
         if sp.max_tokens is not None and after >= sp.max_tokens:

@@ -393,6 +393,8 @@ class ModelRunner:
             return
         rows = [SampleRow(st.sampling_params, st.prompt_token_ids, st.output_token_ids,
                           self.requests.generator(s.request_id)) for s, st in zip(seqs, states)]
+        if self._pending:
+            self._pending_penalty_tokens(seqs, rows)
         if self.defer_tokens:
             tokens = self.sampler.sample(logits, rows)
             self._sample_deferred(out, seqs, states, tokens, rows, self.sampler.logprob_tensors(logits, tokens, rows))
@@ -403,6 +405,17 @@ class ModelRunner:
             out.sampled_token_ids[s.request_id] = [res.token_ids[j]]
             if res.logprobs[j] is not None:
                 out.logprobs[s.request_id] = [res.logprobs[j]]
+
+    def _pending_penalty_tokens(self, seqs: list[ScheduledRequest], rows: list[SampleRow]) -> None:
+        """Async scheduling: a penalized request that ran ahead samples while its last token is a placeholder
+        (the step before has not sent it back): its row counts that token from the device instead."""
+        for s, row in zip(seqs, rows):
+            pending = self._pending.get(s.request_id)
+            if pending is not None and row.params.needs_penalties:
+                step, src, slot = pending
+                ids = row.output_token_ids
+                row.output_token_ids = ids[:slot] + ids[slot + 1:]
+                row.pending = step.tokens[src:src + 1]
 
     def _sample_deferred(self, out: ModelRunnerOutput, seqs: list[ScheduledRequest], states: list[RequestState],
                          tokens: torch.Tensor, rows: list[SampleRow], logprobs: tuple) -> None:
