@@ -82,6 +82,18 @@ def test_penalized_requests_run_ahead_and_count_their_token_still_on_the_device(
     assert core.scheduler.num_run_ahead > 0  # penalized requests joined the step after the one in flight
 
 
+@pytest.mark.parametrize("kw", [dict(max_num_batched_tokens=7), dict(num_kv_blocks=16, max_model_len=96)],
+                         ids=["chunked", "preemption"])
+def test_penalized_requests_run_ahead_under_chunking_and_preemption(llama_dir, kw):
+    prompts = random_prompts(LENGTHS, seed=45)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, presence_penalty=1.5, repetition_penalty=1.3)
+    ref, got, core = _pair(llama_dir, prompts, sp, enforce_eager=True, **kw)
+    assert got == ref
+    assert core.scheduler.num_run_ahead > 0
+    if "num_kv_blocks" in kw:
+        assert core.stats().num_preemptions > 0
+
+
 def test_abort_while_a_step_is_in_flight_frees_everything(llama_dir):
     prompts = random_prompts(LENGTHS, seed=43)
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

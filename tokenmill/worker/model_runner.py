@@ -414,7 +414,10 @@ class ModelRunner:
             if pending is not None and row.params.needs_penalties:
                 step, src, slot = pending
                 ids = row.output_token_ids
-                row.output_token_ids = ids[:slot] + ids[slot + 1:]
+                # the placeholder is the last token (a request runs ahead of one step only): anything else would
+                # drop a real token from the penalties, silently
+                assert slot == len(ids) - 1, (s.request_id, slot, len(ids))
+                row.output_token_ids = ids[:slot]
                 row.pending = step.tokens[src:src + 1]
 
     def _sample_deferred(self, out: ModelRunnerOutput, seqs: list[ScheduledRequest], states: list[RequestState],
