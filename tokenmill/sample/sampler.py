@@ -65,7 +65,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     positions (flat_token_positions), scattered into per-row counts and a seen mask on the device."""
     idx = [i for i, r in enumerate(rows) if r.params.needs_penalties]
     for c in range(0, len(idx), PENALTY_ROWS):
-        _penalize(logits, idx[c:c + PENALTY_ROWS], [rows[i] for i in idx[c:c + PENALTY_ROWS]])
+        chunk = idx[c:c + PENALTY_ROWS]
+        _penalize(logits, chunk, [rows[i] for i in chunk])
 
 
 def _penalize(logits: torch.Tensor, idx: list[int], sub: list[SampleRow]) -> None:

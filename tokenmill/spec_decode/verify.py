@@ -128,7 +128,7 @@ def _draw_ahead(sampler: Sampler, checks: list[DraftCheck], probs: dict, greedy:
             for j in range(n):
                 if states is not None:
                     states.append(gen.get_state())
-                xs.append(exponential_sample(probs[start + j].unsqueeze(0), [gen], gen))
+                xs.append(_draw_on_device(probs[start + j], gen))
             pending[i] = (xs, states)
         start += n
     flat = torch.cat([greedy] + [x for xs, _ in pending.values() for x in xs]).tolist()
@@ -139,9 +139,14 @@ def _draw_ahead(sampler: Sampler, checks: list[DraftCheck], probs: dict, greedy:
     return flat[:len(greedy)], out
 
 
+def _draw_on_device(p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One token from p as a [1] tensor on p's device, as the plain sampler draws it (exponential race, one [V]
+    draw)."""
+    return exponential_sample(p.unsqueeze(0), [gen], gen)
+
+
 def _draw(p: torch.Tensor, gen: torch.Generator) -> int:
-    """One token from p, as the plain sampler draws it (exponential race, one [V] draw)."""
-    return int(exponential_sample(p.unsqueeze(0), [gen], gen)[0])
+    return int(_draw_on_device(p, gen)[0])
 
 
 def _verify_against_q(c: DraftCheck, p: list[torch.Tensor], gen: torch.Generator) -> list[int]:

@@ -72,15 +72,18 @@ class KVTransferWorker:
         return self.kv_cache[:, :, block_id]
 
     # -- stores -----------------------------------------------------------------------------------------
+    def _gathered(self, block_ids: list[int]):
+        """(start, the blocks stacked) per _GATHER_BLOCKS of them: a GPU gathers on the stream, a chunk at a time
+        to bound the gather's device memory."""
+        for i in range(0, len(block_ids), _GATHER_BLOCKS):
+            yield i, torch.stack([self.block(b) for b in block_ids[i:i + _GATHER_BLOCKS]])
+
     def _host_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
         """Each block as its own contiguous host tensor [layers, 2, block_size, heads, head_dim], now (a GPU's
         wait for the stream: shutdown only; steps store through `store`)."""
         if not self.gather_to_host:
             return [self.block(b).clone() for b in block_ids]
-        out = []
-        for i in range(0, len(block_ids), _GATHER_BLOCKS):  # bounds the gather's device memory
-            out += [b.clone() for b in torch.stack([self.block(b) for b in block_ids[i:i + _GATHER_BLOCKS]]).cpu()]
-        return out
+        return [b.clone() for _, together in self._gathered(block_ids) for b in together.cpu()]
 
     def store(self, stores: list[BlockStore]) -> None:
         """Copy blocks out to the tiers. On a GPU without waiting: the blocks are gathered on the stream (before
@@ -88,12 +91,12 @@ class KVTransferWorker:
         copy is done, checked at the next `poll` (so async scheduling keeps its overlap)."""
         if not stores:
             return
+        ids = [s.block_id for s in stores]
         if not self.gather_to_host:
-            self._put_stored(stores, [self.block(s.block_id).clone() for s in stores])
+            self._put_stored(stores, self._host_blocks(ids))
             return
-        for i in range(0, len(stores), _GATHER_BLOCKS):  # bounds the gather's device memory
+        for i, together in self._gathered(ids):
             chunk = stores[i:i + _GATHER_BLOCKS]
-            together = torch.stack([self.block(s.block_id) for s in chunk])
             copied = None
             if together.is_cuda:  # (the tests take this path on a CPU, where the gather is the copy)
                 together = to_pinned_host(together)
