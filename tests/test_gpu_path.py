@@ -8,6 +8,7 @@ import functools
 import logging
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -246,9 +247,10 @@ def test_gpu_budget_and_the_not_enough_memory_error(llama_dir):
 
 
 def test_graph_buffers_take_staged_rows_and_reset_the_padding():
-    """DecodeGraphs.stage puts a decode step's host rows straight into the graphs' buffers, run() replays them
-    as they are, and resets only the padding rows an earlier, larger step left (token and position 0, slot -1,
-    length 1, table row 0). The same step copied in by run() (prepared elsewhere) fills the same buffers."""
+    """DecodeGraphs.host_rows + commit put a decode step's host rows into the graphs' buffers (through a host
+    mirror, one copy), run() replays them as they are, and the padding rows an earlier, larger step left are
+    reset (token and position 0, slot -1, length 1). The same step copied in by run() (prepared elsewhere)
+    fills the same buffers."""
     from tokenmill.attention.backend import AttentionBatch
     from tokenmill.worker.cuda_graphs import DecodeGraphs
     graphs = DecodeGraphs(None, None, None, max_num_seqs=8, max_model_len=64, block_size=16, device="cpu",
@@ -268,7 +270,11 @@ def test_graph_buffers_take_staged_rows_and_reset_the_padding():
         longs = torch.tensor(ids + pos + slots)
         ints = torch.tensor(lens + tables, dtype=torch.int32)
         if staged:
-            ids_t, pos_t, slot_t, qsl_t, lens_t, tables_t = graphs.stage(longs, ints, rows, width)
+            host_longs, host_lens, host_tables = graphs.host_rows(rows)
+            host_longs[:, :rows] = longs.view(3, rows).numpy()
+            host_lens[:rows] = lens
+            host_tables[:rows, :width] = ints[rows:].view(rows, width).numpy()
+            ids_t, pos_t, slot_t, qsl_t, lens_t, tables_t = graphs.commit(rows, width)
             assert ids_t.data_ptr() == graphs.input_ids.data_ptr()
         else:
             ids_t, pos_t, slot_t = longs[:rows], longs[rows:2 * rows], longs[2 * rows:]
@@ -289,7 +295,9 @@ def test_graph_buffers_take_staged_rows_and_reset_the_padding():
         assert first[3][4][:3] == [5, 6, 7] and first[3][5] == [0] * 4
         second = step(3, 2, staged)  # bucket 4: row 3 held the first step's fourth row
         assert second[0] == [[7, 8, 9, 0], [20, 21, 22, 0], [40, 41, 42, -1]]
-        assert second[1] == [21, 22, 23, 1] and second[3][3] == [0] * 4
+        # a padding row's table: zeros when copied in; a staged step copies only its own rows, so row 3 keeps
+        # the first step's blocks (real ids: its one key read is of a real block)
+        assert second[1] == [21, 22, 23, 1] and second[3][3] == ([4, 5, 6, 0] if staged else [0] * 4)
         assert second[3][2][:2] == [3, 4]  # columns past this step's width keep what they held: never read
         graphs.filled = 0  # a fresh start for the copied-in variant
         graphs.longs[:2].zero_()
@@ -297,6 +305,41 @@ def test_graph_buffers_take_staged_rows_and_reset_the_padding():
         graphs.seq_lens.fill_(1)
         graphs.block_tables.zero_()
 
+
+
+def test_graph_buffer_mirrors_keep_their_own_padding():
+    """A ring of host mirrors (a GPU's: the host fills the next while a copy from the last is queued), each with
+    the padding of its own history: whatever sequence of step sizes comes, a replay of bucket b reads this
+    step's rows and then padding (token and position 0, slot -1, length 1), with every table entry a block id
+    some step wrote (or 0), never a stale token or slot."""
+    import random
+
+    from tokenmill.worker.cuda_graphs import DecodeGraphs, _Mirror
+    graphs = DecodeGraphs(None, None, None, max_num_seqs=16, max_model_len=64, block_size=16, device="cpu",
+                          capture=False)
+    graphs._mirrors = [_Mirror(graphs) for _ in range(3)]
+    seen = []
+    graphs._forward = lambda size: seen.append((size, graphs.longs[:, :size].tolist(),
+                                                graphs.seq_lens[:size].tolist(),
+                                                graphs.block_tables[:size].tolist())) or torch.zeros(size, 2)
+    rng = random.Random(0)
+    for step in range(60):
+        rows, width = rng.randint(1, 16), rng.randint(1, 4)
+        ids = [1000 + step * 20 + r for r in range(rows)]
+        host_longs, host_lens, host_tables = graphs.host_rows(rows)
+        host_longs[:, :rows] = [ids, [500 + r for r in range(rows)], [r for r in range(rows)]]
+        host_lens[:rows] = [2 + r for r in range(rows)]
+        host_tables[:rows, :width] = [[100 + c for c in range(width)]] * rows
+        views = graphs.commit(rows, width)
+        batch = types.SimpleNamespace(num_decodes=rows, num_seqs=rows, block_tables=views[5])
+        assert graphs.can_run(batch, rows)
+        graphs.run(views[0], views[1], batch)
+        size, longs, lens, tables = seen[-1]
+        pad = size - rows
+        assert longs == [ids + [0] * pad, [500 + r for r in range(rows)] + [0] * pad, list(range(rows)) + [-1] * pad]
+        assert lens == [2 + r for r in range(rows)] + [1] * pad
+        assert all(row[:width] == [100 + c for c in range(width)] for row in tables[:rows])
+        assert all(b == 0 or 100 <= b < 104 for row in tables for b in row)
 
 
 def test_speculative_decoding_starts_over_decode_graphs(llama_dir, monkeypatch):

@@ -5,22 +5,29 @@ exceed the math at small batch. So each batch-size bucket's forward is captured 
 replayed. A step of n rows runs in the smallest bucket >= n:
 
     buckets   1, 2, 4, 8, 16, 24, 32, ... (steps of 8) up to max_num_seqs
-    buffers   longs [3, B]: input_ids | positions | slot_mapping      (one copy fills all three)
-              seq_lens [B]  query_start_loc [B+1] (constant: 0, 1, .., B)  block_tables [B, max_blocks]
-              (B = the largest bucket; bucket b uses rows [:b], columns [:width] of the tables)
+    buffers   one int32 buffer on the device, and its mirrors in pinned host memory:
+
+              | longs [3, B] int64              | seq_lens [B] | block_tables [B, M]              |
+              | input_ids | positions | slots   |              | row 0 | row 1 | .. | row B-1     |
+              '----------- one copy: everything up to row n-1 of the tables ------------'
+              query_start_loc [B+1] (constant: 0, 1, .., B) lives apart
+              (B = the largest bucket, M = max blocks per sequence; bucket b reads rows [:b])
 
     rows      0 .. n-1: this step's        n .. b-1: padding
-    padding   slot_mapping -1 (writes nothing), seq_len 1, block table row 0, token 0, position 0:
-              they attend to one cached key and their hidden rows are never read
+    padding   slot_mapping -1 (writes nothing), seq_len 1, token 0, position 0, and a table row that holds
+              block ids (zeros, or an earlier step's): they attend to one cached key of a real block and their
+              hidden rows are never read
 
-Inputs live in the persistent buffers. The runner stages a decode step's host rows straight into them
-(`stage`: three copies from pinned host memory; a slice that is not contiguous, the longs when the step has
-fewer rows than B and the tables when it is narrower than max_blocks, goes through a temporary and one copy
-on the device), where a step prepared elsewhere costs two copies to the device and five on it (`run`).
-Padding rows that an earlier, larger step left are reset before the replay. The logits are computed
-outside the graph, from the rows that sample. The attention backend's launch plan is fixed
-at capture, so the graph is captured with max_seq_len = the longest a sequence can be (split-KV sized for
-the worst case; the kernel reads the real lengths from seq_lens). Only backends whose `cuda_graph_safe`
+Inputs live in the persistent buffers. The runner stages a decode step's host rows straight into a pinned
+mirror (`host_rows`, then `commit`), and one copy to the device moves the longs, the lengths and the step's
+table rows together; a step prepared elsewhere is copied in piece by piece (`run`). The mirrors are a ring:
+the host fills the next one while a copy from the last may still be queued (an event says when a mirror is
+free again, which under async scheduling it always is by the time the ring comes round). Columns past a
+row's blocks keep what they held; kernels read a row only up to its sequence length. Padding rows that an
+earlier, larger step left are reset before the replay (in the mirror, for a staged step). The logits are
+computed outside the graph, from the rows that sample. The attention backend's launch plan is fixed at
+capture, so the graph is captured with max_seq_len = the longest a sequence can be (split-KV sized for the
+worst case; the kernel reads the real lengths from seq_lens). Only backends whose `cuda_graph_safe`
 is True (no host loops over the batch: the buffers' host lists are placeholders) are captured; the
 torch backend is not.
 
@@ -48,6 +55,23 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+MIRRORS = 3  # host mirrors of the input buffers in the ring
+
+
+class _Mirror:
+    """One pinned host copy of a DecodeGraphs' input buffer, with numpy views of its layout."""
+
+    def __init__(self, graphs: "DecodeGraphs"):
+        cuda = graphs.raw.is_cuda
+        self.raw = torch.zeros(graphs.raw.shape, dtype=torch.int32, pin_memory=cuda)
+        longs, lens, tables = graphs._layout(self.raw)
+        longs[2].fill_(-1)
+        lens.fill_(1)
+        self.longs, self.seq_lens, self.block_tables = longs.numpy(), lens.numpy(), tables.numpy()
+        self.event = torch.cuda.Event() if cuda else None  # after the last copy out of this mirror
+        self.filled = 0  # rows [0, filled) may hold an earlier step's real rows
+
+
 class DecodeGraphs:
     def __init__(self, model, backend: AttentionBackend, kv_caches, max_num_seqs: int, max_model_len: int,
                  block_size: int, device: str, capture: bool = True):
@@ -56,15 +80,19 @@ class DecodeGraphs:
         self.max_rows = self.sizes[-1]  # decode rows a replay takes (speculation's draft policy stays within it)
         self.max_model_len, self.block_size, self.device = max_model_len, block_size, device
         self.max_blocks = cdiv(max_model_len, block_size)
-        b = self.max_rows
+        b, m = self.max_rows, self.max_blocks
         i32 = dict(dtype=torch.int32, device=device)
-        self.longs = torch.zeros(3, b, dtype=torch.int64, device=device)
+        self.raw = torch.zeros(self._head_ints + b * m, **i32)
+        self.longs, self.seq_lens, self.block_tables = self._layout(self.raw)
         self.input_ids, self.positions, self.slot_mapping = self.longs.unbind(0)
         self.slot_mapping.fill_(-1)
-        self.seq_lens = torch.ones(b, **i32)
+        self.seq_lens.fill_(1)
         self.query_start_loc = torch.arange(b + 1, **i32)
-        self.block_tables = torch.zeros(b, self.max_blocks, **i32)
+        # host mirrors: a ring, so that filling one never waits for the copy queued from the last
+        self._mirrors = [_Mirror(self) for _ in range(MIRRORS if self.raw.is_cuda else 1)]
+        self._next_mirror = 0
         self.filled = 0  # rows [0, filled) may hold an earlier step's real rows; the rest are padding
+        self._staging: _Mirror | None = None  # the mirror host_rows gave out, until commit
         self._staged: tuple = (None, None)  # (rows, width) of the last staged step, and its views of the buffers
         self.num_staged_steps = 0  # replays whose rows were staged in place (tests)
         self.num_runs = 0  # steps run through the buckets (tests, gpu_check)
@@ -74,6 +102,16 @@ class DecodeGraphs:
         self.enabled = True  # False once capture has given up: every step then runs the plain path
         if capture:
             self._capture_all()
+
+    @property
+    def _head_ints(self) -> int:
+        return 7 * self.max_rows  # the longs (3 rows of int64) and seq_lens, in int32 units
+
+    def _layout(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`raw`'s views: longs [3, B] int64, seq_lens [B], block_tables [B, M] (the diagram above)."""
+        b = self.max_rows
+        return (raw[:6 * b].view(torch.int64).view(3, b), raw[6 * b:7 * b],
+                raw[7 * b:].view(b, self.max_blocks))
 
     def _batch(self, size: int) -> AttentionBatch:
         """The attention batch of bucket `size`, over the persistent buffers (host ints: the worst case)."""
@@ -128,24 +166,40 @@ class DecodeGraphs:
         """Whether a decode step of `rows` rows and `width` block-table columns runs in a bucket (can_run)."""
         return self.enabled and rows <= self.max_rows and width <= self.max_blocks
 
-    def stage(self, longs: torch.Tensor, ints: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, ...]:
-        """A decode step's host rows straight into the buffers: `longs` holds the input ids, positions and slots
-        (`rows` each), `ints` the sequence lengths (`rows`), then the block tables (rows x width). Returns the
-        step's input_ids, positions, slot_mapping, query_start_loc, seq_lens and block_tables: views of the
-        buffers, which `run` then finds in place."""
+    def host_rows(self, rows: int) -> tuple:
+        """The next host mirror for a decode step of `rows` rows, as numpy views (longs [3, B], seq_lens [B],
+        block_tables [B, M]), its padding already right past `rows`: the runner writes the step's rows
+        [:rows] (tables: each row's blocks; later columns may keep stale ids) and then calls `commit`."""
+        mirror = self._mirrors[self._next_mirror]
+        self._next_mirror = (self._next_mirror + 1) % len(self._mirrors)
+        if mirror.event is not None:
+            mirror.event.synchronize()  # done already unless the host is a whole ring ahead of the device
+        if mirror.filled > rows:  # an earlier, larger step's rows: padding again
+            longs, lens = mirror.longs, mirror.seq_lens
+            longs[:2, rows:mirror.filled] = 0
+            longs[2, rows:mirror.filled] = -1
+            lens[rows:mirror.filled] = 1
+        mirror.filled = rows
+        self._staging = mirror
+        return mirror.longs, mirror.seq_lens, mirror.block_tables
+
+    def commit(self, rows: int, width: int) -> tuple[torch.Tensor, ...]:
+        """The mirror `host_rows` gave, to the device in one copy (up to row rows-1's `width` columns of the
+        tables). Returns the step's input_ids, positions, slot_mapping, query_start_loc, seq_lens and
+        block_tables: views of the buffers, which `run` then finds in place."""
+        mirror, self._staging = self._staging, None
+        # the table rows go whole (M ints each, as vLLM copies its block table): 8 KB a row at 32K tokens
+        end = self._head_ints + (rows - 1) * self.max_blocks + width
+        self.raw[:end].copy_(mirror.raw[:end], non_blocking=True)
+        if mirror.event is not None:
+            mirror.event.record()
+        self.filled = rows  # the copy wrote the padding of every bucket up to B
         key, views = self._staged
         if key != (rows, width):  # steady decoding keeps its shape for many steps: its views are made once
-            tables = self.block_tables[:rows, :width]
-            views = (self.longs[:, :rows], (self.input_ids[:rows], self.positions[:rows], self.slot_mapping[:rows],
-                                            self.query_start_loc[:rows + 1], self.seq_lens[:rows], tables))
+            views = (self.input_ids[:rows], self.positions[:rows], self.slot_mapping[:rows],
+                     self.query_start_loc[:rows + 1], self.seq_lens[:rows], self.block_tables[:rows, :width])
             self._staged = ((rows, width), views)
-        dst_longs, step_views = views
-        if self.longs.is_cuda:  # through pinned memory: the copies never wait for the step in flight
-            longs, ints = longs.pin_memory(), ints.pin_memory()
-        dst_longs.copy_(longs.view(3, rows), non_blocking=True)
-        step_views[4].copy_(ints[:rows], non_blocking=True)
-        step_views[5].copy_(ints[rows:].view(rows, width), non_blocking=True)
-        return step_views
+        return views
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """This step's rows into the buffers (unless staged there), padding rows reset, replay; the step's

@@ -125,7 +125,8 @@ class ModelRunner:
             seq B: verify at 4, 2 drafts -> rows B0, B1, B2   seq_lens 5, 6, 7   (B's block table each)
             seq C: prefill chunk         -> row C     seq_len start + n
 
-        `stage`: a decode step that fits the CUDA graphs goes straight into their buffers (DecodeGraphs.stage).
+        `stage`: a decode step that fits the CUDA graphs goes straight into their buffers (DecodeGraphs.host_rows,
+        then commit).
         """
         if states is None:
             states = [self.requests[s.request_id] for s in seqs]
@@ -194,15 +195,19 @@ class ModelRunner:
                 tables += row
             qsl.append(qsl[-1] + n)
         rows = len(pos)
-        # two tensors (host-to-device copies): the int64 rows and the int32 rows, cut into views; from
-        # arrays, which torch wraps without a per-element conversion (4x cheaper than torch.tensor(list)).
-        # A step the CUDA graphs will run goes straight into their buffers instead (no copies device to device)
-        longs = torch.frombuffer(array("q", toks + pos + slots), dtype=torch.int64)
+        # from arrays, which torch and numpy wrap without a per-element conversion (4x cheaper than from lists).
+        # A step the CUDA graphs will run goes into their host mirror and then the device in one copy;
+        # otherwise two tensors (two copies to the device): the int64 rows and the int32 rows, cut into views
+        longs = array("q", toks + pos + slots)
         graphs = self.decode_step if stage else None
         if graphs is not None and getattr(graphs, "can_stage", None) and graphs.can_stage(rows, width):
-            ints = torch.frombuffer(array("i", lens + tables), dtype=torch.int32)
-            ids, positions, slot_mapping, qsl_t, seq_lens, block_tables = graphs.stage(longs, ints, rows, width)
+            host_longs, host_lens, host_tables = graphs.host_rows(rows)
+            host_longs[:, :rows] = np.frombuffer(longs, dtype=np.int64).reshape(3, rows)
+            host_lens[:rows] = lens
+            host_tables[:rows, :width] = np.frombuffer(array("i", tables), dtype=np.int32).reshape(rows, width)
+            ids, positions, slot_mapping, qsl_t, seq_lens, block_tables = graphs.commit(rows, width)
         else:
+            longs = torch.frombuffer(longs, dtype=torch.int64)
             ints = torch.frombuffer(array("i", list(range(rows + 1)) + lens + tables), dtype=torch.int32)
             longs, ints = to_device(longs, dev), to_device(ints, dev)
             ids, positions, slot_mapping = longs[:rows], longs[rows:2 * rows], longs[2 * rows:]
