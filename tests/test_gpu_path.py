@@ -222,6 +222,54 @@ def test_worst_case_step_runs_through_the_runner(llama_dir):
     assert made[0].kv_cache.abs().sum() > 0  # the step wrote its keys
 
 
+@pytest.mark.parametrize("with_draft_model", [False, True])
+def test_worst_case_steps_exercise_the_whole_sampler(llama_dir, monkeypatch, with_draft_model):
+    """The GPU's KV sizing reads the profile steps' peak, so they must make the sampler's biggest temporaries:
+    every row filtered by top-k, top-p and min-p, penalized, with logprobs; prompt logprobs; and with
+    speculative decoding a verification of k + 1 rows per sequence, as many as the token budget allows."""
+    import tokenmill.sample.sampler as sampler_mod
+    import tokenmill.worker.model_runner as runner_mod
+
+    spec = {"method": "draft_model", "model": llama_dir, "num_speculative_tokens": 3, "adaptive": False}
+    llm = make_llm(llama_dir, **({"speculative_config": spec} if with_draft_model else {}))
+    r = llm.llm_engine.core.runner
+    mc = llm.llm_engine.core.model_config
+    seen = {"filter": [], "penalize": [], "verify": [], "prompt_lp": [], "lp": []}
+
+    def spy(name, fn, rows_of):
+        def wrapped(*args, **kw):
+            seen[name].append(rows_of(*args, **kw))
+            return fn(*args, **kw)
+        return wrapped
+
+    monkeypatch.setattr(sampler_mod, "filter_logits",
+                        spy("filter", sampler_mod.filter_logits, lambda x, *a, **k: (x.shape[0],) + a[3:]))
+    monkeypatch.setattr(sampler_mod, "_penalize", spy("penalize", sampler_mod._penalize, lambda x, idx, sub: len(idx)))
+    monkeypatch.setattr(sampler_mod, "token_logprob_tensors",
+                        spy("lp", sampler_mod.token_logprob_tensors, lambda lps, chosen, n: (lps.shape[0], n)))
+    monkeypatch.setattr(runner_mod, "verify", spy("verify", runner_mod.verify, lambda s, logits, c: logits.shape[0]))
+    monkeypatch.setattr(runner_mod, "batch_token_logprobs",
+                        spy("prompt_lp", runner_mod.batch_token_logprobs, lambda lps, t, n: (lps.shape[0], n)))
+
+    def make_runner(num_blocks):
+        from tokenmill.spec_decode.build import build_proposer
+        from tokenmill.worker.model_runner import ModelRunner
+        proposer = None
+        if with_draft_model:  # as worker/build.py makes it: the draft's KV in the scratch runner's blocks
+            proposer = build_proposer(llm.llm_engine.config.speculative, (r.proposer.model, mc), num_blocks,
+                                      r.block_size, r.dtype, "cpu", r.backend)
+        return ModelRunner(r.model, r.backend, num_blocks, r.block_size, len(r.kv_caches), r.kv_cache.shape[-2],
+                           r.kv_cache.shape[-1], r.dtype, "cpu", proposer=proposer)
+
+    lengths = worst_case_lengths(64, 8, 256)  # 8 sequences of 8 tokens
+    run_worst_case_step(make_runner, lengths, 16, num_drafts=3)
+    # the prefill samples 8 rows; the verification 8 sequences x 4 rows (the token budget allows 16)
+    assert seen["filter"] == [(8, True, True, True), (32, True, True, True)]
+    assert seen["penalize"] == [8, 32]
+    assert seen["verify"] == [32]
+    assert (8, 20) in seen["lp"] and seen["prompt_lp"] == [(7, 20)]  # the longest prompt scores its 7 next tokens
+
+
 def test_gpu_budget_and_the_not_enough_memory_error(llama_dir):
     from tokenmill.config import ModelConfig
     from tokenmill.models.loader import load_hf_config

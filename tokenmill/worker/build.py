@@ -53,7 +53,8 @@ def build_runner(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, shar
     if config.device == "cuda" and config.num_kv_blocks is None and pipeline is None:
         lengths = worst_case_lengths(config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len)
         budget = measure_gpu_budget(make_runner, lengths, config.block_size, config.gpu_memory_utilization,
-                                    kv_block_bytes(config, mc, dtype, layers, kv_heads, draft[1] if draft else None))
+                                    kv_block_bytes(config, mc, dtype, layers, kv_heads, draft[1] if draft else None),
+                                    spec.num_speculative_tokens if spec is not None and shard.is_last_stage else 0)
     num_blocks = agree(num_kv_blocks(config, mc, dtype, layers, kv_heads, draft[1] if draft else None, budget))
     runner = make_runner(num_blocks)
     if not config.enforce_eager and pipeline is None and not mc.is_multimodal:

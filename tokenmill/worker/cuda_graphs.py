@@ -39,6 +39,7 @@ draft steps replay them as the target's decode steps do.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -125,7 +126,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        pool = None
+        pool, t0, reserved = None, time.perf_counter(), torch.cuda.memory_reserved()
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
             self._warm_up(size)
             torch.cuda.synchronize()
@@ -141,7 +142,10 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
-        logger.info("CUDA graphs captured for decode batch sizes %s", self.sizes)
+        # the graphs' pool stays reserved beside the KV cache (outside the profiled budget: about one decode step
+        # of max_num_seqs rows, small against the prefill peak the budget holds back)
+        logger.info("CUDA graphs captured for decode batch sizes %s in %.1f s, %.2f GiB", self.sizes,
+                    time.perf_counter() - t0, (torch.cuda.memory_reserved() - reserved) / 2**30)
 
     def _warm_up(self, size: int) -> None:
         """Bucket `size` run once outside the graph (Triton compiles, lazy buffers allocate), its rows writing
