@@ -107,7 +107,8 @@ def _generate(model_dir: str, backend: str, graphs: bool = False, max_tokens: in
                 folded=[layer.folds_gemvs for layer in runner.model.model.layers],
                 prefix_hits=stats.prefix_cache_hits, drafts=stats.spec_num_draft_tokens,
                 accepted=stats.spec_num_accepted_tokens,
-                draft_graph_steps=draft.decode_step.num_runs if draft is not None else 0)
+                draft_graph_steps=draft.decode_step.num_runs if draft is not None else 0,
+                draft_staged_steps=draft.decode_step.num_staged_steps if draft is not None else 0)
 
 
 # ------------------------------------------------------------------ the interpreter child
@@ -148,6 +149,7 @@ def test_triton_engine_matches_torch_backend(interpreted, scenario):
     elif scenario == "draft-graphs":  # the draft's single-token steps ran in its own padded buffers (the target's
         # verifications, 4 rows a request, mostly exceed the 5-row buckets)
         assert triton_run["drafts"] > 0 and triton_run["draft_graph_steps"] > 0
+        assert triton_run["draft_staged_steps"] == triton_run["draft_graph_steps"]  # staged into the draft's mirror
         # tokens are lossless whatever the drafts: the target drafting for itself must be (almost) always right
         assert triton_run["accepted"] > 0.9 * triton_run["drafts"]
     elif scenario.startswith("padded-graphs"):

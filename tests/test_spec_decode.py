@@ -760,6 +760,28 @@ def test_draft_model_greedy_identity_with_chunking_prefix_hits_and_preemption(ll
             assert st.spec_acceptance_rate > 0.9  # a draft identical to the target is (almost) always right
 
 
+def test_draft_forward_returns_each_request_its_own_token(llama_dir):
+    """The draft's forward runs decode rows before chunks (the attention backend's order) and its argmaxes stay
+    on the device; they must come back in the order the requests were given. (Greedy speculation is lossless
+    whatever the drafts, so only the drafts themselves show a mix-up.)"""
+    from tokenmill.sched.output import ScheduledRequest
+
+    llm = make_llm(llama_dir, speculative_config=_draft_cfg(llama_dir, k=3, adaptive=False))
+    eng = llm.llm_engine
+    for i, p in enumerate(random_prompts([11, 6], seed=21)):
+        eng.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    eng.step()
+    runner = eng.core.runner
+    proposer, states = runner.proposer, [runner.requests[str(i)] for i in range(2)]
+    ends = [len(st.prompt_token_ids) + len(st.output_token_ids) - 1 for st in states]
+    chunk = ScheduledRequest("0", 0, ends[0] + 1, [], 1)  # request 0 over its whole context (a catch-up chunk)
+    decode = ScheduledRequest("1", ends[1], 1, [], 1, draft_token_ids=[states[1].output_token_ids[-1]])
+    alone = [proposer._run(runner, [chunk]).tolist(), proposer._run(runner, [decode]).tolist()]
+    assert alone[0] != alone[1]  # else a swap would not show
+    assert proposer._run(runner, [chunk, decode]).tolist() == alone[0] + alone[1]
+    assert proposer._run(runner, [decode, chunk]).tolist() == alone[1] + alone[0]
+
+
 def test_draft_model_seeded_sampling_matches_plain(llama_dir):
     sp = SamplingParams(temperature=0.9, top_p=0.95, seed=4, max_tokens=30, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in random_prompts([10, 20], seed=3)]

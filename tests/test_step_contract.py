@@ -239,8 +239,8 @@ def test_decode_rows_fast_path_builds_what_the_general_path_builds(llama_dir):
     runner = llm.llm_engine.core.runner
     fast_path, checked = runner._prepare_decodes, []
 
-    def both(seqs, states, stage=False):
-        fast = fast_path(seqs, states, stage)
+    def both(seqs, states, graphs=None):
+        fast = fast_path(seqs, states, graphs)
         slow = runner._prepare_mixed(seqs, states)
         for a, b in zip(fast[:2], slow[:2]):
             assert torch.equal(a, b)

@@ -67,18 +67,30 @@ class DraftModelProposer:
 
     def _draft_step_by_step(self, runner, catch_up: list[ScheduledRequest], ks: list[int]) -> list[list[int]]:
         """The catch-up forward (its rows beyond a verified run's are timed as catch-up: new prompts, tokens
-        skipped at depth 0), then one forward per further draft step, each request's last draft its input."""
+        skipped at depth 0), then one forward per further draft step, each request's last draft its input.
+        The drafts stay on the device until the last step (each step's inputs are the step before's argmaxes,
+        copied there), so on a GPU the host queues all k forwards and reads the drafts back once."""
         t0 = time.perf_counter()
-        drafts = [[t] for t in self._run(runner, catch_up)]
+        first = self._run(runner, catch_up)
         rows = [s.num_new_tokens for s in catch_up]
         long_rows = sum(n - 1 for n in rows if n > CATCH_UP_DECODE_ROWS)  # beyond each one's own last token
-        self.catch_up_seconds = (time.perf_counter() - t0) * long_rows / sum(rows)
+        if long_rows:  # the time is the device's: wait for it (new prompts and depth switches only, not per step)
+            first.cpu()
+            self.catch_up_seconds = (time.perf_counter() - t0) * long_rows / sum(rows)
+        columns, last = [first], first
         for step in range(1, max(ks)):
-            live = [j for j, k in enumerate(ks) if step < k]
+            live = sum(k > step for k in ks)  # a prefix: the deepest come first (propose_batch)
+            # the input token is a placeholder on the host: the step before's argmaxes fill it in on the device
             seqs = [ScheduledRequest(catch_up[j].request_id, catch_up[j].start_pos + catch_up[j].num_new_tokens - 1
-                                     + step, 1, [], 1, draft_token_ids=[drafts[j][-1]]) for j in live]
-            for j, t in zip(live, self._run(runner, seqs)):
-                drafts[j].append(t)
+                                     + step, 1, [], 1, draft_token_ids=[0]) for j in range(live)]
+            last = self._run(runner, seqs, last[:live])
+            columns.append(last)
+        flat = torch.cat(columns).tolist()  # the one read back
+        drafts, at = [[] for _ in ks], 0
+        for col in columns:
+            for j in range(len(col)):
+                drafts[j].append(flat[at + j])
+            at += len(col)
         return drafts
 
     def _draft_in_one_call(self, runner, catch_up: list[ScheduledRequest], ks: list[int]) -> list[list[int]] | None:
@@ -105,20 +117,22 @@ class DraftModelProposer:
             return ScheduledRequest(rid, synced, n, [], 1, draft_token_ids=state.token_ids(synced + 1, pos + 1))
         return ScheduledRequest(rid, synced, n, [], 1)
 
-    def _run(self, runner, seqs: list[ScheduledRequest]) -> list[int]:
+    def _run(self, runner, seqs: list[ScheduledRequest], input_ids_from: torch.Tensor | None = None) -> torch.Tensor:
         """One draft forward over `seqs` (decode rows first, as the attention backend wants); the argmax at
-        each one's last row, in the order given."""
+        each one's last row, in the order given, on the device. `input_ids_from`: the single-token rows' input
+        ids, already on the device (the host's are placeholders)."""
         order = sorted(range(len(seqs)), key=lambda i: seqs[i].num_new_tokens != 1 and not seqs[i].draft_token_ids)
         ordered = [seqs[i] for i in order]
-        input_ids, positions, batch, starts = runner.prepare_batch(ordered)
+        input_ids, positions, batch, starts = runner.prepare_batch(ordered, stage_into=self.decode_step)
+        if input_ids_from is not None:  # single-token rows only: `order` kept them in place
+            input_ids.copy_(input_ids_from)
         step = self.decode_step
         if step is not None and step.can_run(batch, len(input_ids)):
             hidden = step.run(input_ids, positions, batch)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, self.backend.build_metadata(batch), self.backend)
         last = [starts[j + 1] - 1 for j in range(len(ordered))]
-        tokens = argmax_rows(self.model.compute_logits(hidden[last])).tolist()
-        out = [0] * len(seqs)
-        for j, i in enumerate(order):
-            out[i] = tokens[j]
-        return out
+        tokens = argmax_rows(self.model.compute_logits(hidden[last]))
+        if order != sorted(order):
+            tokens = tokens[torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=tokens.device)]
+        return tokens

@@ -32,7 +32,7 @@ is True (no host loops over the batch: the buffers' host lists are placeholders)
 torch backend is not.
 
 A draft model (speculative decoding) gets graphs of its own, over its model and KV cache: its single-token
-draft steps replay them as the target's decode steps do.
+draft steps are staged into its own mirrors and replay them as the target's decode steps do.
 
 `capture=False` runs the same padded buffers eagerly: the CPU tests use it to check the padding rules.
 """

@@ -59,7 +59,7 @@ class DeferredTokens:
 
 # prompt logprobs take the logits of this many prompt rows at a time: a whole chunk's (2,048 rows of a 128K
 # vocabulary: 1 GiB of float32, and as much again for its log_softmax) would be far past what the KV sizing's
-# worst-case step measured (the logits of max_num_seqs rows)
+# worst-case step measures (the logits of max_num_seqs rows, and one such slice of prompt logprobs)
 PROMPT_LOGPROB_ROWS = 256
 
 
@@ -112,7 +112,7 @@ class ModelRunner:
             self.proposer.release(request_ids)
 
     def prepare_batch(self, seqs: list[ScheduledRequest], states: list[RequestState] | None = None,
-                      stage: bool = False):
+                      stage_into=None):
         """Returns (input_ids, positions, AttentionBatch, token_starts): token_starts[i] .. token_starts[i + 1]
         are seq i's rows in the flat token batch.
 
@@ -125,13 +125,13 @@ class ModelRunner:
             seq B: verify at 4, 2 drafts -> rows B0, B1, B2   seq_lens 5, 6, 7   (B's block table each)
             seq C: prefill chunk         -> row C     seq_len start + n
 
-        `stage`: a decode step that fits the CUDA graphs goes straight into their buffers (DecodeGraphs.host_rows,
-        then commit).
+        `stage_into`: a decode step that fits these CUDA graphs (the target's, or a draft model's) goes straight
+        into their buffers (DecodeGraphs.host_rows, then commit).
         """
         if states is None:
             states = [self.requests[s.request_id] for s in seqs]
         if all(s.num_new_tokens == 1 or s.draft_token_ids for s in seqs):
-            return self._prepare_decodes(seqs, states, stage)
+            return self._prepare_decodes(seqs, states, stage_into)
         return self._prepare_mixed(seqs, states)
 
     def _prepare_mixed(self, seqs: list[ScheduledRequest], states: list[RequestState]):
@@ -173,7 +173,7 @@ class ModelRunner:
         return (dev(torch.tensor(input_ids, dtype=torch.int64)), dev(torch.from_numpy(positions)), batch,
                 qsl.tolist())
 
-    def _prepare_decodes(self, seqs: list[ScheduledRequest], states: list[RequestState], stage: bool = False):
+    def _prepare_decodes(self, seqs: list[ScheduledRequest], states: list[RequestState], graphs=None):
         """prepare_batch for a step of decode rows only (plain decodes, verifications, a draft model's steps: the
         common steps), in plain lists: at batch 1 the general path's dozen numpy calls cost several times this.
         Sequence i's n_i tokens are rows at positions start_i .. start_i + n_i - 1, each with its own length."""
@@ -199,7 +199,6 @@ class ModelRunner:
         # A step the CUDA graphs will run goes into their host mirror and then the device in one copy;
         # otherwise two tensors (two copies to the device): the int64 rows and the int32 rows, cut into views
         longs = array("q", toks + pos + slots)
-        graphs = self.decode_step if stage else None
         if graphs is not None and getattr(graphs, "can_stage", None) and graphs.can_stage(rows, width):
             host_longs, host_lens, host_tables = graphs.host_rows(rows)
             host_longs[:, :rows] = np.frombuffer(longs, dtype=np.int64).reshape(3, rows)
@@ -234,7 +233,7 @@ class ModelRunner:
         if bursting:
             seqs.sort(key=lambda s: -s.num_steps)
         states = [self.requests[s.request_id] for s in seqs]
-        input_ids, positions, batch, qsl = self.prepare_batch(seqs, states, stage=not bursting)
+        input_ids, positions, batch, qsl = self.prepare_batch(seqs, states, None if bursting else self.decode_step)
         if self._pending:
             self._fill_pending(seqs, states, input_ids, qsl)
         if bursting:
