@@ -675,14 +675,17 @@ def _profile_kernels(fn, reps: int) -> dict:
             "top": sorted(top, reverse=True)[:10]}
 
 
-def _sync_points(engine, sp, steps: int = 20) -> dict:
-    """Decode steps of one request under torch.cuda.set_sync_debug_mode("warn"): the synchronizing calls per
-    step and the lines that made them (async scheduling's one wait per step is an event, which it does not
-    count)."""
+def _sync_points(engine, params: list, steps: int = 20, late=None) -> dict:
+    """Decode steps of one request per SamplingParams in `params` under torch.cuda.set_sync_debug_mode("warn"):
+    the synchronizing calls per step and the lines that made them (async scheduling's one wait per step is an
+    event, which it does not count). `late`: a request of 300 prompt tokens with these params joins in the
+    measured window (its prefill among the decodes: sampled rows that are not consecutive)."""
     import collections
     import warnings
-    rid = f"sync-{time.monotonic_ns()}"
-    engine.add_request(rid, {"prompt_token_ids": list(range(10, 138))}, sp)
+    tag = time.monotonic_ns()
+    rids = [f"sync-{tag}-{i}" for i in range(len(params))]
+    for i, (rid, sp) in enumerate(zip(rids, params)):
+        engine.add_request(rid, {"prompt_token_ids": list(range(10 + i, 138 + i))}, sp)
     try:
         for _ in range(5):  # the prefill and the first decodes
             engine.step()
@@ -690,12 +693,15 @@ def _sync_points(engine, sp, steps: int = 20) -> dict:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                for _ in range(steps):
+                for i in range(steps):
+                    if late is not None and i == steps // 2:
+                        rids.append(f"sync-{tag}-late")
+                        engine.add_request(rids[-1], {"prompt_token_ids": list(range(20, 320))}, late)
                     engine.step()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
     finally:
-        engine.abort_request([rid])
+        engine.abort_request(rids)
         while engine.has_unfinished_requests():
             engine.step()
     caught = [w for w in caught if "synchroniz" in str(w.message)]  # torch: "called a synchronizing CUDA op"
@@ -786,10 +792,14 @@ def decode_profile(copy_gb_s: float) -> dict:
     # seeded sample with penalties and min_tokens (the sampler's batched paths)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=1, repetition_penalty=1.1, presence_penalty=0.2,
                              frequency_penalty=0.1, min_tokens=50, max_tokens=200, ignore_eos=True)
-    for name, sp in (("greedy", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)),
-                     ("sampled_penalties", sampled)):
+    # and a mixed batch: greedy with logprobs, seeded next to unseeded samples, a prompt arriving mid-way
+    mixed = [SamplingParams(temperature=0, logprobs=2, max_tokens=200, ignore_eos=True),
+             SamplingParams(temperature=0.8, seed=3, max_tokens=200, ignore_eos=True),
+             SamplingParams(temperature=0.8, max_tokens=200, ignore_eos=True)]
+    for name, params, late in (("greedy", [SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)], None),
+                               ("sampled_penalties", [sampled], None), ("mixed", mixed, mixed[0])):
         try:
-            res[f"sync_points_{name}"] = _sync_points(engine, sp)
+            res[f"sync_points_{name}"] = _sync_points(engine, params, late=late)
         except Exception as e:
             res[f"sync_points_{name}"] = f"{type(e).__name__}: {e}"[:300]
     keep()

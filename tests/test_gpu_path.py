@@ -440,3 +440,47 @@ def test_bursts_do_not_turn_async_scheduling_off_on_a_gpu(llama_dir):
 
 if __name__ == "__main__":
     _child_main(sys.argv[1], sys.argv[2])
+
+
+def _list_index_sites(llm, prompts, params) -> dict:
+    """Where tokenmill indexed a tensor with a Python list while `llm` generated (file:line -> count)."""
+    import collections
+    import traceback
+
+    from torch.overrides import TorchFunctionMode
+
+    sites = collections.Counter()
+
+    class ListIndexSpy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) > 1:
+                idx = args[1]
+                if isinstance(idx, list) or (isinstance(idx, tuple) and any(isinstance(i, list) for i in idx)):
+                    ours = [f for f in traceback.extract_stack()[:-1] if "/tokenmill/" in f.filename]
+                    sites[f"{ours[-1].filename.rsplit('/tokenmill/', 1)[-1]}:{ours[-1].lineno}" if ours else "?"] += 1
+            return func(*args, **(kwargs or {}))
+
+    with ListIndexSpy():
+        llm.generate(prompts, params, use_tqdm=False)
+    return dict(sites)
+
+
+@pytest.mark.parametrize("engine", ["async", "draft_model", "ngram"])
+def test_steps_never_index_a_tensor_with_a_list(llama_dir, engine):
+    """`t[list]` and `t[list] = v` on a CUDA tensor copy the list to the device and synchronize the stream first,
+    stalling the host behind the step in flight (async scheduling's overlap lost for that step; a draft model's
+    steps serialized). Every step kind runs here: decodes with logprobs, prefill chunks among decodes (rows that
+    are not consecutive), seeded next to unseeded sampling, penalties, prompt logprobs, a draft model's
+    proposals (its catch-up chunks reordered behind decode rows), verifications."""
+    kw = {"async": dict(async_scheduling=True),
+          "draft_model": dict(speculative_config={"method": "draft_model", "model": llama_dir,
+                                                  "num_speculative_tokens": 3, "adaptive": False}, enforce_eager=True),
+          "ngram": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                            "prompt_lookup_max": 2, "adaptive": False})}[engine]
+    llm = make_llm(llama_dir, max_num_batched_tokens=16, **kw)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([30, 9, 17, 5], seed=3)]
+    params = [SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, presence_penalty=0.5, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, prompt_logprobs=2, max_tokens=12, ignore_eos=True)]
+    assert _list_index_sites(llm, prompts, params) == {}

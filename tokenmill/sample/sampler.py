@@ -12,7 +12,7 @@ from itertools import chain
 
 import torch
 
-from tokenmill.device_copy import to_device
+from tokenmill.device_copy import take_rows, to_device
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -160,7 +160,9 @@ def exponential_sample(probs: torch.Tensor, generators: list[torch.Generator | N
             if g is not None:
                 noise[i].exponential_(generator=g)
         if shared:
-            noise[shared] = torch.empty_like(noise[shared]).exponential_(generator=default)
+            at = device_tensor(shared, torch.int64, noise.device)
+            noise.index_copy_(0, at, torch.empty((len(shared), noise.shape[1]), dtype=noise.dtype,
+                                                 device=noise.device).exponential_(generator=default))
     return argmax_rows(probs / noise)
 
 
@@ -226,7 +228,7 @@ class Sampler:
         if not idx:
             return ()
         top_n = max(rows[i].params.logprobs for i in idx)
-        return token_logprob_tensors(raw_logits[idx].log_softmax(dim=-1), tokens[idx], top_n)
+        return token_logprob_tensors(take_rows(raw_logits, idx).log_softmax(dim=-1), take_rows(tokens, idx), top_n)
 
     @staticmethod
     def logprob_rows(rows: list[SampleRow], tensors: tuple) -> list[TokenLogprobs | None]:

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from tokenmill.device_copy import take_rows, to_device
 from tokenmill.sample.sampler import argmax_rows
 from tokenmill.sched.output import ScheduledRequest
 
@@ -132,7 +133,8 @@ class DraftModelProposer:
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, self.backend.build_metadata(batch), self.backend)
         last = [starts[j + 1] - 1 for j in range(len(ordered))]
-        tokens = argmax_rows(self.model.compute_logits(hidden[last]))
-        if order != sorted(order):
-            tokens = tokens[torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=tokens.device)]
+        tokens = argmax_rows(self.model.compute_logits(take_rows(hidden, last)))
+        if order != sorted(order):  # back to the order given
+            tokens = tokens.index_select(0, to_device(torch.tensor(sorted(range(len(order)), key=order.__getitem__)),
+                                                      tokens.device))
         return tokens

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionBatch
-from tokenmill.device_copy import to_device, to_pinned_host
+from tokenmill.device_copy import take_rows, to_device, to_pinned_host
 from tokenmill.sample.sampler import SampleRow, Sampler, TokenLogprobs, argmax_rows, batch_token_logprobs
 from tokenmill.sched.output import ScheduledRequest, SchedulerOutput
 from tokenmill.spec_decode.verify import DraftCheck, accept_greedy, verify
@@ -61,14 +61,6 @@ class DeferredTokens:
 # vocabulary: 1 GiB of float32, and as much again for its log_softmax) would be far past what the KV sizing's
 # worst-case step measures (the logits of max_num_seqs rows, and one such slice of prompt logprobs)
 PROMPT_LOGPROB_ROWS = 256
-
-
-def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """t[rows] for strictly increasing rows: a slice when they are consecutive (decode-only steps), which
-    costs a fifth of a gather."""
-    if rows[-1] - rows[0] == len(rows) - 1:
-        return t[rows[0]:rows[-1] + 1]
-    return t[rows]
 
 
 class ModelRunner:
@@ -261,11 +253,11 @@ class ModelRunner:
         plain = [i for i, s in enumerate(seqs) if s.num_sampled_positions and not s.draft_token_ids]
         if plain:
             self._sample(out, [seqs[i] for i in plain], [states[i] for i in plain],
-                         _rows(hidden, [qsl[i + 1] - 1 for i in plain]))
+                         take_rows(hidden, [qsl[i + 1] - 1 for i in plain]))
         drafted = [i for i, s in enumerate(seqs) if s.draft_token_ids]
         if drafted:
             rows = [r for i in drafted for r in range(qsl[i + 1] - seqs[i].num_sampled_positions, qsl[i + 1])]
-            self._verify(out, [seqs[i] for i in drafted], _rows(hidden, rows))
+            self._verify(out, [seqs[i] for i in drafted], take_rows(hidden, rows))
         if self.proposer is not None:
             self._propose(out, seqs)
         for i, s in enumerate(seqs):
@@ -462,7 +454,7 @@ class ModelRunner:
                 n = 1 + len(s.draft_token_ids)
                 keep.extend(range(row, row + (1 if s.draft_placeholders else n)))
                 row += n
-            logits = logits[keep]
+            logits = take_rows(logits, keep)
         tokens, logprobs = verify(self.sampler, logits, checks)
         for s, st, toks, lps in zip(seqs, states, tokens, logprobs):
             st.output_token_ids.extend(toks)
@@ -489,6 +481,6 @@ class ModelRunner:
         for lo in range(0, count, PROMPT_LOGPROB_ROWS):
             hi = min(count, lo + PROMPT_LOGPROB_ROWS)
             lps = self.model.compute_logits(hidden[lo:hi]).log_softmax(dim=-1)
-            targets = torch.tensor(prompt[seq.start_pos + 1 + lo: seq.start_pos + 1 + hi], device=lps.device)
+            targets = to_device(torch.tensor(prompt[seq.start_pos + 1 + lo: seq.start_pos + 1 + hi]), lps.device)
             rows += batch_token_logprobs(lps, targets, state.sampling_params.prompt_logprobs)
         return rows
