@@ -199,3 +199,16 @@ def test_seeded_n_completions_differ_and_reproduce(llama_dir):
     b = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0]
     assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
     assert len({tuple(c.token_ids) for c in a.outputs}) > 1
+
+
+def test_top_logprobs_past_a_small_vocabulary_give_every_token():
+    """logprobs=20 over a 12-token vocabulary: all 12, ranked, not a failed step (which would fail every request
+    in the batch)."""
+    from tokenmill.sample.sampler import batch_token_logprobs
+
+    lps = torch.randn(3, 12).log_softmax(dim=-1)
+    rows = batch_token_logprobs(lps, torch.tensor([0, 5, 11]), 20)
+    for r, row in enumerate(rows):
+        assert len(row) == 1 + 12
+        assert [t for t, _, _ in row[1:]] == lps[r].argsort(descending=True).tolist()
+        assert row[0][0] == [0, 5, 11][r] and row[0][1] == pytest.approx(lps[r, row[0][0]].item())

@@ -247,7 +247,7 @@ def token_logprob_tensors(logprobs: torch.Tensor, chosen: torch.Tensor, top_n: i
     ranks = (logprobs > lp.unsqueeze(1)).sum(dim=1) + 1
     if not top_n:
         return chosen, lp, ranks
-    vals, ids = logprobs.topk(top_n, dim=1)
+    vals, ids = logprobs.topk(min(top_n, logprobs.shape[1]), dim=1)  # a vocabulary smaller than 20 has no more
     return chosen, lp, ranks, vals, ids
 
 
