@@ -17,7 +17,7 @@ from conftest import make_llm, random_prompts
 from tokenmill.attention.registry import attention_backend_class, resolve_attention_backend
 from tokenmill.config import EngineConfig
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.memory_profile import GpuMemoryBudget, run_worst_case_step, worst_case_lengths
+from tokenmill.worker.memory_profile import GpuMemoryBudget, WorstCase, worst_case_lengths
 from triton_child import child_main, needs_triton, run_child
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -218,10 +218,34 @@ def test_worst_case_step_runs_through_the_runner(llama_dir):
                                 r.kv_cache.shape[-2], r.kv_cache.shape[-1], r.dtype, "cpu"))
         return made[-1]
 
-    lengths = worst_case_lengths(64, 8, 256)
-    run_worst_case_step(make_runner, lengths, 16)
+    WorstCase.for_limits(64, 8, 256, 16).run(make_runner)
     assert made[0].num_blocks == 8 and len(made[0].requests) == 0
     assert made[0].kv_cache.abs().sum() > 0  # the step wrote its keys
+    # one sequence as long as the budget allows, verifying 3 drafts: inside max_model_len (256) and its rotary table
+    WorstCase.for_limits(256, 1, 256, 16, num_drafts=3).run(make_runner)
+    assert len(made[1].requests) == 0
+
+
+def test_worst_case_verification_stays_inside_the_scheduler_limits():
+    """As the scheduler's _fit_drafts: positions n .. n + k inside max_model_len and k + 1 rows inside the
+    token budget; no verification step where no sequence has room (a step of no sequences would fail)."""
+    def rows(worst):
+        step = worst.verification(worst.prefill())
+        if step is None:
+            return None
+        assert all(s.start_pos + s.num_new_tokens <= worst.max_model_len for s in step.seqs)
+        assert step.num_scheduled_tokens <= sum(worst.lengths)
+        return [s.num_new_tokens for s in step.seqs]
+
+    assert rows(WorstCase.for_limits(64, 8, 256, 16, num_drafts=3)) == [4] * 8
+    assert rows(WorstCase.for_limits(256, 1, 256, 16, num_drafts=3)) == [4, 4]  # prompts leave room for k + 1
+    assert rows(WorstCase.for_limits(2048, 2, 1024, 16, num_drafts=4)) == [5, 5, 5]  # 3 prompts of <= 1019
+    assert rows(WorstCase([256], 16, 256, num_drafts=3)) is None  # a full-length prompt cannot verify
+    assert rows(WorstCase([254], 16, 256, num_drafts=3)) == [2]  # one draft fits before max_model_len
+    assert rows(WorstCase([2], 16, 256, num_drafts=3)) == [2]  # a budget of 2 tokens: one draft
+    assert rows(WorstCase([5, 5, 5], 16, 256, num_drafts=4)) == [5, 5, 5]
+    assert rows(WorstCase([1, 1, 1], 16, 256, num_drafts=4)) == [3]  # the budget (3 tokens) runs out
+    assert WorstCase([16, 16], 16, 256, num_drafts=3).scratch_blocks == 4  # room past a full block
 
 
 @pytest.mark.parametrize("with_draft_model", [False, True])
@@ -263,13 +287,13 @@ def test_worst_case_steps_exercise_the_whole_sampler(llama_dir, monkeypatch, wit
         return ModelRunner(r.model, r.backend, num_blocks, r.block_size, len(r.kv_caches), r.kv_cache.shape[-2],
                            r.kv_cache.shape[-1], r.dtype, "cpu", proposer=proposer)
 
-    lengths = worst_case_lengths(64, 8, 256)  # 8 sequences of 8 tokens
-    run_worst_case_step(make_runner, lengths, 16, num_drafts=3)
-    # the prefill samples 8 rows; the verification 8 sequences x 4 rows (the token budget allows 16)
+    # 8 sequences of 16 tokens: the verification's positions 16 .. 19 are in a block of their own
+    WorstCase.for_limits(128, 8, 256, 16, num_drafts=3).run(make_runner)
+    # the prefill samples 8 rows; the verification 8 sequences x 4 rows
     assert seen["filter"] == [(8, True, True, True), (32, True, True, True)]
     assert seen["penalize"] == [8, 32]
     assert seen["verify"] == [32]
-    assert (8, 20) in seen["lp"] and seen["prompt_lp"] == [(7, 20)]  # the longest prompt scores its 7 next tokens
+    assert (8, 20) in seen["lp"] and seen["prompt_lp"] == [(15, 20)]  # the longest prompt scores its 15 next tokens
 
 
 def test_gpu_budget_and_the_not_enough_memory_error(llama_dir):
@@ -438,10 +462,6 @@ def test_bursts_do_not_turn_async_scheduling_off_on_a_gpu(llama_dir):
     assert not cpu.async_scheduling
 
 
-if __name__ == "__main__":
-    _child_main(sys.argv[1], sys.argv[2])
-
-
 def _list_index_sites(llm, prompts, params) -> dict:
     """Where tokenmill indexed a tensor with a Python list while `llm` generated (file:line -> count)."""
     import collections
@@ -484,3 +504,7 @@ def test_steps_never_index_a_tensor_with_a_list(llama_dir, engine):
               SamplingParams(temperature=0.8, presence_penalty=0.5, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0, prompt_logprobs=2, max_tokens=12, ignore_eos=True)]
     assert _list_index_sites(llm, prompts, params) == {}
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1], sys.argv[2])

@@ -768,18 +768,21 @@ def test_draft_forward_returns_each_request_its_own_token(llama_dir):
 
     llm = make_llm(llama_dir, speculative_config=_draft_cfg(llama_dir, k=3, adaptive=False))
     eng = llm.llm_engine
-    for i, p in enumerate(random_prompts([11, 6], seed=21)):
+    for i, p in enumerate(random_prompts([11, 6, 8], seed=21)):
         eng.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     eng.step()
     runner = eng.core.runner
-    proposer, states = runner.proposer, [runner.requests[str(i)] for i in range(2)]
+    proposer, states = runner.proposer, [runner.requests[str(i)] for i in range(3)]
     ends = [len(st.prompt_token_ids) + len(st.output_token_ids) - 1 for st in states]
     chunk = ScheduledRequest("0", 0, ends[0] + 1, [], 1)  # request 0 over its whole context (a catch-up chunk)
-    decode = ScheduledRequest("1", ends[1], 1, [], 1, draft_token_ids=[states[1].output_token_ids[-1]])
-    alone = [proposer._run(runner, [chunk]).tolist(), proposer._run(runner, [decode]).tolist()]
-    assert alone[0] != alone[1]  # else a swap would not show
-    assert proposer._run(runner, [chunk, decode]).tolist() == alone[0] + alone[1]
-    assert proposer._run(runner, [decode, chunk]).tolist() == alone[1] + alone[0]
+    decodes = [ScheduledRequest(str(i), ends[i], 1, [], 1, draft_token_ids=[states[i].output_token_ids[-1]])
+               for i in (1, 2)]
+    seqs = [chunk] + decodes
+    alone = [proposer._run(runner, [s]).tolist()[0] for s in seqs]
+    assert len(set(alone)) == 3  # else a mix-up would not show
+    # run order: the decodes, then the chunk ([1, 2, 0], not its own inverse)
+    assert proposer._run(runner, seqs).tolist() == alone
+    assert proposer._run(runner, [decodes[1], chunk, decodes[0]]).tolist() == [alone[2], alone[0], alone[1]]
 
 
 def test_draft_model_seeded_sampling_matches_plain(llama_dir):

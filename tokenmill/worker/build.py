@@ -19,7 +19,7 @@ from tokenmill.worker.encoder_runner import EncoderRunner
 from tokenmill.spec_decode.draft_model import DraftModelProposer
 from tokenmill.worker.cpu_decode_step import CpuDecodeStep
 from tokenmill.worker.cuda_graphs import DecodeGraphs
-from tokenmill.worker.memory_profile import GIB, GpuMemoryBudget, measure_gpu_budget, worst_case_lengths
+from tokenmill.worker.memory_profile import GIB, GpuMemoryBudget, WorstCase, measure_gpu_budget
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("tokenmill")
@@ -51,10 +51,10 @@ def build_runner(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, shar
 
     budget = None
     if config.device == "cuda" and config.num_kv_blocks is None and pipeline is None:
-        lengths = worst_case_lengths(config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len)
-        budget = measure_gpu_budget(make_runner, lengths, config.block_size, config.gpu_memory_utilization,
-                                    kv_block_bytes(config, mc, dtype, layers, kv_heads, draft[1] if draft else None),
-                                    spec.num_speculative_tokens if spec is not None and shard.is_last_stage else 0)
+        worst = WorstCase.for_limits(config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len,
+                                     config.block_size, spec.num_speculative_tokens if spec is not None else 0)
+        budget = measure_gpu_budget(make_runner, worst, config.gpu_memory_utilization,
+                                    kv_block_bytes(config, mc, dtype, layers, kv_heads, draft[1] if draft else None))
     num_blocks = agree(num_kv_blocks(config, mc, dtype, layers, kv_heads, draft[1] if draft else None, budget))
     runner = make_runner(num_blocks)
     if not config.enforce_eager and pipeline is None and not mc.is_multimodal:

@@ -22,7 +22,8 @@ Inputs live in the persistent buffers. The runner stages a decode step's host ro
 mirror (`host_rows`, then `commit`), and one copy to the device moves the longs, the lengths and the step's
 table rows together; a step prepared elsewhere is copied in piece by piece (`run`). The mirrors are a ring:
 the host fills the next one while a copy from the last may still be queued (an event says when a mirror is
-free again, which under async scheduling it always is by the time the ring comes round). Columns past a
+free again: under async scheduling a target's step always finds it so; a draft model's k chained steps
+wait there from the fourth on, which only caps how far the host runs ahead). Columns past a
 row's blocks keep what they held; kernels read a row only up to its sequence length. Padding rows that an
 earlier, larger step left are reset before the replay (in the mirror, for a staged step). The logits are
 computed outside the graph, from the rows that sample. The attention backend's launch plan is fixed at

@@ -34,41 +34,68 @@ WORST_CASE_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p
                                      presence_penalty=0.5, frequency_penalty=0.5, logprobs=20, max_tokens=1)
 
 
-def worst_case_step(lengths: list[int], block_size: int, spare_tokens: int = 0) -> SchedulerOutput:
-    """A step that prefills `lengths` dummy prompts whole, each on its own blocks (with room for `spare_tokens`
-    more), each sampling with every sampler feature, the longest also asking for prompt logprobs."""
-    seqs, next_block = [], 0
-    longest = max(range(len(lengths)), key=lengths.__getitem__)
-    for i, n in enumerate(lengths):
-        blocks = list(range(next_block, next_block + cdiv(n + spare_tokens, block_size)))
-        next_block += len(blocks)
-        params = replace(WORST_CASE_SAMPLING, prompt_logprobs=20 if i == longest else None)
-        new = NewRequestData(f"profile-{i}", [0] * n, [], params, blocks)
-        seqs.append(ScheduledRequest(new.request_id, 0, n, [], 1, wants_prompt_logprobs=i == longest,
-                                     new_request=new))
-    return SchedulerOutput(seqs=seqs, num_scheduled_tokens=sum(lengths))
+@dataclass
+class WorstCase:
+    """The profile's steps, on a scratch cache of `scratch_blocks` blocks:
 
+      prefill        `lengths` dummy prompts whole, each on its own blocks, each sampling with every sampler
+                     feature (WORST_CASE_SAMPLING), the longest also asking for prompt logprobs;
+      verification   with speculative decoding (`num_drafts` = k), as many of those sequences as the token budget
+                     lets verify k drafts each (k + 1 logits rows per sequence, against the prefill's one), as the
+                     scheduler would: never past max_model_len, never past the budget."""
+    lengths: list[int]
+    block_size: int
+    max_model_len: int
+    num_drafts: int = 0
 
-def worst_case_verification(prefill: SchedulerOutput, num_drafts: int, max_tokens: int) -> SchedulerOutput:
-    """Speculative decoding's biggest step after `prefill`: as many of its sequences as the token budget lets
-    verify `num_drafts` drafts each, k + 1 logits rows per sequence (up to max_tokens rows, against the
-    prefill's one per sequence)."""
-    n = min(len(prefill.seqs), max_tokens // (num_drafts + 1))
-    seqs = [ScheduledRequest(s.request_id, s.num_new_tokens, num_drafts + 1, [], num_drafts + 1,
-                             draft_token_ids=[0] * num_drafts) for s in prefill.seqs[:n]]
-    return SchedulerOutput(seqs=seqs, num_scheduled_tokens=n * (num_drafts + 1))
+    @classmethod
+    def for_limits(cls, max_tokens: int, max_seqs: int, max_model_len: int, block_size: int,
+                   num_drafts: int = 0) -> "WorstCase":
+        # with speculation the prompts leave room for a verification (k + 1 positions past the prompt)
+        longest = max(max_model_len - num_drafts - 1, 1) if num_drafts else max_model_len
+        return cls(worst_case_lengths(max_tokens, max_seqs, longest), block_size, max_model_len, num_drafts)
 
+    @property
+    def _spare(self) -> int:
+        return self.num_drafts + 1 if self.num_drafts else 0
 
-def run_worst_case_step(make_runner, lengths: list[int], block_size: int, num_drafts: int = 0) -> None:
-    """make_runner(num_blocks) -> a ModelRunner on a scratch cache just big enough for the steps: the worst-case
-    prefill, then (speculative decoding's `num_drafts`) the worst-case verification."""
-    spare = num_drafts + 1 if num_drafts else 0
-    runner = make_runner(sum(cdiv(n + spare, block_size) for n in lengths))
-    step = worst_case_step(lengths, block_size, spare)
-    runner.execute(step)
-    if num_drafts:
-        runner.execute(worst_case_verification(step, num_drafts, sum(lengths)))
-    runner.release_requests([s.request_id for s in step.seqs])
+    @property
+    def scratch_blocks(self) -> int:
+        return sum(cdiv(n + self._spare, self.block_size) for n in self.lengths)
+
+    def prefill(self) -> SchedulerOutput:
+        seqs, next_block = [], 0
+        longest = max(range(len(self.lengths)), key=self.lengths.__getitem__)
+        for i, n in enumerate(self.lengths):
+            blocks = list(range(next_block, next_block + cdiv(n + self._spare, self.block_size)))
+            next_block += len(blocks)
+            params = replace(WORST_CASE_SAMPLING, prompt_logprobs=20 if i == longest else None)
+            new = NewRequestData(f"profile-{i}", [0] * n, [], params, blocks)
+            seqs.append(ScheduledRequest(new.request_id, 0, n, [], 1, wants_prompt_logprobs=i == longest,
+                                         new_request=new))
+        return SchedulerOutput(seqs=seqs, num_scheduled_tokens=sum(self.lengths))
+
+    def verification(self, prefill: SchedulerOutput) -> SchedulerOutput | None:
+        """After `prefill` (each sequence's prompt and its sampled token); None where no sequence can verify."""
+        seqs, budget = [], sum(self.lengths)
+        for s in prefill.seqs:
+            # the scheduler's limits (_fit_drafts): positions n .. n + k inside max_model_len, k + 1 in the budget
+            k = min(self.num_drafts, self.max_model_len - s.num_new_tokens - 1, budget - 1)
+            if k <= 0:
+                continue
+            seqs.append(ScheduledRequest(s.request_id, s.num_new_tokens, k + 1, [], k + 1, draft_token_ids=[0] * k))
+            budget -= k + 1
+        return SchedulerOutput(seqs=seqs, num_scheduled_tokens=sum(x.num_new_tokens for x in seqs)) if seqs else None
+
+    def run(self, make_runner) -> None:
+        """make_runner(num_blocks) -> a ModelRunner (on a scratch cache of scratch_blocks blocks)."""
+        runner = make_runner(self.scratch_blocks)
+        step = self.prefill()
+        runner.execute(step)
+        verification = self.verification(step) if self.num_drafts else None
+        if verification is not None:
+            runner.execute(verification)
+        runner.release_requests([s.request_id for s in step.seqs])
 
 
 @dataclass
@@ -89,18 +116,16 @@ class GpuMemoryBudget:
                 f"{self.activation_peak / GIB:.2f} GiB; left for the KV cache {max(self.kv_bytes, 0) / GIB:.2f} GiB")
 
 
-def measure_gpu_budget(make_runner, lengths: list[int], block_size: int, utilization: float,
-                       scratch_bytes_per_block: int, num_drafts: int = 0) -> GpuMemoryBudget:
-    """Run the worst-case step and account for memory (CUDA)."""
+def measure_gpu_budget(make_runner, worst: WorstCase, utilization: float,
+                       scratch_bytes_per_block: int) -> GpuMemoryBudget:
+    """Run the worst-case steps and account for memory (CUDA)."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    run_worst_case_step(make_runner, lengths, block_size, num_drafts)
+    worst.run(make_runner)
     torch.cuda.synchronize()
-    spare = num_drafts + 1 if num_drafts else 0
-    scratch = sum(cdiv(n + spare, block_size) for n in lengths) * scratch_bytes_per_block
-    peak = torch.cuda.max_memory_allocated() - before - scratch
+    peak = torch.cuda.max_memory_allocated() - before - worst.scratch_blocks * scratch_bytes_per_block
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     return GpuMemoryBudget(total, utilization, total - free, max(peak, 0))
