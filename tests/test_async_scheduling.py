@@ -182,3 +182,70 @@ def test_preemption_picks_the_victims_the_plain_engine_picks(llama_dir):
 
     plain = victims(False)
     assert plain and victims(True) == plain
+
+
+def _prompt_lps(rows):
+    return [None if r is None else sorted((t, round(lp.logprob, 3)) for t, lp in r.items()) for r in rows]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prompt_logprobs_go_out_once_through_preemption(llama_dir, async_scheduling):
+    """A preempted request prefills its prompt again; its prompt-logprob rows go out once, as without
+    preemption (they went out twice: 139 rows for a 70-token prompt)."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 9, 16, 31, 48, 70], seed=40)]
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=1)
+    roomy = make_llm(llama_dir, enforce_eager=True, max_model_len=96).generate(prompts, sp, use_tqdm=False)
+    llm = make_llm(llama_dir, async_scheduling=async_scheduling, enforce_eager=True, num_kv_blocks=16,
+                   max_model_len=96)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert llm.llm_engine.core.scheduler.num_preemptions > 0
+    for o, want, p in zip(outs, roomy, prompts):
+        assert len(o.prompt_logprobs) == len(p["prompt_token_ids"])
+        assert _prompt_lps(o.prompt_logprobs) == _prompt_lps(want.prompt_logprobs)
+
+
+def test_a_reused_request_id_never_gets_the_prompt_logprobs_of_the_step_before(llama_dir):
+    """Request "x" is aborted while its prefill chunk (with prompt logprobs) is in flight, and a new "x" takes
+    the id: the old chunk's rows go nowhere (they were appended to the new request's)."""
+    old, new, short = random_prompts([40, 30, 4], seed=7)
+    want = make_llm(llama_dir, enforce_eager=True).generate(
+        [{"prompt_token_ids": new}], SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1), use_tqdm=False)
+    engine = make_llm(llama_dir, async_scheduling=True, enforce_eager=True, max_num_batched_tokens=8).llm_engine
+    engine.add_request("y", {"prompt_token_ids": short}, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    engine.add_request("x", {"prompt_token_ids": old}, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1))
+    for _ in range(3):
+        engine.step()
+    assert engine.core._deferred[1].prompt_logprobs.get("x")  # x's chunk and its rows are in flight
+    engine.abort_request(["x"])
+    engine.add_request("x", {"prompt_token_ids": new}, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1))
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    engine.flush()
+    engine.check_invariants()
+    assert len(final["x"].prompt_logprobs) == len(new)
+    assert _prompt_lps(final["x"].prompt_logprobs) == _prompt_lps(want[0].prompt_logprobs)
+
+
+def test_flush_passes_a_stop_string_on_to_the_core(llama_dir):
+    """LLMEngine.flush() between steps: a stop string matched in the flushed step's tokens finishes the request
+    in the core too (the core ran it on to max_tokens, holding its blocks)."""
+    p, = random_prompts([12], seed=3)
+    plain = make_llm(llama_dir, enforce_eager=True)
+    free = plain.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    stop = plain.get_tokenizer().decode(free.token_ids[3:4])
+    engine = make_llm(llama_dir, enforce_eager=True, async_scheduling=True).llm_engine
+    engine.add_request("a", {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                                    stop=[stop]))
+    finished_at = None
+    for k in range(40):
+        outs = engine.flush() if k % 2 else engine.step()  # a caller that drains between steps
+        if any(o.finished for o in outs):
+            finished_at = k
+            break
+    assert finished_at is not None and finished_at < 20
+    assert not engine.core.scheduler.requests  # the core let it go too
+    engine.flush()
+    engine.check_invariants()
+    assert engine.core.kv.num_free_blocks == engine.core.kv.pool.num_blocks

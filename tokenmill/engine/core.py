@@ -236,8 +236,8 @@ class EngineCore:
 
     def _finish_step(self, sched, result) -> list[EngineCoreOutput]:
         outputs: dict[str, EngineCoreOutput] = {}
-        for rid, rows in result.prompt_logprobs.items():
-            outputs[rid] = EngineCoreOutput(rid, [], prompt_logprobs=rows)
+        if result.prompt_logprobs:
+            self._prompt_logprob_outputs(sched, result.prompt_logprobs, outputs)
         for req, tokens in self.scheduler.update(sched, result.sampled_token_ids):
             o = outputs.get(req.request_id)
             if o is None:
@@ -251,6 +251,23 @@ class EngineCore:
         if result.draft_token_ids:
             self.scheduler.set_drafts(result.draft_token_ids)
         return list(outputs.values())
+
+    def _prompt_logprob_outputs(self, sched, rows_of: dict, outputs: dict) -> None:
+        """Each request's prompt-logprob rows from this step's chunk, past those it has had: a request preempted
+        and resumed prefills its prompt again, and each row goes out once. Rows of a request that finished
+        while the step ran (async scheduling), or of an earlier request under a reused id, go nowhere."""
+        starts = {s.request_id: s.start_pos for s in sched.seqs if s.wants_prompt_logprobs}
+        for rid, rows in rows_of.items():
+            req = self.scheduler.requests.get(rid)
+            if req is None or req.serial != sched.serials.get(rid):
+                continue
+            # row j scores prompt token start + 1 + j; the first num_prompt_logprobs_sent tokens after the first
+            # are out already
+            start, sent = starts[rid], req.num_prompt_logprobs_sent
+            req.num_prompt_logprobs_sent = max(sent, start + len(rows))
+            rows = rows[max(0, sent - start):]
+            if rows:
+                outputs[rid] = EngineCoreOutput(rid, [], prompt_logprobs=rows)
 
     def finish_request(self, request_id: str, status: RequestStatus, stop_reason=None) -> None:
         """Called by the output side when a stop string matched."""

@@ -69,14 +69,18 @@ class LLMEngine:
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One engine step; returns an output (cumulative) for every request that progressed (`final_only`:
         for every request that finished)."""
-        outs, stopped = self.output_processor.process(self.core.step(), time.time(), final_only)
-        for child_id, stop in stopped:
-            self.core.finish_request(child_id, RequestStatus.FINISHED_STOPPED, stop)
-        return outs
+        return self._outputs(self.core.step(), final_only)
 
     def flush(self) -> list[RequestOutput]:
         """Finish a step still in flight (async scheduling; EngineCore.flush)."""
-        return self.output_processor.process(self.core.flush(), time.time())[0]
+        return self._outputs(self.core.flush())
+
+    def _outputs(self, core_outputs, final_only: bool = False) -> list[RequestOutput]:
+        """The request outputs; a stop string matched here finishes its request in the core too (its blocks)."""
+        outs, stopped = self.output_processor.process(core_outputs, time.time(), final_only)
+        for child_id, stop in stopped:
+            self.core.finish_request(child_id, RequestStatus.FINISHED_STOPPED, stop)
+        return outs
 
     # -- introspection ------------------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:

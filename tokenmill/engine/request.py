@@ -62,6 +62,7 @@ class Request:
     # async scheduling: tokens that steps still in flight sample for it (their ids are not back yet)
     num_pending: int = 0
     serial: int = 0  # set by the scheduler on admission: tells a reused request id's incarnations apart
+    num_prompt_logprobs_sent: int = 0  # prompt tokens (after the first) whose logprobs went out
 
     @property
     def num_prompt_tokens(self) -> int:
