@@ -65,6 +65,7 @@ class NewRequestData:
 
 @dataclass
 class ScheduledRequest:
+    # the scheduler builds these positionally (Scheduler._scheduled): a new field goes last
     request_id: str
     start_pos: int  # tokens already in the KV cache (num_computed_tokens before this step)
     num_new_tokens: int  # tokens to run this step

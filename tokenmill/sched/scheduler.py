@@ -539,16 +539,15 @@ class Scheduler:
             self._blocks_sent[rid] = len(new.block_ids)
             new_blocks = []
         else:
-            new_blocks = self.kv.block_ids(rid, start=sent)
-            self._blocks_sent[rid] = sent + len(new_blocks)
+            new_blocks = self.kv.block_ids(rid, sent)
+            if new_blocks:
+                self._blocks_sent[rid] = sent + len(new_blocks)
         out_start, new_outputs = self._new_outputs(req, new is not None) if self.sync_output_tokens else (0, [])
+        # positional (ScheduledRequest's field order): keywords cost twice as much, per request and step
         return ScheduledRequest(
-            request_id=rid, start_pos=start, num_new_tokens=n, new_block_ids=new_blocks,
-            num_sampled_positions=1 + len(drafts) if samples else 0,
-            wants_prompt_logprobs=req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens,
-            new_request=new, draft_token_ids=list(drafts), draft_placeholders=bool(drafts) and req.spec_placeholders,
-            propose_k=propose_k, num_steps=num_steps, output_start=out_start,
-            new_output_token_ids=new_outputs)
+            rid, start, n, new_blocks, 1 + len(drafts) if samples else 0,
+            req.sampling_params.prompt_logprobs is not None and start < len(req.prompt_token_ids),
+            new, list(drafts), bool(drafts) and req.spec_placeholders, propose_k, num_steps, out_start, new_outputs)
 
     def _new_outputs(self, req: Request, sent_whole: bool) -> tuple[int, list[int]]:
         start = len(req.output_token_ids) if sent_whole else self._outputs_sent.get(req.request_id, 0)
