@@ -93,3 +93,31 @@ def test_a_request_the_core_refuses_halfway_leaves_nothing_behind(llama_dir):
     while engine.has_unfinished_requests():
         engine.step()
     llm.llm_engine.check_invariants()
+
+
+def test_a_failed_step_leaves_no_request_marked_in_flight(llama_dir):
+    """The model raises in a step; the server's core then aborts what the step held (core_proc.py). A request
+    that reuses one of those ids must run: the id stayed marked in flight, so it was never scheduled again."""
+    from tokenmill import SamplingParams
+
+    engine = make_llm(llama_dir, enforce_eager=True).llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, sp)
+    runner, real = engine.core.runner, engine.core.runner.execute
+
+    def broken(sched):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    runner.execute = broken
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        engine.step()
+    runner.execute = real
+    engine.abort_request(["a"])
+    assert not engine.core.scheduler.in_flight
+    engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, sp)
+    out = []
+    for _ in range(20):
+        out += [o for o in engine.step() if o.finished]
+        if not engine.has_unfinished_requests():
+            break
+    assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 4
+    engine.check_invariants()

@@ -188,7 +188,11 @@ class EngineCore:
             self.executor.submit(sched)
             self._in_flight.append(sched)
             return [] if len(self._in_flight) < self.executor.max_in_flight else self._finish_oldest()
-        result = self._executor().execute(sched)
+        try:
+            result = self._executor().execute(sched)
+        except BaseException:
+            self.scheduler.step_failed(sched)
+            raise
         if xfer is not None:
             xfer.store(sched.kv_backups)
         if self._deferred is not None or result.deferred is not None:

@@ -601,6 +601,15 @@ class Scheduler:
             touched.append((req, kept))
         return touched
 
+    def step_failed(self, out: SchedulerOutput) -> None:
+        """`out` never ran (the model raised; the caller aborts what it held): its requests are no longer in
+        flight for it. A request id left marked in flight would keep a later request under that id from ever
+        being scheduled without async scheduling (and never a preemption victim)."""
+        for seq in out.seqs:
+            left = self.in_flight.pop(seq.request_id, 1) - 1
+            if left:
+                self.in_flight[seq.request_id] = left
+
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         sp, num_output = req.sampling_params, len(req.output_token_ids)
         if num_output >= sp.min_tokens:
