@@ -219,6 +219,8 @@ class Scheduler:
             # slots of pending tokens are never hashed here: their ids are not known yet (a draft model's
             # look-ahead slots are reserved after planning, for the requests that propose: _reserve_lookahead)
             while not self.kv.allocate_slots(req, n, num_draft_tokens=len(drafts) + req.num_pending):
+                if self._blocks_come_back_for(req, n):
+                    break  # it waits a step for the blocks of requests ending now, rather than preempt one
                 victim = self._pick_victim()  # `req` itself is a candidate
                 if victim is None:  # pipeline stages: every other request is in flight; this one waits
                     break
@@ -406,13 +408,29 @@ class Scheduler:
             return False
         if not req.num_pending:  # a prefill chunk in flight: the next one needs no token of it
             return True
-        sp = req.sampling_params
-        if req.num_pending > 1:
-            return False
+        return req.num_pending == 1 and not self._pending_token_ends_it(req)
+
+    def _pending_token_ends_it(self, req: Request) -> bool:
+        """Async scheduling: the token in flight ends the request by length (max_tokens, max_model_len)."""
         after = len(req.output_token_ids) + 1  # output tokens once the pending one is in
-        if sp.max_tokens is not None and after >= sp.max_tokens:
+        max_tokens = req.sampling_params.max_tokens
+        return ((max_tokens is not None and after >= max_tokens)
+                or len(req.prompt_token_ids) + after >= self.max_model_len)
+
+    def _blocks_come_back_for(self, req: Request, n: int) -> bool:
+        """Async scheduling, when `req`'s `n` tokens find too few free blocks: whether requests that end by
+        length with the step in flight hold enough to cover them. The plain engine would have freed those blocks
+        before this schedule; preempting another request instead costs it a recomputation of its context."""
+        if not self.async_scheduling:
             return False
-        return len(req.prompt_token_ids) + after < self.max_model_len
+        short = self.kv.blocks_still_needed(req, req.num_computed_tokens + n) - self.kv.num_free_blocks
+        ending = 0
+        for r in self.running:
+            if r is not req and r.num_pending == 1 and r.request_id in self.in_flight and self._pending_token_ends_it(r):
+                ending += len(self.kv.req_blocks.get(r.request_id, ()))
+                if ending >= short:
+                    return True
+        return False
 
     def _pick_victim(self) -> Request | None:
         # Async scheduling runs steps in one stream, in order: a request in the step before may be preempted,
