@@ -27,6 +27,7 @@ logger = logging.getLogger("tokenmill")
 
 @dataclass
 class EngineCoreOutput:
+    # EngineCore._finish_step builds these positionally: a new field goes last
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None
@@ -242,16 +243,20 @@ class EngineCore:
         outputs: dict[str, EngineCoreOutput] = {}
         if result.prompt_logprobs:
             self._prompt_logprob_outputs(sched, result.prompt_logprobs, outputs)
+        logprobs = result.logprobs
         for req, tokens in self.scheduler.update(sched, result.sampled_token_ids):
-            o = outputs.get(req.request_id)
-            if o is None:
-                o = outputs[req.request_id] = EngineCoreOutput(req.request_id, tokens)
+            rid, status = req.request_id, req.status
+            finish = status.value if status.finished else None
+            o = outputs.get(rid)
+            if o is None:  # positional (the field order): keywords cost more, per request and step
+                o = outputs[rid] = EngineCoreOutput(rid, tokens, finish, req.stop_reason, [], [],
+                                                    max(req.num_cached_tokens, 0))
             else:  # its prompt logprobs came first
                 o.new_token_ids.extend(tokens)
-            o.finish_reason, o.stop_reason = req.finish_reason, req.stop_reason
-            o.num_cached_tokens = max(req.num_cached_tokens, 0)
-            if req.request_id in result.logprobs:
-                o.logprobs.extend(result.logprobs[req.request_id][:len(tokens)])
+                o.finish_reason, o.stop_reason = finish, req.stop_reason
+                o.num_cached_tokens = max(req.num_cached_tokens, 0)
+            if logprobs and rid in logprobs:
+                o.logprobs.extend(logprobs[rid][:len(tokens)])
         if result.draft_token_ids:
             self.scheduler.set_drafts(result.draft_token_ids)
         return list(outputs.values())

@@ -137,8 +137,11 @@ class KVCacheManager:
         The last `num_draft_tokens` are speculative: they get slots but never enter the prefix cache."""
         blocks = self.req_blocks.get(req.request_id)
         total = req.num_computed_tokens + num_new_tokens
-        need = cdiv(total, self.block_size) - (len(blocks) if blocks else 0) - len(cached)
-        if blocks is None or need > 0 or cached:  # else (most decodes) the slot is in a block it holds
+        if blocks is not None and not cached and total <= len(blocks) * self.block_size:
+            need = 0  # most decodes: the slots are in blocks it holds
+        else:
+            need = cdiv(total, self.block_size) - (len(blocks) if blocks else 0) - len(cached)
+        if blocks is None or need > 0 or cached:
             if not self.fits(need, cached):
                 return False
             self.pool.touch(cached)
