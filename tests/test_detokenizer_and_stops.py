@@ -101,3 +101,47 @@ def test_engine_applies_stop_strings(llama_dir):
     assert out.text == text[: text.index(stop)]
     assert len(out.token_ids) < len(free.token_ids)
     llm.llm_engine.check_invariants()
+
+
+@pytest.mark.parametrize("min_tokens", [0, 2, 5])
+def test_stop_strings_wait_for_min_tokens(tok, min_tokens):
+    """As vLLM: a stop string counts only where it ends in the text after the first min_tokens tokens (the
+    server ignored min_tokens for stop strings: `stop: ["\\n"], min_tokens: 5` gave an empty completion)."""
+    text = "To be, or not to be, that is the question: whether 'tis nobler"
+    ids = tok.encode(text)
+    d = IncrementalDetokenizer(tok, [], stop=["e", "that is"], min_tokens=min_tokens)
+    for t in ids:
+        if d.update([t]) is not None:
+            break
+    floor = len(tok.decode(ids[:min_tokens]))  # the first min_tokens tokens' text
+    cut = min(i for s in ("e", "that is") for i in [text.find(s, max(0, floor - len(s) + 1))] if i >= 0)
+    assert d.output_text == text[:cut]
+    if min_tokens == 5:  # the "e" of the first "be" is passed over; the second is not
+        assert d.output_text == "To be, or not to b"
+
+
+def test_a_stop_token_s_text_is_left_out(tok):
+    """A request ended by a stop token id or EOS: its token is in token_ids, its text only with
+    include_stop_str_in_output (as vLLM)."""
+    ids = tok.encode("To be, or not to be")
+    d = IncrementalDetokenizer(tok, [])
+    d.update(ids[:-2])
+    assert d.update(ids[-2:], stop_terminated=True) is None and d.num_used == 2
+    assert d.output_text == tok.decode(ids[:-1])
+    keep = IncrementalDetokenizer(tok, [], include_stop_str_in_output=True)
+    keep.update(ids, stop_terminated=True)
+    assert keep.output_text == tok.decode(ids)
+
+
+def test_engine_leaves_the_stop_token_s_text_out(llama_dir, tok):
+    llm = make_llm(llama_dir)
+    prompt = {"prompt_token_ids": tok.encode("To be, or not")}
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop_tok = free.token_ids[4]
+    first = free.token_ids.index(stop_tok)
+    for include in (False, True):
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_tok],
+                                                  include_stop_str_in_output=include), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == free.token_ids[:first + 1] and out.stop_reason == stop_tok
+        assert out.text == tok.decode(free.token_ids[:first + 1 if include else first])

@@ -24,9 +24,11 @@ def append_text(obj, name: str, piece: str) -> None:
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
-                 stop: list[str] | None = None, include_stop_str_in_output: bool = False):
+                 stop: list[str] | None = None, include_stop_str_in_output: bool = False, min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = stop or []
+        self.min_tokens = min_tokens  # stop strings count only from the text after the first min_tokens tokens
+        self.num_tokens = 0
         self.include_stop = include_stop_str_in_output
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
         self.output_text = ""
@@ -47,26 +49,34 @@ class IncrementalDetokenizer:
         new = full[len(base):][len(self.output_text):]
         return "" if new.endswith("\ufffd") else new
 
-    def update(self, new_token_ids: list[int]) -> str | None:
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
         """Append tokens' text. Returns the stop string if one matched (text is then truncated, and
         `num_used` says how many of the new tokens it took: tokens after the match are not output,
-        which matters when a step brings several, as speculative decoding does)."""
+        which matters when a step brings several, as speculative decoding does).
+        `stop_terminated`: the last token ended the request (EOS, a stop token id); its text is left out
+        unless include_stop_str_in_output (as vLLM and OpenAI: "\nI have been" stopped on " been" reads
+        "\nI have")."""
         self.num_used = 0
-        for t in new_token_ids:
+        last = len(new_token_ids) - 1
+        for i, t in enumerate(new_token_ids):
+            self.num_used += 1
+            self.num_tokens += 1
+            if i == last and stop_terminated and not self.include_stop:
+                return None
             before = len(self.output_text)
             append_text(self, "output_text", self._decode_next(t))
-            self.num_used += 1
-            if self.stop:
+            if self.stop and self.num_tokens > self.min_tokens:
+                # a match may begin in the first min_tokens tokens' text, but must end after it
                 hit = self._find_stop(before)
                 if hit is not None:
                     return hit
         return None
 
     def _find_stop(self, new_from: int) -> str | None:
-        start = max(0, new_from - self.max_stop_len + 1)
+        """The earliest stop string that ends in the text from `new_from` on."""
         best = None
         for s in self.stop:
-            i = self.output_text.find(s, start)
+            i = self.output_text.find(s, max(0, new_from - len(s) + 1))
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:

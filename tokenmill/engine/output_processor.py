@@ -60,7 +60,7 @@ class OutputProcessor:
         comps = []
         for i, cid in enumerate(req.child_ids):
             detok = None if self.tokenizer is None else IncrementalDetokenizer(
-                self.tokenizer, ids, p.skip_special_tokens, p.stop, p.include_stop_str_in_output)
+                self.tokenizer, ids, p.skip_special_tokens, p.stop, p.include_stop_str_in_output, p.min_tokens)
             comps.append(_Completion(i, cid, detok, logprobs=[] if p.logprobs is not None else None,
                                      cumulative_logprob=0.0 if p.logprobs is not None else None))
             self.child_to_parent[cid] = (req.request_id, i)
@@ -123,7 +123,8 @@ class OutputProcessor:
         st.metrics.last_token_time = now
         ids, stop = o.new_token_ids, None
         if c.detok is not None:
-            stop = c.detok.update(ids)
+            # "stop" from the core: a stop token id or EOS (stop strings are matched here)
+            stop = c.detok.update(ids, o.finish_reason == "stop")
             if stop is not None:
                 ids = ids[:c.detok.num_used]  # tokens past the stop string (one step may bring several)
         c.token_ids.extend(ids)
