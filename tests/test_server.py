@@ -16,6 +16,7 @@ from server_fixtures import (SLOW_MARKER, SLOW_SITECUSTOMIZE, ServerProcess, eng
 
 API_KEY = "test-key"
 MODEL = "tiny"
+ALIAS = "tiny-alias"
 PROMPTS = ["To be, or not to be", "All the world's a stage", "Friends, Romans", "Now is the winter"]
 
 
@@ -23,7 +24,8 @@ PROMPTS = ["To be, or not to be", "All the world's a stage", "Friends, Romans", 
 def server(tiny_model_dir, tmp_path_factory):  # noqa: F811
     log_dir = tmp_path_factory.mktemp("server")
     srv = ServerProcess(tiny_model_dir, log_dir / "server.log", "--max-request-body-bytes", "200000",
-                        "--max-num-seqs", "64", api_key=API_KEY, env=hook_env(log_dir, SLOW_SITECUSTOMIZE))
+                        "--max-num-seqs", "64", "--served-model-name", MODEL, ALIAS, api_key=API_KEY,
+                        env=hook_env(log_dir, SLOW_SITECUSTOMIZE))
     try:
         srv.wait_ready()
         yield srv
@@ -50,7 +52,7 @@ def post(server, path, body=None, headers=None, **kw):
 
 # -- basics ---------------------------------------------------------------------------------------------
 def test_models_health_version(server, client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/version").json()["version"]
 
@@ -247,6 +249,34 @@ GOOD = {"model": MODEL, "prompt": "To be", "max_tokens": 2}
 def test_bad_values_get_400(server, body, param):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     _assert_error(post(server, path, body), 400, param)
+
+
+def test_openai_edges_as_vllm_answers_them(server):
+    """Explicit nulls take the defaults; stream_options without stream is refused; a prompt that leaves no room
+    for a completion is refused when max_tokens is left out (it generated past max_model_len); chat's length
+    errors name 'messages'; a response names the served alias it was asked for."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for path, body in (("/v1/completions", {**GOOD, "stream": None, "echo": None, "n": None, "ignore_eos": None,
+                                            "skip_special_tokens": None, "stop": None, "seed": None}),
+                       ("/v1/chat/completions", {**chat, "stream": None, "n": None, "logprobs": None})):
+        r = post(server, path, body)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 1
+    _assert_error(post(server, "/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}), 400,
+                  "stream_options")
+    limit = httpx.get(server.url + "/v1/models", headers=server.headers).json()["data"][0]["max_model_len"]
+    # max_tokens null: as many as fit
+    _assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": [5] * limit, "max_tokens": None}), 400,
+                  "prompt")
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": [5] * (limit - 1), "max_tokens": None})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    long_chat = {"model": MODEL, "messages": [{"role": "user", "content": " x" * (2 * limit)}]}
+    err = post(server, "/v1/chat/completions", long_chat)
+    _assert_error(err, 400, "messages")
+    assert "'messages'" in err.json()["error"]["message"]
+    for name in (MODEL, ALIAS):
+        assert post(server, "/v1/completions", {**GOOD, "model": name}).json()["model"] == name
+        assert post(server, "/v1/chat/completions", {**chat, "model": name}).json()["model"] == name
 
 
 def test_malformed_json_wrong_types_404_401_413(server):

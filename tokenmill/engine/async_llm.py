@@ -233,6 +233,9 @@ class AsyncLLM:
             text, req = self.input_processor.process(request_id, prompt, params, arrival_time or time.time(),
                                                      priority)
             n_prompt = len(req.prompt_token_ids)
+            if strict_max_tokens and params.max_tokens is None and n_prompt >= self.max_model_len:
+                raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens, and the "
+                                 f"'prompt' is {n_prompt}: it leaves no room for a completion")
             if strict_max_tokens and params.max_tokens is not None and n_prompt + params.max_tokens > self.max_model_len:
                 raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
                                  f"you requested {n_prompt + params.max_tokens} tokens ({n_prompt} in the prompt, "

@@ -9,9 +9,9 @@ real problem (`prompt[0]` is negative) instead of the first branch that failed (
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictStr, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictStr, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 # Finite numbers only: JSON parsers accept NaN/Infinity, which would poison the sampler.
@@ -42,8 +42,24 @@ def _first_unencodable(value) -> str | None:
     return None
 
 
+def _allows_none(annotation) -> bool:
+    return annotation is None or type(None) in get_args(annotation)
+
+
 class OpenAIBase(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        # OpenAI's schema makes most fields nullable and clients send `"stream": null`, `"n": null`: a field
+        # that cannot hold None takes its default for an explicit null (as vLLM's Optional fields do)
+        if isinstance(data, dict) and None in data.values():
+            fields = cls.model_fields
+            data = {k: v for k, v in data.items()
+                    if v is not None or k not in fields or _allows_none(fields[k].annotation)
+                    or fields[k].is_required()}
+        return data
 
     @field_validator("*", mode="after")
     @classmethod

@@ -48,13 +48,14 @@ def _render(engine: AsyncLLM, convo: list[dict], add_generation_prompt: bool) ->
         text = ip.chat_text(convo, add_generation_prompt)
     except Exception as e:  # jinja errors from the template (e.g. role order it rejects)
         raise APIError(400, f"chat template failed: {e}", "messages") from None
-    with engine_errors():  # a rendered prompt too long for the context: 400 naming 'messages'
+    with engine_errors("messages"):  # a rendered prompt too long for the context: 400 naming 'messages'
         return {"prompt": text, "prompt_token_ids": ip.encode_chat(text)}
 
 
 class OpenAIServingChat(ServingBase):
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
+        self.check_stream_options(req)
         if req.response_format is not None and req.response_format.type != "text":
             raise APIError(400, f"response_format type {req.response_format.type!r} is not supported; use 'text'",
                            "response_format")
@@ -66,7 +67,7 @@ class OpenAIServingChat(ServingBase):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, logprobs)
-        rid, subs = await self.submit([prompt], params, req.priority, "chatcmpl")
+        rid, subs = await self.submit([prompt], params, req.priority, "chatcmpl", "messages")
         created = int(time.time())
         if req.stream:
             with self.aborted_on_error(subs):
@@ -79,7 +80,7 @@ class OpenAIServingChat(ServingBase):
         out = [{"index": ch.index, "message": {"role": "assistant", "content": ch.text},
                 "logprobs": self.chat_logprobs(ch.logprobs, top_n) if req.logprobs else None,
                 "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason} for ch in choices]
-        body = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
+        body = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_for(req),
                 "choices": out, "usage": usage(len(subs[0][2]), sum(c.num_tokens for c in choices))}
         return Response(msgspec.json.encode(body), media_type="application/json")
 

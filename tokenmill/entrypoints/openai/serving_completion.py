@@ -25,6 +25,7 @@ def _prompts(p) -> list:
 class OpenAIServingCompletion(ServingBase):
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
+        self.check_stream_options(req)
         if req.suffix:
             raise APIError(400, "'suffix' is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -78,7 +79,7 @@ class OpenAIServingCompletion(ServingBase):
                     lp, _ = self._logprobs(ch.logprobs, 0, prefix if req.echo else None, prompt_rows[k], ids)
                 out.append({"index": ch.index, "text": prefix + ch.text, "logprobs": lp,
                             "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason})
-        body = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+        body = {"id": rid, "object": "text_completion", "created": created, "model": self.model_for(req),
                 "choices": out, "usage": usage(num_prompt, sum(c.num_tokens for c in choices))}
         return Response(msgspec.json.encode(body), media_type="application/json")
 

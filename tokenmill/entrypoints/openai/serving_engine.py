@@ -97,7 +97,7 @@ class ChunkEvents:
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.head = (b'data: {"id":' + msgspec.json.encode(rid) + b',"object":' + msgspec.json.encode(obj) +
                      b',"created":' + str(created).encode() + b',"model":' +
-                     msgspec.json.encode(serving.model_name) + b',"choices":[')
+                     msgspec.json.encode(serving.model_for(req)) + b',"choices":[')
         self.tail = b'],"usage":null}\n\n' if self.include_usage else b']}\n\n'
         self.num_completion = 0
 
@@ -125,6 +125,15 @@ class ServingBase:
         if name is not None and name not in self.served_names:
             raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
 
+    def model_for(self, req) -> str:
+        """The name a response carries: the one the request asked for (any served alias), as vLLM answers."""
+        return req.model or self.served_names[0]
+
+    @staticmethod
+    def check_stream_options(req) -> None:
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "'stream_options' can only be set when 'stream' is true", "stream_options")
+
     def sampling_params(self, req, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         if req.logit_bias:
@@ -143,15 +152,16 @@ class ServingBase:
         except ValueError as e:
             raise bad_request(e) from None
 
-    async def submit(self, prompts: list, params: SamplingParams, priority: int, prefix: str
+    async def submit(self, prompts: list, params: SamplingParams, priority: int, prefix: str, field: str = "prompt"
                      ) -> tuple[str, list[tuple[str, str | None, list[int]]]]:
-        """Submit every prompt or none. Returns the response id and (request id, prompt text, prompt ids)."""
+        """Submit every prompt or none. Returns the response id and (request id, prompt text, prompt ids).
+        `field`: what errors about the prompt name (chat: 'messages')."""
         if len(prompts) * params.n > self.engine.max_waiting_requests:
             raise APIError(400, f"{len(prompts)} prompts x n={params.n} sequences exceed the server's queue limit "
                            f"({self.engine.max_waiting_requests})", "n")
         rid = random_id(prefix)
         sub_ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-        with engine_errors():
+        with engine_errors(field):
             done = await self.engine.add_requests(list(zip(sub_ids, prompts)), params, priority, strict_max_tokens=True)
         return rid, [(sub_id, text, ids) for sub_id, (text, ids) in zip(sub_ids, done)]
 
@@ -255,9 +265,9 @@ class ServingBase:
 
 
 @contextmanager
-def engine_errors():
-    """The engine's refusals as HTTP errors: bad input 400 (its field as `param`), queue full 429, no
-    engine (dead, or the server is shutting down) 503."""
+def engine_errors(field: str = "prompt"):
+    """The engine's refusals as HTTP errors: bad input 400 (its field as `param`; the engine's 'prompt' called
+    `field`), queue full 429, no engine (dead, or the server is shutting down) 503."""
     try:
         yield
     except QueueFullError as e:
@@ -265,7 +275,9 @@ def engine_errors():
     except EngineDeadError as e:
         raise APIError(503, str(e)) from None
     except ValueError as e:
-        raise bad_request(e, "prompt" if "'prompt'" in str(e) else None) from None
+        if "'prompt'" in str(e):
+            raise bad_request(str(e).replace("'prompt'", f"'{field}'"), field) from None
+        raise bad_request(e) from None
 
 
 def usage(num_prompt: int, num_completion: int) -> dict:
