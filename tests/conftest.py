@@ -110,8 +110,8 @@ def stop_cuts(monkeypatch):
     cuts = []
     real_update = detokenizer.IncrementalDetokenizer.update
 
-    def spy(self, new_token_ids):
-        stop = real_update(self, new_token_ids)
+    def spy(self, new_token_ids, *args, **kw):
+        stop = real_update(self, new_token_ids, *args, **kw)
         if stop is not None:
             cuts.append(len(new_token_ids) - self.num_used)
         return stop

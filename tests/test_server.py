@@ -82,6 +82,23 @@ def test_streaming_equals_non_streaming_with_usage(client):
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_stats(client, chat):
+    """stream_options.continuous_usage_stats (vLLM's): every chunk carries the counts so far; the last, without
+    choices, the totals."""
+    kw = dict(model=MODEL, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}, stream=True,
+              stream_options={"include_usage": True, "continuous_usage_stats": True})
+    if chat:
+        chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": PROMPTS[1]}], **kw))
+    else:
+        chunks = list(client.completions.create(prompt=PROMPTS[1], **kw))
+    assert len(chunks) > 2 and all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 6 and chunks[-1].choices == []
+    assert len({c.usage.prompt_tokens for c in chunks}) == 1
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+
+
 def test_sse_wire_format(server):
     body = {"model": MODEL, "prompt": "To be", "max_tokens": 3, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers) as r:
@@ -264,6 +281,7 @@ def test_openai_edges_as_vllm_answers_them(server):
         assert len(r.json()["choices"]) == 1
     _assert_error(post(server, "/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}), 400,
                   "stream_options")
+    _assert_error(post(server, "/v1/completions", {**GOOD, "priority": 3}), 400, "priority")  # fcfs: it is ignored
     limit = httpx.get(server.url + "/v1/models", headers=server.headers).json()["data"][0]["max_model_len"]
     # max_tokens null: as many as fit
     _assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": [5] * limit, "max_tokens": None}), 400,

@@ -91,8 +91,7 @@ class _ChatEvents(ChunkEvents):
     chunk measure a real TTFT."""
 
     def __init__(self, serving: OpenAIServingChat, req: ChatCompletionRequest, rid: str, subs, created: int):
-        super().__init__(serving, req, rid, "chat.completion.chunk", created)
-        self.num_prompt = len(subs[0][2])
+        super().__init__(serving, req, rid, "chat.completion.chunk", created, len(subs[0][2]))
         self.opened = False
 
     def on_output(self, k: int, out) -> bytes:
@@ -114,6 +113,3 @@ class _ChatEvents(ChunkEvents):
         if choices:
             events.append(self.chunk(choices))
         return b"".join(events)
-
-    def on_end(self) -> bytes:
-        return self.usage_event(self.num_prompt)

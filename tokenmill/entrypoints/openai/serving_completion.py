@@ -89,7 +89,7 @@ class _CompletionEvents(ChunkEvents):
     echo puts the prompt before a choice's first text."""
 
     def __init__(self, serving: OpenAIServingCompletion, req: CompletionRequest, rid: str, subs, created: int):
-        super().__init__(serving, req, rid, "text_completion", created)
+        super().__init__(serving, req, rid, "text_completion", created, sum(len(s[2]) for s in subs))
         self.subs = subs
         self.offsets = [0] * (len(subs) * req.n)
         self.started = [False] * (len(subs) * req.n)
@@ -118,6 +118,3 @@ class _CompletionEvents(ChunkEvents):
                       "stop_reason": c.stop_reason}
             events.append(self.chunk([msgspec.json.encode(choice)]))
         return b"".join(events)
-
-    def on_end(self) -> bytes:
-        return self.usage_event(sum(len(s[2]) for s in self.subs))

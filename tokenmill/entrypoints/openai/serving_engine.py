@@ -92,9 +92,12 @@ class ChunkEvents:
     """What both endpoints' StreamEvents share: the bytes around a chunk's choices list, encoded once per
     response rather than once per token, the completion-token count, and the closing usage chunk."""
 
-    def __init__(self, serving: "ServingBase", req, rid: str, obj: str, created: int):
-        self.serving, self.req = serving, req
-        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    def __init__(self, serving: "ServingBase", req, rid: str, obj: str, created: int, num_prompt: int):
+        self.serving, self.req, self.num_prompt = serving, req, num_prompt
+        options = req.stream_options
+        self.include_usage = bool(options and options.include_usage)
+        # vLLM's continuous_usage_stats (with include_usage): every chunk carries the counts so far
+        self.continuous_usage = self.include_usage and options.continuous_usage_stats
         self.head = (b'data: {"id":' + msgspec.json.encode(rid) + b',"object":' + msgspec.json.encode(obj) +
                      b',"created":' + str(created).encode() + b',"model":' +
                      msgspec.json.encode(serving.model_for(req)) + b',"choices":[')
@@ -102,13 +105,16 @@ class ChunkEvents:
         self.num_completion = 0
 
     def chunk(self, encoded_choices: list[bytes]) -> bytes:
+        if self.continuous_usage:
+            return self.head + b",".join(encoded_choices) + self._usage_tail()
         return self.head + b",".join(encoded_choices) + self.tail
 
-    def usage_event(self, num_prompt: int) -> bytes:
+    def _usage_tail(self) -> bytes:
+        return b'],"usage":' + msgspec.json.encode(usage(self.num_prompt, self.num_completion)) + b"}\n\n"
+
+    def on_end(self) -> bytes:
         """The last chunk before [DONE] when the client asked for usage: no choices, the token counts."""
-        if not self.include_usage:
-            return b""
-        return self.head + b'],"usage":' + msgspec.json.encode(usage(num_prompt, self.num_completion)) + b"}\n\n"
+        return self.head + self._usage_tail() if self.include_usage else b""
 
 
 class ServingBase:
@@ -156,6 +162,8 @@ class ServingBase:
                      ) -> tuple[str, list[tuple[str, str | None, list[int]]]]:
         """Submit every prompt or none. Returns the response id and (request id, prompt text, prompt ids).
         `field`: what errors about the prompt name (chat: 'messages')."""
+        if priority and self.engine.config.scheduling_policy != "priority":  # it would be ignored (vLLM refuses too)
+            raise APIError(400, "'priority' needs the server started with --scheduling-policy priority", "priority")
         if len(prompts) * params.n > self.engine.max_waiting_requests:
             raise APIError(400, f"{len(prompts)} prompts x n={params.n} sequences exceed the server's queue limit "
                            f"({self.engine.max_waiting_requests})", "n")
