@@ -170,6 +170,31 @@ def test_logprobs_and_echo(client):
     assert elp.token_logprobs[0] is None and len(elp.tokens) > 5
 
 
+def test_prompt_logprobs(server, offline):
+    """vLLM's prompt_logprobs: per prompt position None (the first) or the prompt token and the top-N, equal to
+    the offline engine's; with echo + logprobs asking for fewer, each gets its own number of entries."""
+    from tokenmill import SamplingParams
+
+    ids = post(server, "/tokenize", {"prompt": PROMPTS[3]}).json()["tokens"]
+    want = offline.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=3),
+                            use_tqdm=False)[0].prompt_logprobs
+    body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 2, "prompt_logprobs": 3, "echo": True, "logprobs": 1}
+    choice = post(server, "/v1/completions", body).json()["choices"][0]
+    got = choice["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None and want[0] is None
+    for i in range(1, len(ids)):
+        assert str(ids[i]) in got[i] and len(got[i]) <= 4
+        assert {int(t): round(v["logprob"], 3) for t, v in got[i].items()} == \
+            {t: round(v.logprob, 3) for t, v in want[i].items()}
+    assert all(t is None or len(t) <= 2 for t in choice["logprobs"]["top_logprobs"])  # echo's: logprobs=1
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[3]}], "max_tokens": 2,
+            "prompt_logprobs": 0}
+    r = post(server, "/v1/chat/completions", chat).json()
+    assert r["prompt_logprobs"][0] is None and all(len(row) == 1 for row in r["prompt_logprobs"][1:])
+    assert len(r["prompt_logprobs"]) == r["usage"]["prompt_tokens"]
+    _assert_error(post(server, "/v1/completions", {**body, "stream": True}), 400, "prompt_logprobs")
+
+
 def test_token_id_prompts(client, server):
     ids = post(server, "/tokenize", {"prompt": PROMPTS[0]}).json()["tokens"]
     by_text = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0)

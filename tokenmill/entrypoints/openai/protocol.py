@@ -126,6 +126,7 @@ class _SamplingFields(OpenAIBase):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: the prompt's token logprobs, top-N each
 
 
 class CompletionRequest(_SamplingFields):

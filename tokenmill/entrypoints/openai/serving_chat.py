@@ -66,7 +66,7 @@ class OpenAIServingChat(ServingBase):
         prompt = await render_chat(self.engine, req.messages, req.add_generation_prompt)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens, logprobs)
+        params = self.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs)
         rid, subs = await self.submit([prompt], params, req.priority, "chatcmpl", "messages")
         created = int(time.time())
         if req.stream:
@@ -75,13 +75,15 @@ class OpenAIServingChat(ServingBase):
         return await self.respond(raw, subs, lambda: self._full(req, rid, subs, created))
 
     async def _full(self, req: ChatCompletionRequest, rid: str, subs, created: int) -> Response:
-        choices, _ = await self.collect(subs, req.n)
+        choices, prompt_rows = await self.collect(subs, req.n)
         top_n = req.top_logprobs or 0
         out = [{"index": ch.index, "message": {"role": "assistant", "content": ch.text},
                 "logprobs": self.chat_logprobs(ch.logprobs, top_n) if req.logprobs else None,
                 "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason} for ch in choices]
         body = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_for(req),
                 "choices": out, "usage": usage(len(subs[0][2]), sum(c.num_tokens for c in choices))}
+        if req.prompt_logprobs is not None:  # vLLM's place for them in chat: the response
+            body["prompt_logprobs"] = self.prompt_logprobs(prompt_rows[0], subs[0][2], req.prompt_logprobs)
         return Response(msgspec.json.encode(body), media_type="application/json")
 
 

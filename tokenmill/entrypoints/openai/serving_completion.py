@@ -9,7 +9,7 @@ from starlette.responses import Response
 
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.protocol import CompletionRequest
-from tokenmill.entrypoints.openai.serving_engine import ChunkEvents, ServingBase, usage
+from tokenmill.entrypoints.openai.serving_engine import ChunkEvents, ServingBase, top_of_row, usage
 
 
 def _prompts(p) -> list:
@@ -31,9 +31,10 @@ class OpenAIServingCompletion(ServingBase):
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "'best_of' other than n is not supported", "best_of")
         prompts = _prompts(req.prompt)
-        # echo + logprobs returns the prompt's logprobs too (the first prompt token has none)
-        want_prompt_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
-        params = self.sampling_params(req, req.max_tokens, req.logprobs, want_prompt_lp)
+        # echo + logprobs returns the prompt's logprobs too (the first prompt token has none), and so does
+        # prompt_logprobs (vLLM's): the rows are computed once, for the larger top-N
+        wanted = [n for n in (req.logprobs if req.echo else None, req.prompt_logprobs) if n is not None]
+        params = self.sampling_params(req, req.max_tokens, req.logprobs, max(wanted) if wanted else None)
         rid, subs = await self.submit(prompts, params, req.priority, "cmpl")
         created = int(time.time())
         if req.stream:
@@ -44,12 +45,12 @@ class OpenAIServingCompletion(ServingBase):
     def _echo_text(self, text: str | None, ids: list[int]) -> str:
         return text if text is not None else (self.tokenizer.decode(ids) if self.tokenizer else "")
 
-    def _echo_rows(self, prompt_rows: list, ids: list[int]) -> list:
+    def _echo_rows(self, prompt_rows: list, ids: list[int], top_n: int) -> list:
         # n > 1: every sample reports the shared prompt's rows; one copy is the prompt's
-        rows = list(prompt_rows[:len(ids)])
+        rows = [None if r is None else top_of_row(r, top_n) for r in prompt_rows[:len(ids)]]
         return rows + [None] * (len(ids) - len(rows))
 
-    def _logprobs(self, rows, offset: int, echo_text: str | None = None, prompt_rows=None, ids=None
+    def _logprobs(self, rows, offset: int, echo_text: str | None = None, prompt_rows=None, ids=None, top_n: int = 0
                   ) -> tuple[dict, int]:
         """Legacy logprobs of generated `rows` starting at text `offset`, with the prompt's rows first when
         echoing, and the offset after them. Offsets add up token strings (as vLLM's do) rather than the
@@ -58,7 +59,7 @@ class OpenAIServingCompletion(ServingBase):
         and streaming and non-streaming responses agree."""
         head = None
         if echo_text is not None:
-            head = self.completion_logprobs(self._echo_rows(prompt_rows, ids), ids, offset)
+            head = self.completion_logprobs(self._echo_rows(prompt_rows, ids, top_n), ids, offset)
             offset += sum(len(t) for t in head["tokens"])
         out = self.completion_logprobs(rows, None, offset)
         end = offset + sum(len(t) for t in out["tokens"])
@@ -76,9 +77,13 @@ class OpenAIServingCompletion(ServingBase):
                 prefix = self._echo_text(text, ids) if req.echo else ""
                 lp = None
                 if req.logprobs is not None:
-                    lp, _ = self._logprobs(ch.logprobs, 0, prefix if req.echo else None, prompt_rows[k], ids)
-                out.append({"index": ch.index, "text": prefix + ch.text, "logprobs": lp,
-                            "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason})
+                    lp, _ = self._logprobs(ch.logprobs, 0, prefix if req.echo else None, prompt_rows[k], ids,
+                                           req.logprobs)
+                choice = {"index": ch.index, "text": prefix + ch.text, "logprobs": lp,
+                          "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self.prompt_logprobs(prompt_rows[k], ids, req.prompt_logprobs)
+                out.append(choice)
         body = {"id": rid, "object": "text_completion", "created": created, "model": self.model_for(req),
                 "choices": out, "usage": usage(num_prompt, sum(c.num_tokens for c in choices))}
         return Response(msgspec.json.encode(body), media_type="application/json")
@@ -113,7 +118,8 @@ class _CompletionEvents(ChunkEvents):
             self.started[idx] = True
             lp = None
             if req.logprobs is not None and c.logprobs is not None:
-                lp, self.offsets[idx] = serving._logprobs(c.logprobs, self.offsets[idx], echo, self.prompt_rows[k], ids)
+                lp, self.offsets[idx] = serving._logprobs(c.logprobs, self.offsets[idx], echo, self.prompt_rows[k], ids,
+                                                          req.logprobs)
             choice = {"index": idx, "text": piece, "logprobs": lp, "finish_reason": c.finish_reason,
                       "stop_reason": c.stop_reason}
             events.append(self.chunk([msgspec.json.encode(choice)]))

@@ -139,6 +139,19 @@ class ServingBase:
     def check_stream_options(req) -> None:
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "'stream_options' can only be set when 'stream' is true", "stream_options")
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError(400, "'prompt_logprobs' is not supported with 'stream'", "prompt_logprobs")
+
+    def prompt_logprobs(self, rows: list, ids: list[int], top_n: int) -> list:
+        """vLLM's `prompt_logprobs`: per prompt position None (the first) or {token id: {logprob, rank,
+        decoded_token}} for the prompt's token and the top `top_n`."""
+        out = []
+        for i in range(len(ids)):
+            row = rows[i] if i < len(rows) else None
+            out.append(None if row is None else {
+                str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self.token_str(t, lp)}
+                for t, lp in top_of_row(row, top_n).items()})
+        return out
 
     def sampling_params(self, req, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -286,6 +299,14 @@ def engine_errors(field: str = "prompt"):
         if "'prompt'" in str(e):
             raise bad_request(str(e).replace("'prompt'", f"'{field}'"), field) from None
         raise bad_request(e) from None
+
+
+def top_of_row(row: dict, top_n: int) -> dict:
+    """A logprob row (the chosen or prompt token first, then the top-N by rank) cut to the top `top_n`: a
+    request asking for two numbers of entries (echo's logprobs, prompt_logprobs) computes the larger."""
+    items = iter(row.items())
+    first = next(items)
+    return dict([first] + [(t, lp) for t, lp in items if lp.rank is not None and lp.rank <= top_n])
 
 
 def usage(num_prompt: int, num_completion: int) -> dict:
