@@ -95,22 +95,28 @@ def test_a_request_the_core_refuses_halfway_leaves_nothing_behind(llama_dir):
     llm.llm_engine.check_invariants()
 
 
-def test_a_failed_step_leaves_no_request_marked_in_flight(llama_dir):
-    """The model raises in a step; the server's core then aborts what the step held (core_proc.py). A request
-    that reuses one of those ids must run: the id stayed marked in flight, so it was never scheduled again."""
+@pytest.mark.parametrize("where", ["execute", "collect"])
+def test_a_failed_step_leaves_no_request_marked_in_flight(llama_dir, where):
+    """The model raises in a step (or, under async scheduling, while its tokens are collected: where a device
+    error shows); the server's core then aborts what the steps held (core_proc.py). A request that reuses one
+    of those ids must run: the id stayed marked in flight, so it was never scheduled again."""
     from tokenmill import SamplingParams
 
-    engine = make_llm(llama_dir, enforce_eager=True).llm_engine
+    engine = make_llm(llama_dir, enforce_eager=True, async_scheduling=where == "collect").llm_engine
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, sp)
-    runner, real = engine.core.runner, engine.core.runner.execute
+    runner = engine.core.runner
+    if where == "collect":
+        engine.step()  # the prefill is in flight
+    real = getattr(runner, where)
 
-    def broken(sched):
+    def broken(*args):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
-    runner.execute = broken
+    setattr(runner, where, broken)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         engine.step()
-    runner.execute = real
+    setattr(runner, where, real)
+    assert engine.core._deferred is None
     engine.abort_request(["a"])
     assert not engine.core.scheduler.in_flight
     engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, sp)

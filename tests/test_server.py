@@ -83,20 +83,30 @@ def test_streaming_equals_non_streaming_with_usage(client):
 
 
 @pytest.mark.parametrize("chat", [False, True])
-def test_continuous_usage_stats(client, chat):
-    """stream_options.continuous_usage_stats (vLLM's): every chunk carries the counts so far; the last, without
-    choices, the totals."""
-    kw = dict(model=MODEL, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}, stream=True,
-              stream_options={"include_usage": True, "continuous_usage_stats": True})
+def test_continuous_usage_stats(client, server, chat):
+    """stream_options.continuous_usage_stats (vLLM's): every chunk holds one choice and its usage so far (its
+    prompt's tokens, its own completion tokens); the last chunk, without choices, the totals."""
+    kw = dict(model=MODEL, max_tokens=6, temperature=0.8, seed=1, n=2, extra_body={"ignore_eos": True},
+              stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
     if chat:
         chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": PROMPTS[1]}], **kw))
+        prompt_len = {0: chunks[-1].usage.prompt_tokens, 1: chunks[-1].usage.prompt_tokens}
     else:
-        chunks = list(client.completions.create(prompt=PROMPTS[1], **kw))
-    assert len(chunks) > 2 and all(c.usage is not None for c in chunks)
-    counts = [c.usage.completion_tokens for c in chunks]
-    assert counts == sorted(counts) and counts[-1] == 6 and chunks[-1].choices == []
-    assert len({c.usage.prompt_tokens for c in chunks}) == 1
-    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+        chunks = list(client.completions.create(prompt=PROMPTS[1:3], **kw))  # choices 0, 1: prompt 1; 2, 3: 2
+        lens = [len(post(server, "/tokenize", {"prompt": p}).json()["tokens"]) for p in PROMPTS[1:3]]
+        prompt_len = {i: lens[i // 2] for i in range(4)}
+    *body, last = chunks
+    assert all(len(c.choices) == 1 and c.usage is not None for c in body)
+    seen: dict[int, list[int]] = {}
+    for c in body:
+        i = c.choices[0].index
+        assert c.usage.prompt_tokens == prompt_len[i]
+        assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+        seen.setdefault(i, []).append(c.usage.completion_tokens)
+    assert sorted(seen) == sorted(prompt_len)
+    assert all(v == sorted(v) and v[-1] == 6 for v in seen.values())  # each choice's own count, up to 6
+    assert last.choices == [] and last.usage.completion_tokens == 6 * len(prompt_len)
+    assert last.usage.prompt_tokens == (prompt_len[0] if chat else sum(lens))
 
 
 def test_sse_wire_format(server):

@@ -198,7 +198,11 @@ class EngineCore:
             xfer.store(sched.kv_backups)
         if self._deferred is not None or result.deferred is not None:
             # async scheduling: this step is launched; the one before finishes while the device runs it
-            outputs = self._finish_deferred() if self._deferred is not None else []
+            try:
+                outputs = self._finish_deferred() if self._deferred is not None else []
+            except BaseException:  # (a device error shows here) the step just launched is lost with it
+                self.scheduler.step_failed(sched)
+                raise
             if result.deferred is not None:
                 self._deferred = (sched, result)
                 return outputs
@@ -233,7 +237,11 @@ class EngineCore:
     def _finish_deferred(self) -> list[EngineCoreOutput]:
         sched, result = self._deferred
         self._deferred = None
-        self.runner.collect(result.deferred, result)
+        try:
+            self.runner.collect(result.deferred, result)
+        except BaseException:
+            self.scheduler.step_failed(sched)
+            raise
         return self._finish_step(sched, result)
 
     def _finish_oldest(self) -> list[EngineCoreOutput]:

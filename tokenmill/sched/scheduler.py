@@ -424,10 +424,11 @@ class Scheduler:
         if not self.async_scheduling:
             return False
         short = self.kv.blocks_still_needed(req, req.num_computed_tokens + n) - self.kv.num_free_blocks
-        ending = 0
+        ending, in_flight = 0, self.in_flight
         for r in self.running:
-            if r is not req and r.num_pending == 1 and r.request_id in self.in_flight and self._pending_token_ends_it(r):
-                ending += len(self.kv.req_blocks.get(r.request_id, ()))
+            if r is not req and r.num_pending == 1 and r.request_id in in_flight and self._pending_token_ends_it(r):
+                # blocks it shares (prefix hits, n > 1 siblings) stay held when it ends
+                ending += sum(b.ref_cnt == 1 for b in self.kv.req_blocks.get(r.request_id, ()))
                 if ending >= short:
                     return True
         return False

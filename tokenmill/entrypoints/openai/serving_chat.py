@@ -101,17 +101,25 @@ class _ChatEvents(ChunkEvents):
         events = []
         if not self.opened:
             self.opened = True
-            events.append(self.chunk([encode({"index": i, "delta": {"role": "assistant", "content": ""},
-                                              "logprobs": None, "finish_reason": None}) for i in range(req.n)]))
-        choices = []
+            roles = [encode({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}) for i in range(req.n)]
+            if self.continuous_usage:
+                events += [self.choice_chunk(i, role, self.num_prompt, 0) for i, role in enumerate(roles)]
+            else:
+                events.append(self.chunk(roles))
+        choices = []  # one chunk for every choice in this delta (unless each carries its own usage)
         for c in out.outputs:
             if not c.token_ids and c.finish_reason is None:
                 continue
-            self.num_completion += len(c.token_ids)
             delta = {"content": c.text} if c.text or c.finish_reason is None else {}
             lp = self.serving.chat_logprobs(c.logprobs, req.top_logprobs or 0) if req.logprobs else None
-            choices.append(encode({"index": c.index, "delta": delta, "logprobs": lp,
-                                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}))
+            choice = encode({"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason,
+                             "stop_reason": c.stop_reason})
+            if self.continuous_usage:
+                events.append(self.choice_chunk(c.index, choice, self.num_prompt, len(c.token_ids)))
+            else:
+                self.num_completion += len(c.token_ids)
+                choices.append(choice)
         if choices:
             events.append(self.chunk(choices))
         return b"".join(events)

@@ -110,7 +110,6 @@ class _CompletionEvents(ChunkEvents):
             idx = k * req.n + c.index
             if not c.token_ids and c.finish_reason is None:
                 continue
-            self.num_completion += len(c.token_ids)
             piece, echo = c.text, None
             if req.echo and not self.started[idx]:
                 echo = serving._echo_text(text, ids)
@@ -122,5 +121,5 @@ class _CompletionEvents(ChunkEvents):
                                                           req.logprobs)
             choice = {"index": idx, "text": piece, "logprobs": lp, "finish_reason": c.finish_reason,
                       "stop_reason": c.stop_reason}
-            events.append(self.chunk([msgspec.json.encode(choice)]))
+            events.append(self.choice_chunk(idx, msgspec.json.encode(choice), len(ids), len(c.token_ids)))
         return b"".join(events)

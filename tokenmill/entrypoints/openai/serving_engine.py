@@ -96,25 +96,33 @@ class ChunkEvents:
         self.serving, self.req, self.num_prompt = serving, req, num_prompt
         options = req.stream_options
         self.include_usage = bool(options and options.include_usage)
-        # vLLM's continuous_usage_stats (with include_usage): every chunk carries the counts so far
+        # vLLM's continuous_usage_stats (with include_usage): every chunk carries its choice's counts so far (its
+        # prompt's tokens, its own completion tokens), so a chunk holds one choice
         self.continuous_usage = self.include_usage and options.continuous_usage_stats
         self.head = (b'data: {"id":' + msgspec.json.encode(rid) + b',"object":' + msgspec.json.encode(obj) +
                      b',"created":' + str(created).encode() + b',"model":' +
                      msgspec.json.encode(serving.model_for(req)) + b',"choices":[')
         self.tail = b'],"usage":null}\n\n' if self.include_usage else b']}\n\n'
         self.num_completion = 0
+        self.choice_tokens: dict[int, int] = {}  # choice index -> completion tokens so far
 
     def chunk(self, encoded_choices: list[bytes]) -> bytes:
-        if self.continuous_usage:
-            return self.head + b",".join(encoded_choices) + self._usage_tail()
         return self.head + b",".join(encoded_choices) + self.tail
 
-    def _usage_tail(self) -> bytes:
-        return b'],"usage":' + msgspec.json.encode(usage(self.num_prompt, self.num_completion)) + b"}\n\n"
+    def choice_chunk(self, index: int, encoded_choice: bytes, num_prompt: int, num_new: int) -> bytes:
+        """One choice's chunk after `num_new` more of its tokens (its usage so far, when continuous)."""
+        self.num_completion += num_new
+        if not self.continuous_usage:
+            return self.head + encoded_choice + self.tail
+        n = self.choice_tokens[index] = self.choice_tokens.get(index, 0) + num_new
+        return self.head + encoded_choice + self._usage_tail(num_prompt, n)
+
+    def _usage_tail(self, num_prompt: int, num_completion: int) -> bytes:
+        return b'],"usage":' + msgspec.json.encode(usage(num_prompt, num_completion)) + b"}\n\n"
 
     def on_end(self) -> bytes:
-        """The last chunk before [DONE] when the client asked for usage: no choices, the token counts."""
-        return self.head + self._usage_tail() if self.include_usage else b""
+        """The last chunk before [DONE] when the client asked for usage: no choices, the totals."""
+        return self.head + self._usage_tail(self.num_prompt, self.num_completion) if self.include_usage else b""
 
 
 class ServingBase:
