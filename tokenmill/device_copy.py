@@ -26,6 +26,11 @@ def to_pinned_host(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def device_tensor(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """A small host list on `device`, without waiting for the step in flight."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
 def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """t[rows] (rows strictly increasing) without waiting for the device: a slice when they are consecutive
     (decode-only steps; a fifth of a gather's cost on a CPU), else a gather whose index goes over like any
@@ -33,4 +38,4 @@ def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     first, which would stall the host behind the step in flight."""
     if rows and rows[-1] - rows[0] == len(rows) - 1:
         return t[rows[0]:rows[-1] + 1]
-    return t.index_select(0, to_device(torch.tensor(rows, dtype=torch.int64), t.device))
+    return t.index_select(0, device_tensor(rows, torch.int64, t.device))

@@ -253,8 +253,7 @@ class EngineCore:
             self._prompt_logprob_outputs(sched, result.prompt_logprobs, outputs)
         logprobs = result.logprobs
         for req, tokens in self.scheduler.update(sched, result.sampled_token_ids):
-            rid, status = req.request_id, req.status
-            finish = status.value if status.finished else None
+            rid, finish = req.request_id, req.finish_reason
             o = outputs.get(rid)
             if o is None:  # positional (the field order): keywords cost more, per request and step
                 o = outputs[rid] = EngineCoreOutput(rid, tokens, finish, req.stop_reason, [], [],

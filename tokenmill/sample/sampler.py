@@ -12,7 +12,7 @@ from itertools import chain
 
 import torch
 
-from tokenmill.device_copy import take_rows, to_device
+from tokenmill.device_copy import device_tensor, take_rows, to_device
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -134,11 +134,6 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
         probs = logits.softmax(dim=-1)
         logits = logits.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     return logits
-
-
-def device_tensor(values: list, dtype: torch.dtype, device) -> torch.Tensor:
-    """A small host list on `device`, without waiting for the step in flight (device_copy.py)."""
-    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from tokenmill.device_copy import take_rows, to_device
+from tokenmill.device_copy import device_tensor, take_rows
 from tokenmill.sample.sampler import argmax_rows
 from tokenmill.sched.output import ScheduledRequest
 
@@ -135,6 +135,6 @@ class DraftModelProposer:
         last = [starts[j + 1] - 1 for j in range(len(ordered))]
         tokens = argmax_rows(self.model.compute_logits(take_rows(hidden, last)))
         if order != sorted(order):  # back to the order given
-            tokens = tokens.index_select(0, to_device(torch.tensor(sorted(range(len(order)), key=order.__getitem__)),
-                                                      tokens.device))
+            tokens = tokens.index_select(0, device_tensor(sorted(range(len(order)), key=order.__getitem__),
+                                                          torch.int64, tokens.device))
         return tokens

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.sample.sampler import (SampleRow, Sampler, TokenLogprobs, argmax_rows, device_tensor,
-                                     exponential_sample)
+from tokenmill.device_copy import device_tensor
+from tokenmill.sample.sampler import SampleRow, Sampler, TokenLogprobs, argmax_rows, exponential_sample
 
 
 DRAW_AHEAD_DEVICES = {"cuda"}  # where reading a draw back means waiting for the device (the tests add "cpu")

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionBatch
-from tokenmill.device_copy import take_rows, to_device, to_pinned_host
+from tokenmill.device_copy import device_tensor, take_rows, to_device, to_pinned_host
 from tokenmill.sample.sampler import SampleRow, Sampler, TokenLogprobs, argmax_rows, batch_token_logprobs
 from tokenmill.sched.output import ScheduledRequest, SchedulerOutput
 from tokenmill.spec_decode.verify import DraftCheck, accept_greedy, verify
@@ -481,6 +481,6 @@ class ModelRunner:
         for lo in range(0, count, PROMPT_LOGPROB_ROWS):
             hi = min(count, lo + PROMPT_LOGPROB_ROWS)
             lps = self.model.compute_logits(hidden[lo:hi]).log_softmax(dim=-1)
-            targets = to_device(torch.tensor(prompt[seq.start_pos + 1 + lo: seq.start_pos + 1 + hi]), lps.device)
+            targets = device_tensor(prompt[seq.start_pos + 1 + lo: seq.start_pos + 1 + hi], torch.int64, lps.device)
             rows += batch_token_logprobs(lps, targets, state.sampling_params.prompt_logprobs)
         return rows

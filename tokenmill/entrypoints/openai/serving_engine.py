@@ -113,7 +113,7 @@ class ChunkEvents:
         """One choice's chunk after `num_new` more of its tokens (its usage so far, when continuous)."""
         self.num_completion += num_new
         if not self.continuous_usage:
-            return self.head + encoded_choice + self.tail
+            return self.chunk([encoded_choice])
         n = self.choice_tokens[index] = self.choice_tokens.get(index, 0) + num_new
         return self.head + encoded_choice + self._usage_tail(num_prompt, n)
 
