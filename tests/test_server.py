@@ -53,6 +53,10 @@ def post(server, path, body=None, headers=None, **kw):
 # -- basics ---------------------------------------------------------------------------------------------
 def test_models_health_version(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]
+    for name in (MODEL, ALIAS):  # OpenAI's "retrieve model"
+        card = client.models.retrieve(name)
+        assert card.id == name and card.max_model_len == client.models.list().data[0].max_model_len
+    _assert_error(httpx.get(server.url + "/v1/models/gpt-17", headers=server.headers), 404, "model")
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/version").json()["version"]
 
@@ -281,7 +285,8 @@ GOOD = {"model": MODEL, "prompt": "To be", "max_tokens": 2}
 
 
 @pytest.mark.parametrize("body,param", [
-    ({**GOOD, "temperature": 5}, "temperature"),
+    ({**GOOD, "temperature": -0.5}, "temperature"),
+    ({**GOOD, "seed": 2**63}, "seed"),
     ({**GOOD, "top_p": 0}, "top_p"),
     ({**GOOD, "n": 0}, "n"),
     ({**GOOD, "max_tokens": "abc"}, "max_tokens"),
@@ -293,7 +298,8 @@ GOOD = {"model": MODEL, "prompt": "To be", "max_tokens": 2}
     ({**GOOD, "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
     ({**GOOD, "stop": [""]}, "stop"),
     ({"model": MODEL, "messages": []}, "messages"),
-    ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ({"model": MODEL, "messages": [{"role": "", "content": "x"}]}, "messages"),
+    ({"model": MODEL, "messages": [{"role": 7, "content": "x"}]}, "messages"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
      "response_format"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
@@ -330,6 +336,17 @@ def test_openai_edges_as_vllm_answers_them(server):
     for name in (MODEL, ALIAS):
         assert post(server, "/v1/completions", {**GOOD, "model": name}).json()["model"] == name
         assert post(server, "/v1/chat/completions", {**chat, "model": name}).json()["model"] == name
+    # vLLM's bounds: temperature above OpenAI's 2 and negative (int64) seeds are served; a seed reproduces
+    hot = {**GOOD, "max_tokens": 8, "temperature": 5, "seed": -1, "ignore_eos": True}
+    texts = [post(server, "/v1/completions", hot).json()["choices"][0]["text"] for _ in range(2)]
+    assert texts[0] == texts[1] and texts[0]
+    assert post(server, "/v1/completions", {**hot, "seed": -(2**63)}).status_code == 200
+    # any role, as vLLM: the chat template renders it
+    custom = [{"role": "wizard", "content": "x"}]
+    r = post(server, "/tokenize", {"model": MODEL, "messages": custom})
+    assert r.status_code == 200
+    assert "<|wizard|>" in post(server, "/detokenize", {"model": MODEL, "tokens": r.json()["tokens"]}).json()["prompt"]
+    assert post(server, "/v1/chat/completions", {**chat, "messages": custom}).status_code == 200
 
 
 def test_malformed_json_wrong_types_404_401_413(server):

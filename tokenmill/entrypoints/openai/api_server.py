@@ -27,7 +27,7 @@ from tokenmill.entrypoints.openai.http_protocol import http_protocol
 from tokenmill.entrypoints.openai.lifecycle import FLUSH_TIMEOUT_S, Server
 from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                                    CompletionResponse, DetokenizeRequest, DetokenizeResponse,
-                                                   ErrorResponse, ModelList, TokenizeRequest, TokenizeResponse,
+                                                   ErrorResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
                                                    UNION_TAGS, VersionResponse)
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -81,11 +81,18 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await state.chat.create(body, raw)
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "tokenmill",
+                "root": engine.config.model, "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models():
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": state.created, "owned_by": "tokenmill",
-             "root": engine.config.model, "max_model_len": engine.max_model_len} for name in state.served_names]}
+        return {"object": "list", "data": [model_card(name) for name in state.served_names]}
+
+    @app.get("/v1/models/{name:path}", response_model=ModelCard, responses=_ERRORS)
+    async def model(name: str):  # OpenAI's "retrieve model"; served names may hold slashes (org/model)
+        state.completion.check_model(name)
+        return model_card(name)
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health():

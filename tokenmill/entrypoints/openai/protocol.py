@@ -17,7 +17,7 @@ from pydantic_core import PydanticCustomError
 # Finite numbers only: JSON parsers accept NaN/Infinity, which would poison the sampler.
 Float = Annotated[float, Field(allow_inf_nan=False)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
-Seed = Annotated[int, Field(ge=0, le=2**62)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # int64, as vLLM; generators take it mod 2**64
 
 
 def _first_unencodable(value) -> str | None:
@@ -106,7 +106,7 @@ class _SamplingFields(OpenAIBase):
     """Fields shared by completions and chat."""
     model: str | None = None
     n: int = Field(1, ge=1, le=64)
-    temperature: Float | None = Field(None, ge=0, le=2)
+    temperature: Float | None = Field(None, ge=0)  # no upper bound, as vLLM (OpenAI caps at 2)
     top_p: Float | None = Field(None, gt=0, le=1)
     presence_penalty: Float | None = Field(None, ge=-2, le=2)
     frequency_penalty: Float | None = Field(None, ge=-2, le=2)
@@ -174,7 +174,8 @@ Content = Annotated[
 
 
 class ChatMessage(OpenAIBase):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # any role, as vLLM: the chat template decides what it accepts (a role it rejects is a 400 naming 'messages')
+    role: Annotated[StrictStr, Field(min_length=1)]
     content: Content | None = None
     name: str | None = None
 
