@@ -27,8 +27,8 @@ from tokenmill.entrypoints.openai.http_protocol import http_protocol
 from tokenmill.entrypoints.openai.lifecycle import FLUSH_TIMEOUT_S, Server
 from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                                    CompletionResponse, DetokenizeRequest, DetokenizeResponse,
-                                                   ErrorResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
-                                                   UNION_TAGS, VersionResponse)
+                                                   ErrorResponse, ModelCard, ModelList, TokenizeRequest,
+                                                   TokenizeResponse, UNION_TAGS, VersionResponse)
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenmill.entrypoints.openai.serving_engine import engine_errors
