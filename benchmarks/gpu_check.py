@@ -275,7 +275,8 @@ def _greedy_tokens(path: str, prompts, sp=None, **kw) -> list[list[int]]:
             f"deferred={core.runner.num_deferred_steps} staged={getattr(graphs, 'num_staged_steps', None)} "
             f"drafts={core.scheduler.spec.stats.num_draft_tokens if core.scheduler.spec else None} "
             f"accepted={core.scheduler.spec.stats.num_accepted_tokens if core.scheduler.spec else None} "
-            f"draft_graph_runs={getattr(getattr(core.runner.proposer, 'decode_step', None), 'num_runs', None)}",
+            f"draft_graph_runs={getattr(getattr(core.runner.proposer, 'decode_step', None), 'num_runs', None)} "
+            f"draft_mirrors={len(getattr(getattr(core.runner.proposer, 'decode_step', None), '_mirrors', ()))}",
             # which variant actually ran: a silent fallback would compare plain with plain
             f"fused_rotary_kv={getattr(backend, 'fuse_rotary_kv', None)} "
             f"folded_layers={sum(bool(getattr(layer, 'folds_gemvs', False)) for layer in model.model.layers)} "

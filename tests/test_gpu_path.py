@@ -508,3 +508,20 @@ def test_steps_never_index_a_tensor_with_a_list(llama_dir, engine):
 
 if __name__ == "__main__":
     _child_main(sys.argv[1], sys.argv[2])
+
+
+def test_pinned_ring_takes_its_buffers_in_turn():
+    """Deferred steps' tokens come back through a ring of host buffers: within `depth` copies each has its own
+    buffer (a copy still queued is never overwritten), then they are reused (no allocation per step), and a
+    buffer grows for a larger step."""
+    from tokenmill.device_copy import PinnedRing
+    ring = PinnedRing(depth=3, pin=False)  # pinned memory needs CUDA; the turn-taking is the same
+    steps = [torch.arange(n, dtype=torch.int64) * 7 + n for n in (5, 5, 5, 5, 90, 3)]
+    hosts = [ring.copy(t) for t in steps]
+    assert all(torch.equal(h, t) for h, t in zip(hosts[3:], steps[3:]))  # later copies may overwrite earlier
+    ptrs = [h.data_ptr() for h in hosts]
+    assert len(set(ptrs[:3])) == 3  # three copies alive at once: three buffers
+    assert ptrs[3] == ptrs[0]  # the fourth reuses the first's buffer
+    assert ptrs[4] != ptrs[1] and hosts[4].shape == (90,)  # it grew for 90 tokens
+    assert ptrs[5] == ptrs[2]
+    assert ring.copy(torch.ones(2, 4, dtype=torch.float32)).shape == (2, 4)  # another dtype: its own buffer

@@ -26,6 +26,28 @@ def to_pinned_host(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
+class PinnedRing:
+    """Pinned host buffers taken in turn for per-step copies back from the device (a step's sampled tokens):
+    a fresh pinned tensor per step costs the caching host allocator a lock, an event query and, once freed
+    after its copy, an event record. `depth` must exceed the copies alive at once (async scheduling keeps
+    two: the step in flight and the one being collected). A buffer grows to the largest copy it has taken."""
+
+    def __init__(self, depth: int = 3, pin: bool = True):
+        self.buffers: list[torch.Tensor | None] = [None] * depth
+        self.next, self.pin = 0, pin
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        """`t`'s copy into the next buffer, started without waiting (see to_pinned_host)."""
+        i, n = self.next, t.numel()
+        self.next = (i + 1) % len(self.buffers)
+        buf = self.buffers[i]
+        if buf is None or buf.numel() < n or buf.dtype != t.dtype:
+            buf = self.buffers[i] = torch.empty(max(n, 64), dtype=t.dtype, pin_memory=self.pin)
+        host = buf[:n].view(t.shape)
+        host.copy_(t, non_blocking=True)
+        return host
+
+
 def device_tensor(values: list, dtype: torch.dtype, device) -> torch.Tensor:
     """A small host list on `device`, without waiting for the step in flight."""
     return to_device(torch.tensor(values, dtype=dtype), device)

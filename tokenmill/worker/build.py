@@ -18,7 +18,7 @@ from tokenmill.spec_decode.build import build_proposer, kv_bytes_per_block, load
 from tokenmill.worker.encoder_runner import EncoderRunner
 from tokenmill.spec_decode.draft_model import DraftModelProposer
 from tokenmill.worker.cpu_decode_step import CpuDecodeStep
-from tokenmill.worker.cuda_graphs import DecodeGraphs
+from tokenmill.worker.cuda_graphs import MIRRORS, DecodeGraphs
 from tokenmill.worker.memory_profile import GIB, GpuMemoryBudget, WorstCase, measure_gpu_budget
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -61,7 +61,9 @@ def build_runner(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, shar
         runner.decode_step = captured_decode_step(config, model, runner.backend, runner.kv_caches)
         proposer = runner.proposer
         if isinstance(proposer, DraftModelProposer):  # the draft's own steps too (CUDA graphs or the C step)
-            proposer.decode_step = captured_decode_step(config, proposer.model, proposer.backend, proposer.kv_caches)
+            # k + 1 mirrors: a proposal's k chained draft steps are staged without waiting for their copies
+            proposer.decode_step = captured_decode_step(config, proposer.model, proposer.backend, proposer.kv_caches,
+                                                        mirrors=max(MIRRORS, spec.num_speculative_tokens + 1))
     if mc.is_multimodal:
         runner.encoder = EncoderRunner(model, config.device, dtype, config.mm_encoder_overlap)
     if config.device == "cpu":
@@ -69,13 +71,13 @@ def build_runner(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, shar
     return runner
 
 
-def captured_decode_step(config: EngineConfig, model, backend, kv_caches):
+def captured_decode_step(config: EngineConfig, model, backend, kv_caches, mirrors: int = MIRRORS):
     """CUDA graphs on a GPU, the one-call C decode step on a CPU (None where neither applies)."""
     if config.device == "cuda":
         if not backend.cuda_graph_safe:
             return None
         return DecodeGraphs(model, backend, kv_caches, config.max_num_seqs, config.max_model_len, config.block_size,
-                            config.device)
+                            config.device, mirrors=mirrors)
     return CpuDecodeStep.build(model, backend, kv_caches, config.block_size)
 
 

@@ -22,8 +22,8 @@ Inputs live in the persistent buffers. The runner stages a decode step's host ro
 mirror (`host_rows`, then `commit`), and one copy to the device moves the longs, the lengths and the step's
 table rows together; a step prepared elsewhere is copied in piece by piece (`run`). The mirrors are a ring:
 the host fills the next one while a copy from the last may still be queued (an event says when a mirror is
-free again: under async scheduling a target's step always finds it so; a draft model's k chained steps
-wait there from the fourth on, which only caps how far the host runs ahead). Columns past a
+free again: under async scheduling a target's step always finds it so; a draft model's graphs have k + 1
+mirrors, so that its k chained steps of one proposal never wait there). Columns past a
 row's blocks keep what they held; kernels read a row only up to its sequence length. Padding rows that an
 earlier, larger step left are reset before the replay (in the mirror, for a staged step). The logits are
 computed outside the graph, from the rows that sample. The attention backend's launch plan is fixed at
@@ -76,7 +76,7 @@ class _Mirror:
 
 class DecodeGraphs:
     def __init__(self, model, backend: AttentionBackend, kv_caches, max_num_seqs: int, max_model_len: int,
-                 block_size: int, device: str, capture: bool = True):
+                 block_size: int, device: str, capture: bool = True, mirrors: int = MIRRORS):
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_rows = self.sizes[-1]  # decode rows a replay takes (speculation's draft policy stays within it)
@@ -91,7 +91,7 @@ class DecodeGraphs:
         self.seq_lens.fill_(1)
         self.query_start_loc = torch.arange(b + 1, **i32)
         # host mirrors: a ring, so that filling one never waits for the copy queued from the last
-        self._mirrors = [_Mirror(self) for _ in range(MIRRORS if self.raw.is_cuda else 1)]
+        self._mirrors = [_Mirror(self) for _ in range(mirrors if self.raw.is_cuda else 1)]
         self._next_mirror = 0
         self.filled = 0  # rows [0, filled) may hold an earlier step's real rows; the rest are padding
         self._staging: _Mirror | None = None  # the mirror host_rows gave out, until commit

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionBatch
-from tokenmill.device_copy import device_tensor, take_rows, to_device, to_pinned_host
+from tokenmill.device_copy import PinnedRing, device_tensor, take_rows, to_device, to_pinned_host
 from tokenmill.sample.sampler import SampleRow, Sampler, TokenLogprobs, argmax_rows, batch_token_logprobs
 from tokenmill.sched.output import ScheduledRequest, SchedulerOutput
 from tokenmill.spec_decode.verify import DraftCheck, accept_greedy, verify
@@ -95,6 +95,7 @@ class ModelRunner:
         self.defer_tokens = False
         self._pending: dict[str, tuple[DeferredTokens, int, int]] = {}  # (step, row, slot)
         self.num_deferred_steps = 0  # steps whose tokens stayed on the device until collect() (tests, gpu_check)
+        self._token_ring = PinnedRing()  # deferred steps' tokens come back through it (CUDA only)
         self.num_pending_fills = [0, 0]  # steps whose pending inputs were filled by a slice / by a gather (tests)
 
     def release_requests(self, request_ids) -> None:
@@ -422,7 +423,7 @@ class ModelRunner:
         placeholders; the engine collects them after it has launched the next step."""
         self.num_deferred_steps += 1
         if tokens.is_cuda:
-            host = to_pinned_host(tokens)
+            host = self._token_ring.copy(tokens)
             logprobs = tuple(to_pinned_host(t) for t in logprobs)
             event = torch.cuda.Event()
             event.record()  # after every copy: collect() waits for this, never for a later step's work
