@@ -196,6 +196,22 @@ def test_the_gpu_store_path_gathers_blocks_to_the_host(llama_dir, tmp_path, plai
     xfer.land = spy
     assert _run(llm, _workload()) == plain_outputs
     assert any(n and not wait for n, wait in landed)  # stores waited for a step's poll to land
+    # a GPU's last stores whose copy is still running when the engine goes idle: it counts as unfinished and
+    # steps once more, waiting for the copy (nothing to overlap), so the blocks reach the tiers and its peers
+    from tokenmill.sched.output import BlockStore
+
+    class CopyEvent:  # a torch.cuda.Event whose copy has not finished yet
+        def query(self):
+            return False
+
+        def synchronize(self):
+            self.waited = True
+    event = CopyEvent()
+    xfer._landing.append(([BlockStore(5, b"last-step-store")], xfer.block(5).unsqueeze(0).clone(), event))
+    assert xfer.has_landing and core.has_unfinished()
+    llm.llm_engine.step()
+    assert event.waited and not xfer.has_landing and not core.has_unfinished()
+    assert xfer.chain.host.get(b"last-step-store") is not None
     stats = _tier_stats(llm)
     assert stats["host"]["hit_tokens"] >= 2 * 144 and stats["disk"]["bytes_stored"] > 0, stats
     if async_scheduling:

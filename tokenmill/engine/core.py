@@ -149,7 +149,8 @@ class EngineCore:
         return aborted
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._in_flight) or self._deferred is not None
+        return (self.scheduler.num_unfinished > 0 or bool(self._in_flight) or self._deferred is not None
+                or (self.kv_transfer is not None and self.kv_transfer.has_landing))
 
     # -- the step --------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -178,6 +179,8 @@ class EngineCore:
                 return self._finish_deferred()
             if self._in_flight:
                 return self._finish_oldest()
+            if xfer is not None and xfer.has_landing:  # no forward to overlap: the last stores go to the tiers now
+                xfer.land(wait=True)  # (else an idle engine would keep them in pinned memory, unseen by its peers)
             if xfer is not None and xfer.num_in_flight:
                 xfer.wait(0.01)  # only loads are in flight: sleep until one lands instead of spinning
             if encoder is not None and encoder.num_in_flight:  # only encodes are in flight: sleep until one lands

@@ -104,6 +104,11 @@ class KVTransferWorker:
                 copied.record()
             self._landing.append((chunk, together, copied))
 
+    @property
+    def has_landing(self) -> bool:
+        """Stores still on their way to the host (an idle engine steps once more to land them)."""
+        return bool(self._landing)
+
     def land(self, wait: bool = False) -> None:
         """Stores whose copy to the host is done go into the tiers (oldest first; `wait`: all of them)."""
         while self._landing:
