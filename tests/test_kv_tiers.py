@@ -99,6 +99,79 @@ def test_corrupt_or_truncated_disk_block_is_a_miss_and_is_deleted(tmp_path, capl
     d.check_invariants()
 
 
+def test_the_fingerprint_covers_what_changes_the_kv(tmp_path):
+    """Blocks are shared only between engines whose KV would be bit-identical: dummy weights drawn for two
+    configs (rope, norms) differ, as do an int8 and a float vision encoder (image tokens' embeddings)."""
+    from tokenmill.kv.tiers.fingerprint import model_fingerprint, weights_identity
+    dirs = []
+    for i, theta in enumerate((10000.0, 500000.0, 10000.0)):
+        d = tmp_path / f"m{i}"
+        d.mkdir()
+        (d / "config.json").write_text(f'{{"rope_theta": {theta}}}')
+        dirs.append(str(d))
+    ids = [weights_identity(d, "dummy", 0) for d in dirs]
+    assert ids[0] != ids[1] and ids[0] == ids[2] and ids[0] != weights_identity(dirs[0], "dummy", 1)
+    (tmp_path / "m2" / "preprocessor_config.json").write_text('{"image_mean": [0.5, 0.5, 0.5]}')
+    assert weights_identity(dirs[2], "dummy", 0) != ids[0]
+    kw = dict(architecture="LlavaForConditionalGeneration", weights_id=ids[0], dtype="torch.float32", block_size=16,
+              kv_block_shape=(2, 2, 16, 2, 8), kv_layout="nhd", quantization=None)
+    assert model_fingerprint(**kw) != model_fingerprint(**kw, mm_encoder_quantization="w8a8")
+
+
+def test_a_header_that_agrees_with_itself_but_not_with_its_shape_is_corrupt():
+    import struct
+    import zlib
+    data = encode_block(FP, _key(1), _block(1))
+    payload = data[HEADER_SIZE:HEADER_SIZE + 64]  # a shorter payload, its length and CRC written to match
+    magic, fp, key, code, *rest = struct.unpack_from("<8s16s16sB5IQI", data)
+    header = struct.pack("<8s16s16sB5IQI", magic, fp, key, code, *rest[:5], len(payload), zlib.crc32(payload))
+    with pytest.raises(CorruptBlock, match="payload bytes"):
+        decode_block(header + payload, FP, _key(1), SHAPE, DT)
+
+
+def test_disk_faults_a_read_or_a_store_must_not_hang_on_or_keep_repeating(tmp_path, monkeypatch):
+    """Anything but a regular file of a block's size is corrupt (a FIFO would block the load thread in
+    read()); a deleted directory is noticed for the whole index at the first miss (its blocks are stored again
+    at once, not found missing one load at a time); a cap lowered by a full disk is tried again later."""
+    per = len(encode_block(FP, _key(0), _block(0)))
+    d = DiskTier(str(tmp_path), 8 * per, FP, SHAPE, DT)
+    for i in range(4):
+        d.put(_key(i), _block(i))
+    os.unlink(d._path(_key(0)))
+    os.mkfifo(d._path(_key(0)))
+    assert d.get(_key(0)) is None and not os.path.exists(d._path(_key(0)))  # at once, and deleted
+    assert d.stats.errors == 1
+    shutil.rmtree(d.dir)
+    assert d.get(_key(1)) is None
+    assert d.occupancy() == (0, 0) and not any(d.exists(_key(i)) for i in range(4))  # the whole index
+    d.put(_key(2), _block(2))  # stored again
+    assert torch.equal(d.get(_key(2)), _block(2))
+    real_write = DiskTier._write_atomic
+
+    def full(self, path, data):
+        raise OSError(28, "No space left on device", path)
+    monkeypatch.setattr(DiskTier, "_write_atomic", full)
+    d.put(_key(3), _block(3))
+    assert d.capacity_bytes == per  # what the disk held
+    monkeypatch.setattr(DiskTier, "_write_atomic", real_write)  # space freed
+    d.put(_key(4), _block(4))
+    assert d.capacity_bytes == per and d.occupancy()[0] == 1  # still the lowered cap, for a while
+    d._cap_lowered_at -= disk_mod._CAP_RETRY_S + 1
+    for i in (5, 6):
+        d.put(_key(i), _block(i))
+    assert d.capacity_bytes == 8 * per and d.occupancy()[0] == 3  # back to the configured cap
+    d.check_invariants()
+
+
+def test_a_disk_tier_that_cannot_make_its_directory_starts_empty(tmp_path, caplog):
+    (tmp_path / "file").write_text("not a directory")
+    d = DiskTier(str(tmp_path / "file"), 1 << 20, FP, SHAPE, DT)  # the engine starts; the tier misses
+    assert d.stats.errors == 1 and "starts empty" in caplog.text
+    d.put(_key(1), _block(1))
+    assert d.get(_key(1)) is None and not d.exists(_key(1)) and d.stats.errors >= 2  # dropped, missed
+    d.check_invariants()
+
+
 def test_chain_lookup_walks_tiers_block_by_block(tmp_path):
     host, disk = HostTier(1 << 20), DiskTier(str(tmp_path), 1 << 20, FP, SHAPE, DT)
     for i in (1, 2):
@@ -304,6 +377,40 @@ def test_late_load_falls_back_to_recompute(llama_dir, plain_outputs, caplog):
     _check_idle(llm)
 
 
+class _StuckOnce(HostTier):
+    """A host tier whose first read never returns (until the test ends): a hung network mount."""
+
+    def __init__(self):
+        super().__init__(1 << 26)
+        self.release, self.reads = threading.Event(), 0
+
+    def get(self, key):
+        self.reads += 1
+        if self.reads == 1:
+            self.release.wait(60)
+        return super().get(key)
+
+
+def test_a_read_that_never_returns_does_not_hold_up_later_loads(llama_dir, plain_outputs, caplog):
+    llm = make_llm(llama_dir, **POOL, kv_host_cache_gb=0.05, kv_load_timeout_s=1.0)
+    core = llm.llm_engine.core
+    stuck = _StuckOnce()
+    core.kv.tiers.tiers[0] = core.kv.tiers.host = core.kv_transfer.chain.host = stuck
+    try:
+        rounds = _workload()
+        assert _run(llm, rounds[:3]) == plain_outputs[:3]
+        assert _run(llm, rounds[3:4]) == plain_outputs[3:4]  # its load's thread sticks in the first read
+        assert caplog.text.count("missed its 1.0 s deadline") == 1 and "starting another load thread" in caplog.text
+        hits = _tier_stats(llm)["host"]["hit_tokens"]
+        assert _run(llm, rounds[4:]) == plain_outputs[4:]
+        # the document's blocks load on the new thread, in time (they queued behind the stuck read before)
+        assert _tier_stats(llm)["host"]["hit_tokens"] >= hits + 144
+        assert caplog.text.count("missed its") == 1
+        _check_idle(llm)
+    finally:
+        stuck.release.set()
+
+
 def test_abort_while_loading_frees_the_blocks(llama_dir):
     llm = make_llm(llama_dir, **POOL, kv_host_cache_gb=0.05)
     _with_slow_tier(llm, 0.05)
@@ -477,6 +584,48 @@ def redis_server():
     server.kill()
 
 
+def test_a_slow_redis_costs_a_lookup_now_and_then_and_a_refused_write_one_block(redis_server):
+    """Lookups run on the scheduler's thread: a server that answers, but slowly, has them skipped (misses) for
+    retry_after_s, so it cannot slow every step. A write the server refuses (out of memory under noeviction)
+    drops that block, not the server: reads go on."""
+    import redis
+
+    from tokenmill.kv.tiers.redis_tier import RedisTier
+    tier = RedisTier(redis_server.url, FP, SHAPE, DT, retry_after_s=0.5)
+    keys = [_key(i) for i in range(3)]
+    tier.batched_put(keys, [_block(i) for i in range(3)])
+    assert tier.batched_exists(keys) == 3
+    real = tier.client.pipeline
+
+    def slow_pipeline(*a, **k):
+        pipe = real(*a, **k)
+        execute = pipe.execute
+
+        def slow_execute(*ea, **ek):
+            time.sleep(0.2)
+            return execute(*ea, **ek)
+        pipe.execute = slow_execute
+        return pipe
+    tier.client.pipeline = slow_pipeline
+    t0 = time.monotonic()
+    assert tier.batched_exists(keys) == 3  # slow, but an answer
+    assert [tier.batched_exists(keys) for _ in range(20)] == [0] * 20  # skipped: no wait
+    assert time.monotonic() - t0 < 0.35
+    time.sleep(0.5)
+    tier.client.pipeline = real
+    assert tier.batched_exists(keys) == 3  # tried again after retry_after_s
+    admin = redis.Redis(port=redis_server.port)
+    admin.config_set("maxmemory-policy", "noeviction")  # first: under allkeys-lru a 1-byte cap evicts all
+    admin.config_set("maxmemory", "1")
+    errors = tier.stats.errors
+    tier.batched_put([_key(9)], [_block(9)])  # refused: OOM
+    assert tier.stats.errors == errors + 1 and not tier.batched_exists([_key(9)])
+    assert torch.equal(tier.get(_key(1)), _block(1))  # the server is not marked down
+    admin.config_set("maxmemory", "64mb")
+    admin.config_set("maxmemory-policy", "allkeys-lru")
+    tier.close()
+
+
 def test_greedy_identical_with_redis_hits_shared_by_two_engines(llama_dir, redis_server, plain_outputs):
     rounds = _workload()
     a = make_llm(llama_dir, **POOL, kv_remote_cache_url=redis_server.url)
@@ -543,3 +692,24 @@ def test_tier_metrics_reach_prometheus_and_the_bench_table(llama_dir, tmp_path):
     assert f'tokenmill:kv_tier_hit_tokens_total{{model_name="m",tier="host"}} {float(host["hit_tokens"])}' in text
     assert 'tokenmill:kv_tier_bytes{model_name="m",tier="disk"}' in text
     assert 'tokenmill:num_requests_loading_kv{model_name="m"} 1.0' in text
+    assert 'tokenmill:kv_tier_stores_dropped_total{model_name="m",tier="disk"} 0.0' in text
+
+
+def test_stores_the_lower_tiers_cannot_keep_up_with_are_dropped_and_counted(tmp_path):
+    from tokenmill.sched.output import BlockStore
+    from tokenmill.worker.kv_transfer import KVTransferWorker
+    gate = threading.Event()
+
+    class Stalled(DiskTier):  # a disk that has stopped keeping up
+        def put(self, key, block):
+            gate.wait(30)
+            super().put(key, block)
+    disk = Stalled(str(tmp_path), 1 << 20, FP, SHAPE, DT)
+    kv = torch.zeros(SHAPE[0], 2, 8, *SHAPE[2:], dtype=DT)  # [layers, 2, blocks, block_size, heads, dim]
+    xfer = KVTransferWorker(kv, TierChain([disk]), max_queued_stores=2)
+    try:
+        xfer.store([BlockStore(i % 8, _key(i)) for i in range(6)])  # one in the thread, two queued, three dropped
+        assert disk.stats.stores_dropped >= 3 and disk.snapshot()["stores_dropped"] == disk.stats.stores_dropped
+    finally:
+        gate.set()
+        xfer.close()

@@ -109,6 +109,7 @@ _TIER_METRICS = {
     "store_seconds": ("kv_tier_store_seconds", "counter", "Time spent writing blocks to a tier."),
     "load_seconds": ("kv_tier_load_seconds", "counter", "Time spent reading blocks from a tier."),
     "errors": ("kv_tier_errors", "counter", "Failed tier reads and writes (corrupt blocks included)."),
+    "stores_dropped": ("kv_tier_stores_dropped", "counter", "KV blocks not stored: the tier's writes were behind."),
     "blocks": ("kv_tier_blocks", "gauge", "KV blocks held by a tier."),
     "bytes": ("kv_tier_bytes", "gauge", "KV bytes held by a tier."),
     "capacity_bytes": ("kv_tier_capacity_bytes", "gauge", "Size cap of a tier."),

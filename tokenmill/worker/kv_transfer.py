@@ -10,7 +10,9 @@
 A load writes only blocks that its request holds, and the scheduler frees them only after the load's
 result, so nothing else reads or writes them meanwhile. A load past its deadline, or cancelled, is
 finished by the main thread under the load's lock; the load thread checks that flag under the same lock
-before each block it writes, so a late read can never land in a block that has been given back.
+before each block it writes, so a late read can never land in a block that has been given back. A read
+that never returns (a hung network mount) holds its thread: once its load misses the deadline another
+load thread starts (up to _MAX_LOAD_THREADS), so the loads behind it are not all late too.
 On CPU, the copies are memcpys. On a GPU a step's stored blocks are gathered on the stream in chunks and
 copied to pinned host memory without waiting; they land in the tiers at a later poll, once the copy is done
 (async scheduling keeps its overlap). Loads copy host blocks into the cache through pinned memory on the
@@ -35,6 +37,7 @@ logger = logging.getLogger("tokenmill")
 _GATHER_BLOCKS = 64  # evicted blocks gathered on a GPU per copy to the host (an 8B model's: 128 MiB)
 
 _READ_BATCH = 32  # blocks per batched tier read (one Redis MGET)
+_MAX_LOAD_THREADS = 4  # load threads, counting those stuck in a read that never returned
 
 
 @dataclass(eq=False)
@@ -44,6 +47,7 @@ class _Load:
     lock: threading.Lock = field(default_factory=threading.Lock)
     num_loaded: int = 0
     tiers: list[int] = field(default_factory=list)
+    started: bool = False  # a load thread took it
     done: bool = False  # the load thread finished it
     cancelled: bool = False  # the main thread finished it first
 
@@ -57,16 +61,20 @@ class KVTransferWorker:
         self.lower = [t for t in chain.tiers if t is not chain.host]
         # the tiers hold host tensors: a GPU's blocks are gathered and copied to the host (_host_blocks)
         self.gather_to_host = kv_cache.device.type != "cpu"
-        self.stores_dropped = 0
         self._store_q: queue.Queue = queue.Queue(maxsize=max_queued_stores)
         self._load_q: queue.Queue = queue.Queue()
         self._loads: dict[str, _Load] = {}
         self._landed = threading.Event()
         self._landing: collections.deque = collections.deque()  # (stores, host blocks, copy event) on a GPU
-        self._threads = [threading.Thread(target=self._store_loop, name="kv-store", daemon=True),
-                         threading.Thread(target=self._load_loop, name="kv-load", daemon=True)]
-        for t in self._threads:
-            t.start()
+        self._threads = [threading.Thread(target=self._store_loop, name="kv-store", daemon=True)]
+        self._threads[0].start()
+        self._load_threads: list[threading.Thread] = []
+        self._add_load_thread()
+
+    def _add_load_thread(self) -> None:
+        t = threading.Thread(target=self._load_loop, name=f"kv-load-{len(self._load_threads)}", daemon=True)
+        self._load_threads.append(t)
+        t.start()
 
     def block(self, block_id: int) -> torch.Tensor:
         return self.kv_cache[:, :, block_id]
@@ -129,7 +137,8 @@ class KVTransferWorker:
                 try:
                     self._store_q.put_nowait((s.block_hash, data))
                 except queue.Full:  # the disk or the network is behind: drop rather than stall the step
-                    self.stores_dropped += 1
+                    for tier in self.lower:
+                        tier.stats.stores_dropped += 1
 
     def store_lower(self, stores: list[BlockStore], timeout_s: float = 10.0) -> int:
         """Write blocks to the lower tiers now, on this thread (shutdown), after the queued stores; stops
@@ -203,6 +212,11 @@ class KVTransferWorker:
                 if not job.done and not job.cancelled:
                     logger.warning("KV load for %s missed its %.1f s deadline after %d of %d blocks; recomputing "
                                    "the rest", rid, self.load_timeout_s, job.num_loaded, len(job.spec.block_ids))
+                    if job.started and len(self._load_threads) < _MAX_LOAD_THREADS:
+                        # its thread is still in a read: the loads queued behind it get a thread of their own
+                        logger.warning("a KV tier read has taken %.1f s; starting another load thread",
+                                       self.load_timeout_s)
+                        self._add_load_thread()
                 job.cancelled = True
                 failed = job.num_loaded < len(job.spec.block_ids)
                 out.append(KVLoadResult(rid, job.num_loaded, list(job.tiers), failed))
@@ -219,6 +233,8 @@ class KVTransferWorker:
             job = self._load_q.get()
             if job is None:
                 return
+            with job.lock:
+                job.started = True
             try:
                 self._run_load(job)
             except Exception:
@@ -278,11 +294,12 @@ class KVTransferWorker:
             self.flush(flush_timeout_s)
         except Exception:  # e.g. a CUDA error that ended the context: still stop the threads and close
             logger.exception("KV stores could not be finished at shutdown")
-        for q in (self._store_q, self._load_q):
-            try:
-                q.put(None, timeout=1.0)
-            except queue.Full:
-                pass
-        for t in self._threads:
-            t.join(timeout=2.0)
+        try:
+            self._store_q.put(None, timeout=1.0)
+        except queue.Full:
+            pass
+        for _ in self._load_threads:
+            self._load_q.put(None)
+        for t in self._threads + self._load_threads:
+            t.join(timeout=2.0 if t.is_alive() else 0)
         self.chain.close()

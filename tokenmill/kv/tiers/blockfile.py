@@ -30,6 +30,13 @@ class CorruptBlock(ValueError):
     """The bytes are not the block they should be: wrong magic, model, key, shape, length or checksum."""
 
 
+def payload_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
 def encode_block(fingerprint: bytes, key: bytes, block: torch.Tensor) -> bytes:
     block = block.contiguous()
     payload = block.view(torch.uint8).reshape(-1).numpy()
@@ -52,6 +59,8 @@ def decode_block(data: bytes | bytearray | memoryview, fingerprint: bytes, key: 
         raise CorruptBlock("holds another block")
     if code >= len(_DTYPES) or _DTYPES[code] != dtype or dims != tuple(shape):
         raise CorruptBlock(f"shape/dtype {dims}/{code} does not match {tuple(shape)}/{dtype}")
+    if length != payload_bytes(shape, dtype):  # a header that agrees with itself but not with its shape
+        raise CorruptBlock(f"header says {length} payload bytes, the shape holds {payload_bytes(shape, dtype)}")
     payload = memoryview(data)[HEADER_SIZE:]
     if len(payload) != length:
         raise CorruptBlock(f"payload is {len(payload)} bytes, header says {length}")

@@ -25,7 +25,7 @@ def build_tier_chain(config, architecture: str, dtype: torch.dtype, block_shape:
     fp = model_fingerprint(
         architecture=architecture, weights_id=weights_identity(config.model, config.load_format, config.seed),
         dtype=str(dtype), block_size=config.block_size, kv_block_shape=block_shape, kv_layout=kv_layout,
-        quantization=config.quantization, tp_rank=tp_rank)
+        quantization=config.quantization, mm_encoder_quantization=config.mm_encoder_quantization, tp_rank=tp_rank)
     tiers: list[KVConnector] = []
     if config.kv_host_cache_gb:
         tiers.append(HostTier(int(config.kv_host_cache_gb * _GIB)))

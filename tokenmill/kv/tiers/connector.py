@@ -32,6 +32,7 @@ class TierStats:
     store_seconds: float = 0.0  # time spent writing blocks, summed
     load_seconds: float = 0.0  # time spent reading blocks, summed
     errors: int = 0  # failed reads and writes, corrupt files included
+    stores_dropped: int = 0  # blocks never written because the tier's store queue was full (it is behind)
     blocks: int = 0  # occupancy now
     bytes: int = 0
     capacity_bytes: int = 0

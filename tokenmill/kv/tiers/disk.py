@@ -5,24 +5,32 @@
 Writes go to a temporary file in the same directory, then `os.replace`, so a reader sees a whole file
 or none; two engines on one model can share the directory (each keeps its own LRU index and size cap,
 so together they may hold up to the sum of their caps). Every failure is a miss or a dropped block:
-a corrupt or foreign file is deleted and reported, a missing directory is recreated, a full disk lowers
-the cap to what the disk holds.
+  - a corrupt or foreign file, or anything but a regular file of a block's size, is deleted and reported;
+  - a file gone missing makes the tier check its whole index (at most every few seconds), so that the blocks
+    of a deleted directory are stored again rather than found missing one request at a time;
+  - a missing directory is recreated, at startup too (one that cannot be made leaves the tier empty);
+  - a full disk lowers the cap to what the disk holds, and the configured cap is tried again later.
 """
 from __future__ import annotations
 
 import errno
 import os
+import shutil
+import stat
 import time
 import uuid
 from collections import OrderedDict
 
 import torch
 
-from tokenmill.kv.tiers.blockfile import CorruptBlock, decode_block, encode_block
+from tokenmill.kv.tiers.blockfile import HEADER_SIZE, CorruptBlock, decode_block, encode_block, payload_bytes
 from tokenmill.kv.tiers.connector import KVConnector
 
 _SUFFIX = ".kvb"
 _STALE_TMP_S = 3600.0  # temporary files older than this were left by a crashed writer
+_REVALIDATE_S = 5.0  # a missing file checks the whole index at most this often
+_CAP_RETRY_S = 30.0  # a cap lowered by a full disk goes back to the configured one after this long
+_SLOW_STAT_S, _STAT_OFF_S = 0.05, 10.0  # a lookup's stat slower than this turns stats off for that long
 
 
 class DiskTier(KVConnector):
@@ -32,12 +40,19 @@ class DiskTier(KVConnector):
                  dtype: torch.dtype):
         super().__init__()
         self.dir = os.path.join(root, fingerprint.hex())
-        self.capacity_bytes = capacity_bytes
+        self.capacity_bytes = self.configured_bytes = capacity_bytes
         self.fingerprint, self.block_shape, self.dtype = fingerprint, tuple(block_shape), dtype
+        self.file_bytes = HEADER_SIZE + payload_bytes(block_shape, dtype)
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recently used first
         self._bytes = 0
-        os.makedirs(self.dir, exist_ok=True)
-        self._scan()
+        self._cap_lowered_at = 0.0  # when a full disk last lowered the cap
+        self._revalidated_at = 0.0
+        self._stat_off_until = 0.0
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            self._scan()
+        except OSError as e:  # a read-only or missing mount degrades the tier (writes retry), never the engine
+            self._warn("cannot use %s: %s; the disk tier starts empty", self.dir, e)
 
     def _path(self, key: bytes) -> str:
         h = key.hex()
@@ -71,10 +86,18 @@ class DiskTier(KVConnector):
         with self._lock:
             if key in self._index:
                 return True
+        if time.monotonic() < self._stat_off_until:
+            return False
+        t0 = time.monotonic()
         try:  # another engine on the same directory may have written it since we scanned
             size = os.stat(self._path(key)).st_size
         except OSError:
             return False
+        finally:  # lookups run on the scheduler's thread: a disk this slow gets no stat from it for a while
+            if time.monotonic() - t0 > _SLOW_STAT_S:
+                self._stat_off_until = time.monotonic() + _STAT_OFF_S
+                self._warn("a stat in %s took %.0f ms; only indexed blocks are looked up for %.0f s", self.dir,
+                           (time.monotonic() - t0) * 1e3, _STAT_OFF_S)
         self._add(key, size)
         return True
 
@@ -82,16 +105,23 @@ class DiskTier(KVConnector):
         t0 = time.perf_counter()
         path = self._path(key)
         try:
+            st = os.stat(path)
+            # a FIFO or device would block the load thread in read(); a file of another size is not a block
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptBlock("not a regular file")
+            if st.st_size != self.file_bytes:
+                raise CorruptBlock(f"{st.st_size} bytes, a block file has {self.file_bytes}")
             with open(path, "rb") as f:
-                data = f.read()
+                data = f.read(self.file_bytes + 1)
             block = decode_block(data, self.fingerprint, key, self.block_shape, self.dtype)
         except FileNotFoundError:  # evicted by us or by another engine, or the directory is gone
             self._forget(key)
+            self._revalidate()
             return None
         except CorruptBlock as e:
             self._warn("%s: %s; treating it as a miss and deleting it", path, e)
             self._forget(key)
-            _unlink(path)
+            _remove(path)
             return None
         except OSError as e:
             self._warn("cannot read %s: %s", path, e)
@@ -108,6 +138,8 @@ class DiskTier(KVConnector):
             if key in self._index:
                 self._index.move_to_end(key)
                 return
+            if self._cap_lowered_at and time.monotonic() - self._cap_lowered_at > _CAP_RETRY_S:
+                self.capacity_bytes, self._cap_lowered_at = self.configured_bytes, 0.0  # space may be back
         t0 = time.perf_counter()
         data = encode_block(self.fingerprint, key, block)
         path = self._path(key)
@@ -115,8 +147,9 @@ class DiskTier(KVConnector):
             self._write_atomic(path, data)
         except OSError as e:
             if e.errno == errno.ENOSPC:
-                with self._lock:  # hold no more than the disk could take
+                with self._lock:  # hold no more than the disk could take, for a while
                     self.capacity_bytes = max(0, min(self.capacity_bytes, self._bytes))
+                    self._cap_lowered_at = time.monotonic()
                 self._trim()
             self._warn("cannot write %s: %s; block dropped", path, e)
             return
@@ -155,6 +188,20 @@ class DiskTier(KVConnector):
             if size is not None:
                 self._bytes -= size
 
+    def _revalidate(self) -> None:
+        """Drop the index's entries whose files are gone (a deleted directory, another engine's eviction), at
+        most every _REVALIDATE_S: they would otherwise be found missing one load at a time, and stores of
+        those blocks skipped as already there."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._revalidated_at < _REVALIDATE_S:
+                return
+            self._revalidated_at = now
+            keys = list(self._index)
+        gone = [k for k in keys if not os.path.exists(self._path(k))]
+        for k in gone:
+            self._forget(k)
+
     def _trim(self) -> None:
         victims = []
         with self._lock:
@@ -182,3 +229,11 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def _remove(path: str) -> None:
+    """A corrupt entry, whether a file or something else (a directory) where a block file should be."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        _unlink(path)

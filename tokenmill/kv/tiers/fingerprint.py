@@ -11,15 +11,24 @@ _FORMAT_VERSION = 1
 _SAMPLE = 1 << 20  # bytes hashed from each end of each weight file
 
 
+# files beside the weights that change what the model computes: its shapes, rope, norms (config.json) and
+# how an image becomes encoder input (preprocessor_config.json)
+_CONFIG_FILES = ("config.json", "preprocessor_config.json")
+
+
 def weights_identity(model_dir: str, load_format: str, seed: int) -> str:
-    """Cheap but content-based: config.json, plus each weight file's name, size and first and last MiB
-    (the safetensors header names every tensor; the sampled bytes tell retrained weights apart).
-    Hashing whole checkpoints would cost seconds per GB at every start."""
-    if load_format == "dummy":
-        return f"dummy-seed{seed}"
+    """Cheap but content-based: config.json (and the image preprocessor's), plus each weight file's name, size
+    and first and last MiB (the safetensors header names every tensor; the sampled bytes tell retrained weights
+    apart); dummy weights: the seed they are drawn from. Hashing whole checkpoints would cost seconds per GB at
+    every start."""
     h = hashlib.blake2b(digest_size=16)
-    with open(os.path.join(model_dir, "config.json"), "rb") as f:
-        h.update(f.read())
+    for name in _CONFIG_FILES:
+        path = os.path.join(model_dir, name)
+        if name == "config.json" or os.path.exists(path):
+            with open(path, "rb") as f:
+                h.update(name.encode() + b"\0" + f.read())
+    if load_format == "dummy":  # two configs' dummy weights differ even with one seed
+        return f"dummy-seed{seed}-{h.hexdigest()}"
     for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
         size = os.path.getsize(path)
         h.update(f"{os.path.basename(path)}:{size}".encode())
@@ -32,8 +41,9 @@ def weights_identity(model_dir: str, load_format: str, seed: int) -> str:
 
 def model_fingerprint(*, architecture: str, weights_id: str, dtype: str, block_size: int,
                       kv_block_shape: tuple[int, ...], kv_layout: str, quantization: str | None,
-                      tp_rank: int = 0) -> bytes:
+                      mm_encoder_quantization: str | None = None, tp_rank: int = 0) -> bytes:
+    """`mm_encoder_quantization`: an int8 vision encoder gives image tokens other embeddings, so other KV."""
     desc = dict(version=_FORMAT_VERSION, architecture=architecture, weights=weights_id, dtype=dtype,
                 block_size=block_size, kv_block_shape=list(kv_block_shape), kv_layout=kv_layout,
-                quantization=quantization, tp_rank=tp_rank)
+                quantization=quantization, mm_encoder_quantization=mm_encoder_quantization, tp_rank=tp_rank)
     return hashlib.blake2b(json.dumps(desc, sort_keys=True).encode(), digest_size=16).digest()

@@ -4,7 +4,10 @@
 Redis bounds itself: run it with `maxmemory` and `maxmemory-policy allkeys-lru` and it evicts the least
 recently used blocks. A dead or slow server must not stall the step: every call has a short socket
 timeout, and after a failure the tier reports misses and drops stores for `retry_after_s` before it
-tries the server again (redis-py reconnects by itself).
+tries the server again (redis-py reconnects by itself). Lookups run on the scheduler's thread, once per
+waiting request and step, so a server that answers but slowly (over `slow_lookup_s` a lookup) has its
+lookups skipped, as misses, for `retry_after_s` too; reads and writes run on the transfer threads. A
+write the server refuses (out of memory under `noeviction`) drops that block only.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ class RedisTier(KVConnector):
     name = "remote"
 
     def __init__(self, url: str, fingerprint: bytes, block_shape: tuple[int, ...], dtype: torch.dtype,
-                 timeout_s: float = 0.5, retry_after_s: float = 2.0):
+                 timeout_s: float = 0.5, retry_after_s: float = 2.0, slow_lookup_s: float = 0.05):
         super().__init__()
         try:
             import redis
@@ -33,6 +36,8 @@ class RedisTier(KVConnector):
         self._prefix = f"tokenmill:kv:{fingerprint.hex()}:".encode()
         self.retry_after_s = retry_after_s
         self._down_until = 0.0
+        self.slow_lookup_s = slow_lookup_s
+        self._lookups_off_until = 0.0  # a slow server's lookups are skipped until then
         self._keys_written = 0
         self._bytes_written = 0
 
@@ -54,7 +59,7 @@ class RedisTier(KVConnector):
         return self.batched_exists([key]) == 1
 
     def batched_exists(self, keys: list[bytes]) -> int:
-        if not keys:
+        if not keys or time.monotonic() < self._lookups_off_until:
             return 0
 
         def run():
@@ -63,8 +68,15 @@ class RedisTier(KVConnector):
                 pipe.exists(self._key(k))
             return pipe.execute()
 
+        t0 = time.monotonic()
+        answers = self._call(run, [])
+        took = time.monotonic() - t0
+        if took > self.slow_lookup_s:
+            self._lookups_off_until = time.monotonic() + self.retry_after_s
+            self._warn("%s took %.0f ms for a lookup; lookups skipped (misses) for %.0f s", self.url, took * 1e3,
+                       self.retry_after_s)
         n = 0
-        for present in self._call(run, []):
+        for present in answers:
             if not present:
                 break
             n += 1
@@ -103,11 +115,15 @@ class RedisTier(KVConnector):
             pipe = self.client.pipeline(transaction=False)
             for k, v in zip(keys, values):
                 pipe.set(self._key(k), v)
-            return pipe.execute()
+            return pipe.execute(raise_on_error=False)  # a refused SET is that block's, not the server's fault
 
-        if self._call(run, None) is None:
+        results = self._call(run, None)
+        if results is None:
             return
-        for b, v in zip(blocks, values):
+        for b, v, res in zip(blocks, values, results):
+            if isinstance(res, Exception):
+                self._warn("%s refused a block (%s); dropped", self.url, res)
+                continue
             self._count_store(b.nbytes, t0)
             self._keys_written += 1
             self._bytes_written += len(v)
