@@ -507,8 +507,7 @@ def host_busy_ms(llm, batch: int, steps: int = 100) -> float:
     finally:
         torch.cuda.Event.synchronize = sync
     engine.abort_request([f"busy-{batch}-{i}" for i in range(batch)])
-    while engine.has_unfinished_requests():
-        engine.step()
+    _drain(engine)
     return round((wall - waited[0]) / steps * 1e3, 3)
 
 
@@ -676,6 +675,13 @@ def _profile_kernels(fn, reps: int) -> dict:
             "top": sorted(top, reverse=True)[:10]}
 
 
+def _drain(engine) -> None:
+    """After an abort: the output side forgets aborted requests at once, while the core may still hold a step
+    in flight (async scheduling) or stores landing; step the core until it holds nothing."""
+    while engine.core.has_unfinished():
+        engine.step()
+
+
 def _sync_points(engine, params: list, steps: int = 20, late=None) -> dict:
     """Decode steps of one request per SamplingParams in `params` under torch.cuda.set_sync_debug_mode("warn"):
     the synchronizing calls per step and the lines that made them (async scheduling's one wait per step is an
@@ -703,8 +709,7 @@ def _sync_points(engine, params: list, steps: int = 20, late=None) -> dict:
                 torch.cuda.set_sync_debug_mode("default")
     finally:
         engine.abort_request(rids)
-        while engine.has_unfinished_requests():
-            engine.step()
+        _drain(engine)
     caught = [w for w in caught if "synchroniz" in str(w.message)]  # torch: "called a synchronizing CUDA op"
     where = collections.Counter(f"{os.path.basename(w.filename)}:{w.lineno}" for w in caught)
     return {"per_step": round(len(caught) / steps, 2), "where": where.most_common(8)}
@@ -728,15 +733,19 @@ def decode_profile(copy_gb_s: float) -> dict:
     if graphs is None or not graphs.enabled:
         return {"error": "no CUDA graphs"}
     res = {"fused_rotary_kv": getattr(backend, "fuse_rotary_kv", None), "kv_blocks": runner.num_blocks}
-    # a realistic context for the replays: row r at position 255 of blocks [16 r, 16 r + 16), writing its slot
-    ctx, bs, rows = 256, graphs.block_size, graphs.sizes[-1]
-    per_row = ctx // bs
-    if runner.num_blocks >= rows * per_row:
-        graphs.block_tables[:rows, :per_row].copy_(torch.arange(rows * per_row).view(rows, per_row))
-        graphs.seq_lens[:rows].fill_(ctx)
-        graphs.positions[:rows].fill_(ctx - 1)
-        graphs.slot_mapping[:rows].copy_(graphs.block_tables[:rows, per_row - 1].long() * bs + bs - 1)
-        graphs.filled = rows
+    def set_context() -> None:
+        """A realistic context for the replays: row r at position 255 of blocks [16 r, 16 r + 16), writing its
+        slot. Set before every variant's replays: engine steps between them (the host profile, the sync probes)
+        stage their own rows and leave the rest as padding (one key each), which would make a later variant
+        read far less KV than the first."""
+        ctx, bs, rows = 256, graphs.block_size, graphs.sizes[-1]
+        per_row = ctx // bs
+        if runner.num_blocks >= rows * per_row:
+            graphs.block_tables[:rows, :per_row].copy_(torch.arange(rows * per_row).view(rows, per_row))
+            graphs.seq_lens[:rows].fill_(ctx)
+            graphs.positions[:rows].fill_(ctx - 1)
+            graphs.slot_mapping[:rows].copy_(graphs.block_tables[:rows, per_row - 1].long() * bs + bs - 1)
+            graphs.filled = rows
     sizes = [s for s in (1, 4, 8, 64) if s in graphs.graphs]  # the folded GEMVs take buckets up to 8
 
     def recapture(fold: bool | None = False) -> None:
@@ -749,6 +758,7 @@ def decode_profile(copy_gb_s: float) -> dict:
         graphs._capture_all()
 
     def replays(tag: str) -> None:
+        set_context()
         for size in sizes:
             res[f"replay_b{size}_{tag}_ms"] = round(median_ms(graphs.graphs[size].replay, reps=50), 3)
     replays("fused" if res["fused_rotary_kv"] else "two_launch")
@@ -787,8 +797,7 @@ def decode_profile(copy_gb_s: float) -> dict:
     seconds, res["host_top_b1"] = profile_top(engine.step, 100)  # us per step: own, cumulative
     res["engine_step_b1_ms_under_cprofile"] = round(seconds * 10, 3)
     engine.abort_request(["prof"])
-    while engine.has_unfinished_requests():
-        engine.step()
+    _drain(engine)
     # where a decode step still makes the host wait for the GPU (torch's sync debug mode): plain greedy, then a
     # seeded sample with penalties and min_tokens (the sampler's batched paths)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=1, repetition_penalty=1.1, presence_penalty=0.2,
@@ -817,7 +826,7 @@ def decode_profile(copy_gb_s: float) -> dict:
     with _env("TOKENMILL_TRITON_GEMV", "1"):
         recapture(fold=None)
         res["folded_layers"] = sum(bool(layer.folds_gemvs) for layer in layers)
-        replays("folded")
+        replays("folded")  # (sets the context the profile below reads too)
         res["profile_b1_folded"] = _profile_kernels(graphs.graphs[1].replay, 10)
     recapture(fold=False)
     llm = engine = runner = graphs = backend = model = layers = linears = ws = None

@@ -215,7 +215,8 @@ def test_a_reused_request_id_never_gets_the_prompt_logprobs_of_the_step_before(l
     engine.add_request("x", {"prompt_token_ids": old}, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1))
     for _ in range(3):
         engine.step()
-    assert engine.core._deferred[1].prompt_logprobs.get("x")  # x's chunk and its rows are in flight
+    # x's chunk and its rows are in flight: on the device until the step is collected (no wait for it now)
+    assert engine.core._deferred[1].deferred.prompt_logprobs.get("x") and not engine.core._deferred[1].prompt_logprobs
     engine.abort_request(["x"])
     engine.add_request("x", {"prompt_token_ids": new}, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1))
     final = {}

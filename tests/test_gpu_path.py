@@ -274,8 +274,8 @@ def test_worst_case_steps_exercise_the_whole_sampler(llama_dir, monkeypatch, wit
     monkeypatch.setattr(sampler_mod, "token_logprob_tensors",
                         spy("lp", sampler_mod.token_logprob_tensors, lambda lps, chosen, n: (lps.shape[0], n)))
     monkeypatch.setattr(runner_mod, "verify", spy("verify", runner_mod.verify, lambda s, logits, c: logits.shape[0]))
-    monkeypatch.setattr(runner_mod, "batch_token_logprobs",
-                        spy("prompt_lp", runner_mod.batch_token_logprobs, lambda lps, t, n: (lps.shape[0], n)))
+    monkeypatch.setattr(runner_mod, "token_logprob_tensors",
+                        spy("prompt_lp", runner_mod.token_logprob_tensors, lambda lps, t, n: (lps.shape[0], n)))
 
     def make_runner(num_blocks):
         from tokenmill.spec_decode.build import build_proposer

@@ -204,10 +204,10 @@ def test_seeded_n_completions_differ_and_reproduce(llama_dir):
 def test_top_logprobs_past_a_small_vocabulary_give_every_token():
     """logprobs=20 over a 12-token vocabulary: all 12, ranked, not a failed step (which would fail every request
     in the batch)."""
-    from tokenmill.sample.sampler import batch_token_logprobs
+    from tokenmill.sample.sampler import token_logprob_rows, token_logprob_tensors
 
     lps = torch.randn(3, 12, generator=torch.Generator().manual_seed(0)).log_softmax(dim=-1)
-    rows = batch_token_logprobs(lps, torch.tensor([0, 5, 11]), 20)
+    rows = token_logprob_rows(*token_logprob_tensors(lps, torch.tensor([0, 5, 11]), 20))
     for r, row in enumerate(rows):
         assert len(row) == 1 + 12
         assert [t for t, _, _ in row[1:]] == lps[r].argsort(descending=True).tolist()

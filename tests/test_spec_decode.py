@@ -232,6 +232,22 @@ def test_stop_strings_and_max_tokens_inside_an_accepted_run(llama_dir, stop_cuts
     _check(spec_llm)
 
 
+def test_a_draft_model_never_drafts_past_max_model_len(llama_dir):
+    """Requests that end by max_model_len with every draft accepted (the target drafts for itself): the draft's
+    steps after a verification run from the last accepted position on, so a bound taken before the step let
+    them index past the rotary table (an IndexError that failed the whole step)."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 11, 17], seed=3)]
+    sp = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    kw = dict(max_model_len=48, enforce_eager=True)
+    plain = _tokens(make_llm(llama_dir, **kw), prompts, sp)
+    llm = make_llm(llama_dir, **kw, speculative_config=_draft_cfg(llama_dir, adaptive=False))
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert all(o.outputs[0].finish_reason == "length" and len(o.prompt_token_ids) + len(o.outputs[0].token_ids) == 48
+               for o in outs)
+    _check(llm)
+
+
 # -- the engine: sampling ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("draw_ahead", [False, True])
 def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(llama_dir, monkeypatch, draw_ahead):

@@ -254,9 +254,3 @@ def token_logprob_rows(chosen, lp, ranks, vals=None, ids=None) -> list[TokenLogp
         for row, tv, ti in zip(rows, vals.tolist(), ids.tolist()):
             row.extend((t, v, j + 1) for j, (t, v) in enumerate(zip(ti, tv)))
     return rows
-
-
-def batch_token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, top_n: int) -> list[TokenLogprobs]:
-    """Per row: the chosen token's logprob and 1-based rank, then the top-N (vLLM's convention).
-    One batched pass and one host transfer per tensor."""
-    return token_logprob_rows(*token_logprob_tensors(logprobs, chosen, top_n))

@@ -497,10 +497,14 @@ class Scheduler:
         if self.spec is None:
             return {}
         plan = self.spec.plan([rid for rid, n in scheduled.items() if self._samples(self.requests[rid], n)])
-        if self.spec_lookahead:  # a draft model may not write past max_model_len (_lookahead)
+        if self.spec_lookahead:
+            # a draft model runs its drafts at positions P+1 .. P+k-1, P the request's last position once this
+            # step's accepted drafts are in: up to num_tokens + its drafts this step. None may reach max_model_len
             for rid, k in plan.items():
                 if k:
-                    plan[rid] = min(k, self._lookahead(self.requests[rid]))
+                    req = self.requests[rid]
+                    room = self.max_model_len - req.num_tokens - len(self._drafts.get(rid, ()))
+                    plan[rid] = max(0, min(k, self._lookahead(req), room))
         return plan
 
     def _samples(self, req: Request, n: int) -> bool:

@@ -22,7 +22,8 @@ import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionBatch
 from tokenmill.device_copy import PinnedRing, device_tensor, take_rows, to_device, to_pinned_host
-from tokenmill.sample.sampler import SampleRow, Sampler, TokenLogprobs, argmax_rows, batch_token_logprobs
+from tokenmill.sample.sampler import (SampleRow, Sampler, TokenLogprobs, argmax_rows, token_logprob_rows,
+                                      token_logprob_tensors)
 from tokenmill.sched.output import ScheduledRequest, SchedulerOutput
 from tokenmill.spec_decode.verify import DraftCheck, accept_greedy, verify
 from tokenmill.worker.request_state import RequestState, RequestStates
@@ -55,6 +56,7 @@ class DeferredTokens:
     event: object = None  # torch.cuda.Event; None on a CPU (the copy is done)
     rows: list = field(default_factory=list)  # SampleRows, for the logprobs where a row asked for them
     logprobs: tuple = ()  # sampler.logprob_tensors', copied back with the tokens
+    prompt_logprobs: dict = field(default_factory=dict)  # request -> its rows' token_logprob_tensors, per chunk
 
 
 # prompt logprobs take the logits of this many prompt rows at a time: a whole chunk's (2,048 rows of a 128K
@@ -261,9 +263,8 @@ class ModelRunner:
             self._verify(out, [seqs[i] for i in drafted], take_rows(hidden, rows))
         if self.proposer is not None:
             self._propose(out, seqs)
-        for i, s in enumerate(seqs):
-            if s.wants_prompt_logprobs:
-                out.prompt_logprobs[s.request_id] = self._prompt_logprobs(s, states[i], hidden[qsl[i]:qsl[i + 1]])
+        if any(s.wants_prompt_logprobs for s in seqs):
+            self._prompt_logprobs(out, seqs, states, hidden, qsl)
         return out
 
     def _fill_pending(self, seqs: list[ScheduledRequest], states: list[RequestState], input_ids: torch.Tensor,
@@ -298,6 +299,8 @@ class ModelRunner:
         they replace the placeholders in the states of the requests still there."""
         if deferred.event is not None:
             deferred.event.synchronize()
+        for rid, chunks in deferred.prompt_logprobs.items():
+            out.prompt_logprobs[rid] = [row for c in chunks for row in token_logprob_rows(*c)]
         tokens = deferred.host.tolist()
         if deferred.logprobs:
             for rid, lp in zip(deferred.request_ids, self.sampler.logprob_rows(deferred.rows, deferred.logprobs)):
@@ -472,16 +475,35 @@ class ModelRunner:
             out.propose_seconds = time.perf_counter() - t0
             out.catch_up_seconds = getattr(self.proposer, "catch_up_seconds", 0.0)
 
-    def _prompt_logprobs(self, seq: ScheduledRequest, state: RequestState, hidden: torch.Tensor) -> list[TokenLogprobs]:
-        """Position p's logits score prompt token p + 1; only positions inside the prompt count."""
+    def _prompt_logprobs(self, out: ModelRunnerOutput, seqs: list[ScheduledRequest], states: list[RequestState],
+                         hidden: torch.Tensor, qsl: list[int]) -> None:
+        """The prompt logprob rows of the sequences that want them, into `out`; in a step whose tokens are
+        deferred (async scheduling), into the deferred step, so that they come back with its tokens: reading
+        them here would make the host wait for the step it has just launched."""
+        deferred = out.deferred
+        for i, s in enumerate(seqs):
+            if not s.wants_prompt_logprobs:
+                continue
+            chunks = self._prompt_logprob_tensors(s, states[i], hidden[qsl[i]:qsl[i + 1]])
+            if deferred is None:
+                out.prompt_logprobs[s.request_id] = [row for c in chunks for row in token_logprob_rows(*c)]
+            elif deferred.event is not None:
+                deferred.prompt_logprobs[s.request_id] = [tuple(to_pinned_host(t) for t in c) for c in chunks]
+            else:
+                deferred.prompt_logprobs[s.request_id] = chunks
+        if deferred is not None and deferred.event is not None and deferred.prompt_logprobs:
+            deferred.event = torch.cuda.Event()  # after these copies too (the stream orders the tokens' before)
+            deferred.event.record()
+
+    def _prompt_logprob_tensors(self, seq: ScheduledRequest, state: RequestState, hidden: torch.Tensor) -> list:
+        """Position p's logits score prompt token p + 1; only positions inside the prompt count. Per chunk of
+        PROMPT_LOGPROB_ROWS rows: token_logprob_tensors, on the device."""
         prompt = state.prompt_token_ids
         count = min(seq.num_new_tokens, len(prompt) - 1 - seq.start_pos)
-        if count <= 0:
-            return []
-        rows = []
-        for lo in range(0, count, PROMPT_LOGPROB_ROWS):
+        chunks = []
+        for lo in range(0, max(count, 0), PROMPT_LOGPROB_ROWS):
             hi = min(count, lo + PROMPT_LOGPROB_ROWS)
             lps = self.model.compute_logits(hidden[lo:hi]).log_softmax(dim=-1)
             targets = device_tensor(prompt[seq.start_pos + 1 + lo: seq.start_pos + 1 + hi], torch.int64, lps.device)
-            rows += batch_token_logprobs(lps, targets, state.sampling_params.prompt_logprobs)
-        return rows
+            chunks.append(token_logprob_tensors(lps, targets, state.sampling_params.prompt_logprobs))
+        return chunks
