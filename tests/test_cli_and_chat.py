@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tokenmill import SamplingParams
 from conftest import hf_greedy, make_llm
 
@@ -43,3 +45,25 @@ def test_chat_applies_template(llama_dir):
     direct = llm.generate({"prompt_token_ids": out.prompt_token_ids},
                           SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == direct.outputs[0].token_ids
+
+
+def test_chat_passes_tools_and_template_kwargs_to_the_template(llama_dir, tmp_path):
+    """vLLM's LLM.chat(tools=..., chat_template_kwargs=...): both reach the template; `tokenmill serve
+    --chat-template` takes a file or the template itself and refuses one that does not compile."""
+    from tokenmill.entrypoints.openai.api_server import load_chat_template
+    llm = make_llm(llama_dir)
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if tools %}tools: {{ tools | map(attribute='function.name') | join(',') }}\n{% endif %}"
+                "{% if think %}/think\n{% endif %}")
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    sp = SamplingParams(temperature=0, max_tokens=1)
+    out = llm.chat([{"role": "user", "content": "To be"}], sp, use_tqdm=False, chat_template=template, tools=tools,
+                   chat_template_kwargs={"think": True})[0]
+    assert out.prompt == "user: To be\ntools: lookup\n/think\n"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    assert load_chat_template(str(path)) == template == load_chat_template(template)
+    with pytest.raises(ValueError, match="does not compile"):
+        load_chat_template("{% for m in messages %}")
+    with pytest.raises(ValueError, match="no such file"):
+        load_chat_template(str(tmp_path / "missing.jinja"))

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from server_fixtures import (SLOW_MARKER, SLOW_SITECUSTOMIZE, ServerProcess, engine_stats, hook_env,  # noqa: F401
+from server_fixtures import (CHAT_TEMPLATE, SLOW_MARKER, SLOW_SITECUSTOMIZE, ServerProcess, engine_stats, hook_env,  # noqa: F401
                              tiny_model_dir)
 
 API_KEY = "test-key"
@@ -23,9 +23,12 @@ PROMPTS = ["To be, or not to be", "All the world's a stage", "Friends, Romans", 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):  # noqa: F811
     log_dir = tmp_path_factory.mktemp("server")
+    # --chat-template: the model's own, plus a variable only chat_template_kwargs set (renders the same without)
+    template = log_dir / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE + "{% if suffix is defined %}{{ suffix }}{% endif %}")
     srv = ServerProcess(tiny_model_dir, log_dir / "server.log", "--max-request-body-bytes", "200000",
-                        "--max-num-seqs", "64", "--served-model-name", MODEL, ALIAS, api_key=API_KEY,
-                        env=hook_env(log_dir, SLOW_SITECUSTOMIZE))
+                        "--max-num-seqs", "64", "--served-model-name", MODEL, ALIAS, "--chat-template",
+                        str(template), api_key=API_KEY, env=hook_env(log_dir, SLOW_SITECUSTOMIZE))
     try:
         srv.wait_ready()
         yield srv
@@ -347,6 +350,24 @@ def test_openai_edges_as_vllm_answers_them(server):
     assert r.status_code == 200
     assert "<|wizard|>" in post(server, "/detokenize", {"model": MODEL, "tokens": r.json()["tokens"]}).json()["prompt"]
     assert post(server, "/v1/chat/completions", {**chat, "messages": custom}).status_code == 200
+    # --chat-template is the one used, chat_template_kwargs reach it
+    r = post(server, "/tokenize", {"model": MODEL, "messages": custom, "chat_template_kwargs": {"suffix": "Zounds"}})
+    assert "Zounds" in post(server, "/detokenize", {"model": MODEL, "tokens": r.json()["tokens"]}).json()["prompt"]
+    with_kw = post(server, "/v1/chat/completions", {**chat, "chat_template_kwargs": {"suffix": "Zounds"}})
+    assert with_kw.json()["usage"]["prompt_tokens"] > post(server, "/v1/chat/completions", chat).json()["usage"][
+        "prompt_tokens"]
+    # tools: without a tool-call parser only tool_choice "none" is served (OpenAI's default with tools is "auto");
+    # an agent's history (tool calls, tool answers) goes to the template
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    for choice in (None, "auto", "required", {"type": "function", "function": {"name": "f"}}):
+        _assert_error(post(server, "/v1/chat/completions", {**chat, "tools": tools, "tool_choice": choice}), 400,
+                      "tool_choice")
+    assert post(server, "/v1/chat/completions", {**chat, "tools": tools, "tool_choice": "none"}).status_code == 200
+    history = [{"role": "user", "content": "x"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    assert post(server, "/v1/chat/completions", {**chat, "messages": history}).status_code == 200
 
 
 def test_malformed_json_wrong_types_404_401_413(server):

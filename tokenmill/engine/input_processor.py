@@ -40,6 +40,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.mm = mm  # multimodal/processor.py MultiModalProcessor (None: a text-only model)
         self.chat_media = chat_media  # (resolve_image, resolve_video, limits) for chat content parts
+        self.chat_template: str | None = None  # the server's --chat-template, in place of the tokenizer's
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_ids
@@ -75,7 +76,8 @@ class InputProcessor:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True,
-                    chat_template: str | None = None) -> dict:
+                    chat_template: str | None = None, tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> dict:
         """A conversation as {"prompt": text, "prompt_token_ids": ids} through the model's chat template."""
         mm_data = None
         if self.mm is not None:  # image / video content parts -> {"type": "image"} parts + the media in order
@@ -84,16 +86,25 @@ class InputProcessor:
             resolve_image, resolve_video, limits = self.chat_media
             conversation, mm_data = parse_chat_messages(conversation, resolve_image=resolve_image,
                                                         resolve_video=resolve_video, limits=limits)
-        text = self.chat_text(conversation, add_generation_prompt, chat_template)
+        text = self.chat_text(conversation, add_generation_prompt, chat_template, tools, template_kwargs)
         prompt = {"prompt": text, "prompt_token_ids": self.encode_chat(text)}
         if mm_data and mm_data.get("items"):
             prompt["multi_modal_data"] = mm_data
         return prompt
 
     def chat_text(self, conversation: list[dict], add_generation_prompt: bool = True,
-                  chat_template: str | None = None) -> str:
-        return self.tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
-                                                  add_generation_prompt=add_generation_prompt)
+                  chat_template: str | None = None, tools: list[dict] | None = None,
+                  template_kwargs: dict | None = None) -> str:
+        """`tools` (function schemas) and `template_kwargs` (e.g. a model's enable_thinking) go to the template,
+        as vLLM passes them; a template that does not read them ignores them."""
+        return self.tokenizer.apply_chat_template(conversation, tokenize=False, tools=tools,
+                                                  chat_template=chat_template or self.chat_template,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  **(template_kwargs or {}))
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.chat_template or getattr(self.tokenizer, "chat_template", None))
 
     def encode_chat(self, text: str) -> list[int]:
         # the template already carries any BOS; don't add special tokens twice

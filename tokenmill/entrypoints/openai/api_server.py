@@ -129,7 +129,8 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
         field = "prompt" if body.messages is None else "messages"
         if body.messages is not None:
-            ids = (await render_chat(engine, body.messages, body.add_generation_prompt))["prompt_token_ids"]
+            ids = (await render_chat(engine, body.messages, body.add_generation_prompt,
+                                     body.chat_template_kwargs))["prompt_token_ids"]
         else:
             with engine_errors():  # a prompt that cannot fit is refused before it is tokenized
                 ids = await engine.run_tokenizer(engine.input_processor.encode, body.prompt, body.add_special_tokens)
@@ -149,6 +150,22 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
     return app
 
 
+def load_chat_template(value: str) -> str:
+    """--chat-template: a Jinja file, or the template itself (vLLM's rule: a path that exists is read). It is
+    compiled here, so a broken one stops the server at startup rather than failing every chat request."""
+    import jinja2
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            value = f.read()
+    elif os.path.sep in value and "{" not in value:
+        raise ValueError(f"--chat-template: no such file {value!r}")
+    try:
+        jinja2.Environment().parse(value)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template does not compile: {e}") from None
+    return value
+
+
 def _detokenize(engine: AsyncLLM, tokens: list[int]) -> str:
     """On the tokenizer thread: up to a million ids take a while to check and decode."""
     vocab = engine.model_config.vocab_size
@@ -164,6 +181,7 @@ async def serve(args) -> int:
     from tokenmill.engine.arg_utils import engine_kwargs
 
     config = EngineConfig(**engine_kwargs(args))
+    chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     # like vLLM, the model argument is the default name; the shipped model gets its short name
     default = os.path.basename(DEFAULT_MODEL) if os.path.abspath(args.model) == DEFAULT_MODEL else args.model
     names = args.served_model_name or [default]
@@ -171,6 +189,7 @@ async def serve(args) -> int:
                       log_requests=not args.disable_log_requests, stream_interval=args.stream_interval)
     try:
         await engine.start()
+        engine.input_processor.chat_template = chat_template
         state = ServerState(engine, names)
         api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY") or None
         app = build_app(state, api_key, args.max_request_body_bytes)

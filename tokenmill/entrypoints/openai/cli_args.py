@@ -31,6 +31,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-interval", type=_positive_int, default=1,
                    help="tokens per streamed chunk (the first tokens go out at once, the last chunk may have fewer); more tokens per chunk cost the API "
                         "process less CPU per token at the price of burstier streams")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) used in place of the tokenizer's, "
+                        "for /v1/chat/completions and /tokenize")
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     p.add_argument("--uvicorn-log-level", default="info",

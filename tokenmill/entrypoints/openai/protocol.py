@@ -178,6 +178,8 @@ class ChatMessage(OpenAIBase):
     role: Annotated[StrictStr, Field(min_length=1)]
     content: Content | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls, for the template to render
+    tool_call_id: str | None = None  # which call a tool message answers
 
 
 class ResponseFormat(OpenAIBase):
@@ -192,7 +194,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the template
 
 
 class TokenizeRequest(OpenAIBase):
@@ -201,6 +205,7 @@ class TokenizeRequest(OpenAIBase):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(OpenAIBase):
