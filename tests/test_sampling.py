@@ -212,3 +212,43 @@ def test_top_logprobs_past_a_small_vocabulary_give_every_token():
         assert len(row) == 1 + 12
         assert [t for t, _, _ in row[1:]] == lps[r].argsort(descending=True).tolist()
         assert row[0][0] == [0, 5, 11][r] and row[0][1] == pytest.approx(lps[r, row[0][0]].item())
+
+
+def test_logit_bias_steers_each_row_and_its_logprobs_stay_raw():
+    """A row's bias is added to its own logits only (ids past the logits are left out); greedy then takes the
+    biased token; logprobs are of the raw logits, as vLLM's default."""
+    from tokenmill.sample.sampler import apply_logit_bias
+    rows = [SampleRow(SamplingParams(logit_bias={3: 2.5, 9: -1.0, 999: 5.0}), [1], [], None),
+            SampleRow(SamplingParams(), [1], [], None),
+            SampleRow(SamplingParams(logit_bias={0: 1.0}), [1], [], None)]
+    logits = torch.zeros(3, 10)
+    apply_logit_bias(logits, rows)
+    assert logits.nonzero().tolist() == [[0, 3], [0, 9], [2, 0]]
+    assert logits[0, 3] == 2.5 and logits[0, 9] == -1.0 and logits[2, 0] == 1.0
+    raw = torch.randn(2, 10, generator=torch.Generator().manual_seed(1))
+    top = int(raw[0].argmax())
+    steer = [SampleRow(SamplingParams(temperature=0, logprobs=1, logit_bias={top: -100.0, 4: 0.0}), [1], [], None),
+             SampleRow(SamplingParams(temperature=0, logit_bias={7: 100.0}), [1], [], None)]
+    assert not steer[0].params.argmax_only  # the engine's argmax-only fast paths must not take it
+    out = Sampler()(raw, steer)
+    assert out.token_ids[0] == int(raw[0].masked_fill(torch.arange(10) == top, -1e9).argmax())
+    assert out.token_ids[1] == 7
+    assert out.logprobs[0][0][1] == pytest.approx(raw[0].log_softmax(-1)[out.token_ids[0]].item())
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={-1: 1.0})
+
+
+def test_logit_bias_through_the_engine_matches_with_async_scheduling(llama_dir):
+    """The engine's paths that skip the sampler (the argmax-only step, bursts) must not skip a bias: a token
+    biased up is what greedy decoding emits, and async scheduling gives the same tokens."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([6, 9], seed=2)]
+    plain = make_llm(llama_dir).generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                         use_tqdm=False)
+    banned = plain[1].outputs[0].token_ids[0]  # what the second prompt's greedy decoding starts with
+    sp = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={5: 100.0}),
+          SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={banned: -100.0})]
+    outs = [[o.outputs[0].token_ids for o in make_llm(llama_dir, async_scheduling=a).generate(prompts, sp,
+                                                                                              use_tqdm=False)]
+            for a in (False, True)]
+    assert outs[0] == outs[1]
+    assert outs[0][0] == [5] * 8 and banned not in outs[0][1]

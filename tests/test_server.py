@@ -344,6 +344,13 @@ def test_openai_edges_as_vllm_answers_them(server):
     texts = [post(server, "/v1/completions", hot).json()["choices"][0]["text"] for _ in range(2)]
     assert texts[0] == texts[1] and texts[0]
     assert post(server, "/v1/completions", {**hot, "seed": -(2**63)}).status_code == 200
+    # logit_bias, OpenAI's way (ids as strings, biases clamped to [-100, 100])
+    r = post(server, "/v1/completions", {**GOOD, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                                         "logit_bias": {"40": 1000}})
+    forced = post(server, "/detokenize", {"model": MODEL, "tokens": [40] * 4}).json()["prompt"]
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == forced and forced
+    _assert_error(post(server, "/v1/completions", {**GOOD, "logit_bias": {"x": 1}}), 400, "logit_bias")
+    _assert_error(post(server, "/v1/completions", {**GOOD, "logit_bias": {str(10**7): 1}}), 400, "logit_bias")
     # any role, as vLLM: the chat template renders it
     custom = [{"role": "wizard", "content": "x"}]
     r = post(server, "/tokenize", {"model": MODEL, "messages": custom})

@@ -27,6 +27,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (0: sampled token only)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's, vLLM's)
     # Filled in by the engine from generation_config.json; not a user knob.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -76,6 +77,10 @@ class SamplingParams:
             raise bad("stop", "stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.logit_bias is not None and (
+                not isinstance(self.logit_bias, dict)
+                or any(type(t) is not int or t < 0 or not _is_num(b) for t, b in self.logit_bias.items())):
+            raise bad("logit_bias", "must map non-negative token ids to finite numbers")
 
     @property
     def greedy(self) -> bool:
@@ -88,8 +93,8 @@ class SamplingParams:
     @property
     def argmax_only(self) -> bool:
         """Whether an argmax of the raw logits is the whole sampler (once min_tokens is reached): greedy,
-        no logprobs, no penalties."""
-        return self.greedy and self.logprobs is None and not self.needs_penalties
+        no logprobs, no penalties, no logit bias."""
+        return self.greedy and self.logprobs is None and not self.needs_penalties and not self.logit_bias
 
     @property
     def stop_ids(self) -> list[int]:

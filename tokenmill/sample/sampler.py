@@ -98,6 +98,22 @@ def _penalize(logits: torch.Tensor, idx: list[int], sub: list[SampleRow]) -> Non
     logits.index_copy_(0, rows_at, picked.to(logits.dtype))
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """In place: each row's logit_bias added to its logits, for all rows in one write (ids past the logits,
+    which can never be sampled, are left out: indexing them would fail the step)."""
+    at_rows, at_ids, values = [], [], []
+    vocab = logits.shape[-1]
+    for i, r in enumerate(rows):
+        for t, b in (r.params.logit_bias or {}).items():
+            if t < vocab:
+                at_rows.append(i)
+                at_ids.append(t)
+                values.append(b)
+    if at_rows:
+        at = device_tensor([at_rows, at_ids], torch.int64, logits.device)
+        logits.index_put_((at[0], at[1]), device_tensor(values, logits.dtype, logits.device), accumulate=True)
+
+
 def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     """Stop ids get -inf until a row has its min_tokens, for all rows in one masked write."""
     at_rows, at_ids = [], []
@@ -186,12 +202,16 @@ class Sampler:
 
     @staticmethod
     def adjusted_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """Penalties and min_tokens applied (to a copy: the caller's logits stay raw)."""
+        """Penalties, logit bias and min_tokens applied (to a copy: the caller's logits stay raw, and logprobs
+        are of them, as vLLM's default)."""
         penalties = any(r.params.needs_penalties for r in rows)
+        bias = any(r.params.logit_bias for r in rows)
         min_tokens = any(r.num_output_tokens < r.params.min_tokens for r in rows)
-        if penalties or min_tokens:
+        if penalties or bias or min_tokens:
             logits = logits.clone()
             apply_penalties(logits, rows)
+            if bias:
+                apply_logit_bias(logits, rows)
             apply_min_tokens(logits, rows)
         return logits
 

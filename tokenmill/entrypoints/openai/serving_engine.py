@@ -163,10 +163,17 @@ class ServingBase:
 
     def sampling_params(self, req, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
-        if req.logit_bias:
-            raise APIError(400, "'logit_bias' is not supported", "logit_bias")
+        bias = None
+        if req.logit_bias:  # OpenAI's: token ids as strings, biases clamped to [-100, 100] (as vLLM)
+            vocab = self.engine.model_config.vocab_size
+            try:
+                bias = {int(t): min(max(b, -100.0), 100.0) for t, b in req.logit_bias.items()}
+            except ValueError:
+                raise APIError(400, "'logit_bias' keys must be token ids", "logit_bias") from None
+            if any(not 0 <= t < vocab for t in bias):
+                raise APIError(400, f"'logit_bias' token ids must be in [0, {vocab})", "logit_bias")
         kw = dict(n=req.n, max_tokens=max_tokens, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
-                  ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs,
+                  logit_bias=bias, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs,
                   prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
                   skip_special_tokens=req.skip_special_tokens)
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
