@@ -141,8 +141,12 @@ def test_disk_faults_a_read_or_a_store_must_not_hang_on_or_keep_repeating(tmp_pa
     os.mkfifo(d._path(_key(0)))
     assert d.get(_key(0)) is None and not os.path.exists(d._path(_key(0)))  # at once, and deleted
     assert d.stats.errors == 1
+    checks = []
+    revalidate = d._revalidate
+    d._revalidate = lambda: (checks.append(1), revalidate())
+    assert d.get(_key(77)) is None and not checks  # a plain miss (never indexed) checks nothing
     shutil.rmtree(d.dir)
-    assert d.get(_key(1)) is None
+    assert d.get(_key(1)) is None and checks
     assert d.occupancy() == (0, 0) and not any(d.exists(_key(i)) for i in range(4))  # the whole index
     d.put(_key(2), _block(2))  # stored again
     assert torch.equal(d.get(_key(2)), _block(2))

@@ -252,3 +252,13 @@ def test_logit_bias_through_the_engine_matches_with_async_scheduling(llama_dir):
             for a in (False, True)]
     assert outs[0] == outs[1]
     assert outs[0][0] == [5] * 8 and banned not in outs[0][1]
+
+
+def test_a_huge_temperature_samples_uniformly_and_never_nan():
+    """Temperatures past float32's range (the API has no upper bound, as vLLM) sample as MAX_TEMPERATURE: a
+    -inf logit (min_tokens' mask) over an inf temperature would be NaN, and argmax of NaNs token 0."""
+    logits = torch.randn(1, 10, generator=torch.Generator().manual_seed(0))
+    rows = [SampleRow(SamplingParams(temperature=1e39, min_tokens=3, stop_token_ids=[0]), [1], [], None)]
+    probs = Sampler.probs(Sampler.adjusted_logits(logits, rows), rows)
+    assert not probs.isnan().any() and probs[0, 0] == 0
+    assert torch.allclose(probs[0, 1:], torch.full((9,), 1 / 9), atol=1e-3)

@@ -269,3 +269,22 @@ def test_health_is_json(server):
     r = httpx.get(server.url + "/health")
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
     assert r.json() == {"status": "ok"}
+
+
+def test_a_template_error_is_a_400_on_the_multimodal_path_too():
+    """Any role reaches the template (as vLLM); one the template refuses (raise_exception, an undefined
+    variable) is the client's error: 400 naming 'messages', on the multimodal path as on the text one."""
+    import types
+
+    import jinja2
+
+    from tokenmill.entrypoints.openai.errors import APIError
+    from tokenmill.entrypoints.openai.serving_chat import _render
+
+    def refuse(*a, **k):
+        raise jinja2.exceptions.TemplateError("Conversation roles must alternate user/assistant/user/assistant")
+    for mm in (None, object()):
+        ip = types.SimpleNamespace(mm=mm, chat_prompt=refuse, chat_text=refuse)
+        with pytest.raises(APIError) as e:
+            _render(types.SimpleNamespace(input_processor=ip), [{"role": "wizard", "content": "x"}], True, None)
+        assert e.value.status == 400 and e.value.param == "messages"

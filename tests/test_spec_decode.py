@@ -241,7 +241,15 @@ def test_a_draft_model_never_drafts_past_max_model_len(llama_dir):
     kw = dict(max_model_len=48, enforce_eager=True)
     plain = _tokens(make_llm(llama_dir, **kw), prompts, sp)
     llm = make_llm(llama_dir, **kw, speculative_config=_draft_cfg(llama_dir, adaptive=False))
+    kv, most = llm.llm_engine.core.kv, [0]
+    allocate = kv.allocate_slots
+
+    def spy(req, n, *a, **k):  # the most slots any request reserves (look-ahead included)
+        most[0] = max(most[0], req.num_computed_tokens + n)
+        return allocate(req, n, *a, **k)
+    kv.allocate_slots = spy
     outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert most[0] <= 48  # no look-ahead slot past max_model_len (a block table wider than its sequences)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert all(o.outputs[0].finish_reason == "length" and len(o.prompt_token_ids) + len(o.outputs[0].token_ids) == 48
                for o in outs)

@@ -148,9 +148,13 @@ class EngineCore:
             self.scheduler.finish_loads(self.kv_transfer.poll())
         return aborted
 
+    def _busy(self) -> bool:
+        """Requests to run, or a step in flight."""
+        return self.scheduler.num_unfinished > 0 or bool(self._in_flight) or self._deferred is not None
+
     def has_unfinished(self) -> bool:
-        return (self.scheduler.num_unfinished > 0 or bool(self._in_flight) or self._deferred is not None
-                or (self.kv_transfer is not None and self.kv_transfer.has_landing))
+        """Whether stepping has work left: requests, a step in flight, or KV-tier stores still landing."""
+        return self._busy() or (self.kv_transfer is not None and self.kv_transfer.has_landing)
 
     # -- the step --------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -233,9 +237,13 @@ class EngineCore:
         self.config.async_scheduling = self.scheduler.async_scheduling = self.runner.defer_tokens = on
 
     def flush(self) -> list[EngineCoreOutput]:
-        """Finish the step whose tokens are still on the device, if any (async scheduling). LLM.generate calls
-        it at the end: a request that stopped on EOS may leave a step in flight for it."""
-        return self._finish_deferred() if self._deferred is not None else []
+        """Finish the step whose tokens are still on the device, if any (async scheduling), and land the KV-tier
+        stores still copying to the host. LLM.generate calls it at the end: a request that stopped on EOS may
+        leave a step in flight for it."""
+        outputs = self._finish_deferred() if self._deferred is not None else []
+        if self.kv_transfer is not None:
+            self.kv_transfer.land(wait=True)
+        return outputs
 
     def _finish_deferred(self) -> list[EngineCoreOutput]:
         sched, result = self._deferred
@@ -336,7 +344,7 @@ class EngineCore:
             self.scheduler.encoder.cache.check_invariants()
         if self.kv.tiers is not None:
             self.kv.tiers.check_invariants()
-        if not self.has_unfinished():
+        if not self._busy():
             assert self.kv.num_free_blocks == self.kv.pool.num_blocks, (
                 f"idle engine holds {self.kv.pool.num_blocks - self.kv.num_free_blocks} KV blocks")
 

@@ -41,6 +41,9 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+# temperatures above this sample as this (already uniform over the unmasked tokens to a fraction of a percent);
+# past float32's (or bfloat16's) range it would be inf, and a masked -inf logit over inf is NaN
+MAX_TEMPERATURE = 1e4
 PENALTY_ROWS = 32  # rows penalized at once: bounds the [rows, vocab] temporaries (~15 bytes a logit)
 
 
@@ -219,7 +222,7 @@ class Sampler:
     def probs(adjusted: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """The distribution a non-greedy row samples from: temperature, then top-k / top-p / min-p."""
         dev = adjusted.device
-        temp = device_tensor([r.params.temperature for r in rows], adjusted.dtype, dev)
+        temp = device_tensor([min(r.params.temperature, MAX_TEMPERATURE) for r in rows], adjusted.dtype, dev)
         logits = adjusted / temp.unsqueeze(1)
         ks, ps, mps = ([r.params.top_k for r in rows], [r.params.top_p for r in rows],
                        [r.params.min_p for r in rows])

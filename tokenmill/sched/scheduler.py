@@ -487,7 +487,8 @@ class Scheduler:
             if not k:
                 continue
             req = self.requests[rid]
-            ahead, drafts = self._lookahead(req), len(self._drafts.get(rid, ()))
+            # the draft writes slots P .. P+k-1 (P <= num_tokens + drafts): k past this step's, within max_model_len
+            ahead, drafts = k, len(self._drafts.get(rid, ()))
             if not self.kv.allocate_slots(req, scheduled[rid] + ahead,
                                           num_draft_tokens=drafts + ahead + req.num_pending):
                 propose[rid] = 0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+import jinja2
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
@@ -47,7 +48,7 @@ def _render(engine: AsyncLLM, convo: list[dict], add_generation_prompt: bool, te
         with engine_errors():
             try:
                 return ip.chat_prompt(convo, add_generation_prompt, template_kwargs=template_kwargs)
-            except (TypeError, KeyError) as e:
+            except (TypeError, KeyError, jinja2.TemplateError) as e:  # e.g. a role the template refuses
                 raise APIError(400, f"chat template failed: {e}", "messages") from None
     try:
         text = ip.chat_text(convo, add_generation_prompt, template_kwargs=template_kwargs)

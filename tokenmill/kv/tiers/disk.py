@@ -115,8 +115,8 @@ class DiskTier(KVConnector):
                 data = f.read(self.file_bytes + 1)
             block = decode_block(data, self.fingerprint, key, self.block_shape, self.dtype)
         except FileNotFoundError:  # evicted by us or by another engine, or the directory is gone
-            self._forget(key)
-            self._revalidate()
+            if self._forget(key):  # it was indexed: others may be gone too (a plain miss is not a sign)
+                self._revalidate()
             return None
         except CorruptBlock as e:
             self._warn("%s: %s; treating it as a miss and deleting it", path, e)
@@ -182,11 +182,13 @@ class DiskTier(KVConnector):
             self._bytes += size
         self._trim()
 
-    def _forget(self, key: bytes) -> None:
+    def _forget(self, key: bytes) -> bool:
+        """Drop `key` from the index; whether it was there."""
         with self._lock:
             size = self._index.pop(key, None)
             if size is not None:
                 self._bytes -= size
+        return size is not None
 
     def _revalidate(self) -> None:
         """Drop the index's entries whose files are gone (a deleted directory, another engine's eviction), at
