@@ -262,3 +262,17 @@ def test_a_huge_temperature_samples_uniformly_and_never_nan():
     probs = Sampler.probs(Sampler.adjusted_logits(logits, rows), rows)
     assert not probs.isnan().any() and probs[0, 0] == 0
     assert torch.allclose(probs[0, 1:], torch.full((9,), 1 / 9), atol=1e-3)
+
+
+def test_logit_bias_comes_before_the_penalties_is_bounded_and_checked_against_the_vocabulary(llama_dir):
+    """vLLM's order (bias, then penalties: a repetition penalty scales the biased logit); a bias past float
+    range acts as +-1e4 instead of making NaNs; an id outside the vocabulary is refused, naming logit_bias."""
+    logits = torch.tensor([[2.0, 3.0]])
+    row = [SampleRow(SamplingParams(temperature=0, repetition_penalty=2.0, logit_bias={0: 2.5}), [0], [], None)]
+    assert Sampler()(logits, row).token_ids == [1]  # (2 + 2.5) / 2 = 2.25 < 3; the other order gives 0
+    huge = [SampleRow(SamplingParams(temperature=0.5, logit_bias={1: 3e38}), [0], [], None)]
+    probs = Sampler.probs(Sampler.adjusted_logits(logits, huge), huge)
+    assert not probs.isnan().any() and probs[0, 1] == 1
+    llm = make_llm(llama_dir)
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)

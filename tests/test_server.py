@@ -25,7 +25,10 @@ def server(tiny_model_dir, tmp_path_factory):  # noqa: F811
     log_dir = tmp_path_factory.mktemp("server")
     # --chat-template: the model's own, plus a variable only chat_template_kwargs set (renders the same without)
     template = log_dir / "chat.jinja"
-    template.write_text(CHAT_TEMPLATE + "{% if suffix is defined %}{{ suffix }}{% endif %}")
+    template.write_text(CHAT_TEMPLATE + "{% if suffix is defined %}{{ suffix }}{% endif %}"
+                        "{% if tools %}[tools: {{ tools | map(attribute='function.name') | join(',') }}]{% endif %}"
+                        "{% for m in messages %}{% for c in m.tool_calls or [] %}[call {{ c.function.name }}"
+                        "({{ c.function.arguments.city }})]{% endfor %}{% endfor %}")
     srv = ServerProcess(tiny_model_dir, log_dir / "server.log", "--max-request-body-bytes", "200000",
                         "--max-num-seqs", "64", "--served-model-name", MODEL, ALIAS, "--chat-template",
                         str(template), api_key=API_KEY, env=hook_env(log_dir, SLOW_SITECUSTOMIZE))
@@ -363,18 +366,31 @@ def test_openai_edges_as_vllm_answers_them(server):
     with_kw = post(server, "/v1/chat/completions", {**chat, "chat_template_kwargs": {"suffix": "Zounds"}})
     assert with_kw.json()["usage"]["prompt_tokens"] > post(server, "/v1/chat/completions", chat).json()["usage"][
         "prompt_tokens"]
-    # tools: without a tool-call parser only tool_choice "none" is served (OpenAI's default with tools is "auto");
-    # an agent's history (tool calls, tool answers) goes to the template
+    # tools: without tool calling only tool_choice "none" is served (OpenAI's default with tools is "auto"), and
+    # the tools go to the template (vLLM's default); an agent's history (calls, their JSON arguments parsed, tool
+    # answers) goes to the template too
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
     for choice in (None, "auto", "required", {"type": "function", "function": {"name": "f"}}):
         _assert_error(post(server, "/v1/chat/completions", {**chat, "tools": tools, "tool_choice": choice}), 400,
                       "tool_choice")
+    _assert_error(post(server, "/v1/chat/completions", {**chat, "tool_choice": "none"}), 400, "tool_choice")
     assert post(server, "/v1/chat/completions", {**chat, "tools": tools, "tool_choice": "none"}).status_code == 200
     history = [{"role": "user", "content": "x"},
                {"role": "assistant", "content": None, "tool_calls": [
-                   {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                   {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Verona"}'}}]},
                {"role": "tool", "tool_call_id": "c1", "content": "42"}]
     assert post(server, "/v1/chat/completions", {**chat, "messages": history}).status_code == 200
+
+    def rendered(**body):
+        ids = post(server, "/tokenize", {"model": MODEL, **body}).json()["tokens"]
+        return post(server, "/detokenize", {"model": MODEL, "tokens": ids}).json()["prompt"]
+    assert "[tools: f]" in rendered(messages=custom, tools=tools)
+    assert "[call f(Verona)]" in rendered(messages=history)
+    assert not rendered(messages=custom, chat_template_kwargs={"add_generation_prompt": False}).endswith(
+        "<|assistant|>\n")  # kwargs may set the template's own variables, as vLLM lets them
+    bad = [{**history[1], "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f",
+                                                                                        "arguments": "{city"}}]}]
+    _assert_error(post(server, "/v1/chat/completions", {**chat, "messages": bad}), 400, "messages")
 
 
 def test_malformed_json_wrong_types_404_401_413(server):

@@ -1,6 +1,7 @@
 """Per-request sampling settings, named as in vLLM."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -81,6 +82,16 @@ class SamplingParams:
                 not isinstance(self.logit_bias, dict)
                 or any(type(t) is not int or t < 0 or not _is_num(b) for t, b in self.logit_bias.items())):
             raise bad("logit_bias", "must map non-negative token ids to finite numbers")
+
+    @functools.cached_property
+    def logit_bias_tensors(self) -> tuple:
+        """(ids int64, biases float32) on the host, made once per request rather than per step (a bias over
+        thousands of tokens rebuilt in Python every step would slow every request in the batch). A bias past
+        +-1e4 acts as +-1e4: already certain either way, and past float range it would make NaNs."""
+        import torch
+        ids = list(self.logit_bias or {})
+        biases = [min(max(float(b), -1e4), 1e4) for b in (self.logit_bias or {}).values()]
+        return torch.tensor(ids, dtype=torch.int64), torch.tensor(biases, dtype=torch.float32)
 
     @property
     def greedy(self) -> bool:

@@ -11,6 +11,29 @@ from tokenmill.engine.prompt_bound import max_bytes_per_token, utf8_length
 from tokenmill.sampling_params import SamplingParams
 
 
+# chat_template_kwargs may set any template variable (add_generation_prompt and tools included, as vLLM lets them)
+# but these, which are not the template's
+_RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize", "conversation", "return_dict", "return_tensors"})
+
+
+def _with_parsed_calls(message: dict) -> dict:
+    """A message whose tool calls carry `function.arguments` as a JSON string (OpenAI's form) with them parsed:
+    templates read the object, as vLLM gives it to them."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    parsed = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                call = {**call, "function": {**fn, "arguments": json.loads(fn["arguments"] or "{}")}}
+            except ValueError:
+                raise ValueError(f"'messages': tool call {call.get('id')!r} has arguments that are not JSON") from None
+        parsed.append(call)
+    return {**message, "tool_calls": parsed}
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
@@ -97,10 +120,12 @@ class InputProcessor:
                   template_kwargs: dict | None = None) -> str:
         """`tools` (function schemas) and `template_kwargs` (e.g. a model's enable_thinking) go to the template,
         as vLLM passes them; a template that does not read them ignores them."""
-        return self.tokenizer.apply_chat_template(conversation, tokenize=False, tools=tools,
-                                                  chat_template=chat_template or self.chat_template,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  **(template_kwargs or {}))
+        if any(m.get("tool_calls") for m in conversation):
+            conversation = [_with_parsed_calls(m) for m in conversation]
+        kw = {"tools": tools, "add_generation_prompt": add_generation_prompt}
+        kw.update((k, v) for k, v in (template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS)
+        return self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                  chat_template=chat_template or self.chat_template, **kw)
 
     @property
     def has_chat_template(self) -> bool:
@@ -152,6 +177,8 @@ class InputProcessor:
         self.validate(ids)
         if params.stop and self.tokenizer is None:
             raise ValueError("'stop' strings need a tokenizer")
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise ValueError(f"'logit_bias' token ids must be in [0, {self.vocab_size})")
         params = replace(params, eos_token_ids=self.eos_token_ids)
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         return text, EngineCoreRequest(request_id, child_ids, ids, params, arrival_time, priority, items)

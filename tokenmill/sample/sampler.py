@@ -102,19 +102,21 @@ def _penalize(logits: torch.Tensor, idx: list[int], sub: list[SampleRow]) -> Non
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> None:
-    """In place: each row's logit_bias added to its logits, for all rows in one write (ids past the logits,
-    which can never be sampled, are left out: indexing them would fail the step)."""
-    at_rows, at_ids, values = [], [], []
-    vocab = logits.shape[-1]
-    for i, r in enumerate(rows):
-        for t, b in (r.params.logit_bias or {}).items():
-            if t < vocab:
-                at_rows.append(i)
-                at_ids.append(t)
-                values.append(b)
-    if at_rows:
-        at = device_tensor([at_rows, at_ids], torch.int64, logits.device)
-        logits.index_put_((at[0], at[1]), device_tensor(values, logits.dtype, logits.device), accumulate=True)
+    """In place: each row's logit_bias added to its logits, for all rows in one write, from tensors each request
+    made once (SamplingParams.logit_bias_tensors). Ids past the logits (the engine refuses them; a row of a
+    smaller draft vocabulary) are left out: indexing them would fail the step."""
+    biased = [(i, r.params.logit_bias_tensors) for i, r in enumerate(rows) if r.params.logit_bias]
+    if not biased:
+        return
+    ids = torch.cat([t[0] for _, t in biased])
+    at = torch.repeat_interleave(torch.tensor([i for i, _ in biased]), torch.tensor([len(t[0]) for _, t in biased]))
+    values = torch.cat([t[1] for _, t in biased])
+    keep = ids < logits.shape[-1]
+    if not bool(keep.all()):  # host tensors: no device read
+        at, ids, values = at[keep], ids[keep], values[keep]
+    dev = logits.device
+    index = to_device(torch.stack([at, ids]), dev)
+    logits.index_put_((index[0], index[1]), to_device(values, dev).to(logits.dtype), accumulate=True)
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
@@ -212,9 +214,9 @@ class Sampler:
         min_tokens = any(r.num_output_tokens < r.params.min_tokens for r in rows)
         if penalties or bias or min_tokens:
             logits = logits.clone()
-            apply_penalties(logits, rows)
-            if bias:
+            if bias:  # before the penalties, as vLLM (a repetition penalty scales the biased logit)
                 apply_logit_bias(logits, rows)
+            apply_penalties(logits, rows)
             apply_min_tokens(logits, rows)
         return logits
 

@@ -130,7 +130,7 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
         field = "prompt" if body.messages is None else "messages"
         if body.messages is not None:
             ids = (await render_chat(engine, body.messages, body.add_generation_prompt,
-                                     body.chat_template_kwargs))["prompt_token_ids"]
+                                     body.chat_template_kwargs, body.tools))["prompt_token_ids"]
         else:
             with engine_errors():  # a prompt that cannot fit is refused before it is tokenized
                 ids = await engine.run_tokenizer(engine.input_processor.encode, body.prompt, body.add_special_tokens)
@@ -151,14 +151,17 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
 
 
 def load_chat_template(value: str) -> str:
-    """--chat-template: a Jinja file, or the template itself (vLLM's rule: a path that exists is read). It is
-    compiled here, so a broken one stops the server at startup rather than failing every chat request."""
+    """--chat-template: a Jinja file, or the template itself (vLLM's rule: a value without any of '{', '}' or a
+    newline must be a file; one given inline has its '\\n' escapes decoded). It is compiled here, so a broken
+    one stops the server at startup rather than failing every chat request."""
     import jinja2
     if os.path.isfile(value):
         with open(value, encoding="utf-8") as f:
             value = f.read()
-    elif os.path.sep in value and "{" not in value:
+    elif not any(c in value for c in "{}\n"):
         raise ValueError(f"--chat-template: no such file {value!r}")
+    else:
+        value = value.replace("\\n", "\n")
     try:
         jinja2.Environment().parse(value)
     except jinja2.TemplateSyntaxError as e:

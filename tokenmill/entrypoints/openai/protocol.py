@@ -206,6 +206,7 @@ class TokenizeRequest(OpenAIBase):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 class DetokenizeRequest(OpenAIBase):

@@ -15,7 +15,7 @@ from tokenmill.entrypoints.openai.serving_engine import ChunkEvents, ServingBase
 
 
 async def render_chat(engine: AsyncLLM, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                      template_kwargs: dict | None = None) -> dict:
+                      template_kwargs: dict | None = None, tools: list[dict] | None = None) -> dict:
     """The prompt as {"prompt": text, "prompt_token_ids": ids}, exactly as LLM.chat builds it, rendered and
     tokenized on the tokenizer thread."""
     if engine.tokenizer is None or not engine.input_processor.has_chat_template:
@@ -33,25 +33,28 @@ async def render_chat(engine: AsyncLLM, messages: list[ChatMessage], add_generat
         else:
             content = "".join(p.text for p in m.content)
         message = {"role": m.role, "content": content}
-        for key in ("name", "tool_calls", "tool_call_id"):  # for templates that render an agent's history
+        for key in ("name", "tool_call_id"):  # for templates that render an agent's history
             if (value := getattr(m, key)) is not None:
                 message[key] = value
+        if m.tool_calls is not None:
+            message["tool_calls"] = m.tool_calls
         convo.append(message)
-    return await engine.run_tokenizer(_render, engine, convo, add_generation_prompt, template_kwargs)
+    return await engine.run_tokenizer(_render, engine, convo, add_generation_prompt, template_kwargs, tools)
 
 
-def _render(engine: AsyncLLM, convo: list[dict], add_generation_prompt: bool, template_kwargs: dict | None) -> dict:
+def _render(engine: AsyncLLM, convo: list[dict], add_generation_prompt: bool, template_kwargs: dict | None,
+            tools: list[dict] | None = None) -> dict:
     """Template + tokenize; for a multimodal model also fetch, decode and check the images (a bad one is a
     400 naming 'messages')."""
     ip = engine.input_processor
     if ip.mm is not None:
         with engine_errors():
             try:
-                return ip.chat_prompt(convo, add_generation_prompt, template_kwargs=template_kwargs)
+                return ip.chat_prompt(convo, add_generation_prompt, tools=tools, template_kwargs=template_kwargs)
             except (TypeError, KeyError, jinja2.TemplateError) as e:  # e.g. a role the template refuses
                 raise APIError(400, f"chat template failed: {e}", "messages") from None
     try:
-        text = ip.chat_text(convo, add_generation_prompt, template_kwargs=template_kwargs)
+        text = ip.chat_text(convo, add_generation_prompt, tools=tools, template_kwargs=template_kwargs)
     except Exception as e:  # jinja errors from the template (e.g. role order it rejects)
         raise APIError(400, f"chat template failed: {e}", "messages") from None
     with engine_errors("messages"):  # a rendered prompt too long for the context: 400 naming 'messages'
@@ -65,13 +68,17 @@ class OpenAIServingChat(ServingBase):
         if req.response_format is not None and req.response_format.type != "text":
             raise APIError(400, f"response_format type {req.response_format.type!r} is not supported; use 'text'",
                            "response_format")
+        if req.tool_choice is not None and not req.tools:
+            raise APIError(400, "'tool_choice' needs 'tools'", "tool_choice")
         if req.tools and req.tool_choice != "none":  # OpenAI's default with tools is "auto"
-            # as vLLM without --tool-call-parser: no calls can be parsed out of the text; "none" answers in text
-            raise APIError(400, f"tool_choice {req.tool_choice or 'auto'!r} needs a tool-call parser, which this "
-                                "server does not have; send tool_choice 'none' for a text answer", "tool_choice")
+            # no tool-call parser and no structured outputs: no call could be read out of the text. With "none"
+            # the tools go to the template (as vLLM's default) and the answer is text
+            raise APIError(400, f"tool_choice {req.tool_choice or 'auto'!r} needs tool calling, which this server "
+                                "does not have; send tool_choice 'none' for a text answer", "tool_choice")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        prompt = await render_chat(self.engine, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        prompt = await render_chat(self.engine, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
+                                   req.tools)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs)
