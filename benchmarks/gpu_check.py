@@ -313,76 +313,79 @@ def _tier_round_trip(path: str, prompts) -> dict:
 
 @section("engine_greedy")
 def engine_greedy() -> dict:
+    """Greedy (and seeded) tokens of each GPU variant against its reference, each comparison saved as soon as both
+    sides ran: the section builds ~17 engines, and a time limit must not cost the checks already made."""
     path = tiny_checkpoint()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (1, 5, 16, 33, 100, 300, 7, 64)]
     chunked = dict(max_num_batched_tokens=64, enable_prefix_caching=True)
-    torch_eager, i1 = _greedy_tokens(path, prompts, attention_backend="torch", enforce_eager=True,
-                                     async_scheduling=False, **chunked)
-    triton_eager, i2 = _greedy_tokens(path, prompts, attention_backend="triton", enforce_eager=True, **chunked)
-    triton_graphs, i3 = _greedy_tokens(path, prompts, attention_backend="triton", **chunked)  # async: the default
-    graphs_sync, i7 = _greedy_tokens(path, prompts, attention_backend="triton", async_scheduling=False, **chunked)
+    res: dict = {"backends": []}
+
+    def run(*args, **kw):
+        tokens, info = _greedy_tokens(path, prompts, *args, **kw)
+        res["backends"].append(info)
+        return tokens
+
+    def check(name: str, a, b) -> None:
+        res[name] = sum(x == y for x, y in zip(a, b)) / len(a) if a else 0.0
+        save_partial("engine_greedy", res)
+
+    torch_eager = run(attention_backend="torch", enforce_eager=True, async_scheduling=False, **chunked)
+    triton_eager = run(attention_backend="triton", enforce_eager=True, **chunked)
+    check("triton_vs_torch", triton_eager, torch_eager)
+    triton_graphs = run(attention_backend="triton", **chunked)  # async: the default
+    check("graphs_vs_eager", triton_graphs, triton_eager)
+    graphs_sync = run(attention_backend="triton", async_scheduling=False, **chunked)
+    check("async_vs_sync_graphs", triton_graphs, graphs_sync)
     # async scheduling with seeded sampling, a penalty, logprobs, stop tokens and short max_tokens
     from tokenmill import SamplingParams
     sps = [SamplingParams(temperature=0.8, top_p=0.9, seed=11 + i, max_tokens=(3, 24)[i % 2], ignore_eos=True,
                           stop_token_ids=[7, 8, 9], repetition_penalty=1.2 if i == 3 else 1.0,
                           logprobs=2 if i == 5 else None) for i in range(len(prompts))]
-    sampled_async, i8 = _greedy_tokens(path, prompts, sps, attention_backend="triton", **chunked)
-    sampled_sync, i9 = _greedy_tokens(path, prompts, sps, attention_backend="triton", async_scheduling=False,
-                                      **chunked)
+    check("async_vs_sync_sampled", run(sps, attention_backend="triton", **chunked),
+          run(sps, attention_backend="triton", async_scheduling=False, **chunked))
+    # a draft model (the target as its own draft: drafts all but always accepted) with CUDA graphs of its own
+    draft = {"method": "draft_model", "model": path, "num_speculative_tokens": 3, "adaptive": False}
+    check("draft_model_graphs_vs_plain", run(attention_backend="triton", speculative_config=draft, **chunked),
+          graphs_sync)
+    # n-gram speculation over the decode graphs (verification rows replay in the buckets; no async with it)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+    check("ngram_spec_vs_plain_graphs", run(attention_backend="triton", speculative_config=ngram, **chunked),
+          graphs_sync)
     # 40 blocks of 16 tokens cannot hold eight sequences of up to 324 tokens: preemption
-    preempt, i4 = _greedy_tokens(path, prompts, attention_backend="triton", num_kv_blocks=40, max_num_seqs=8,
-                                 max_model_len=400)
-
+    check("preemption_vs_torch", run(attention_backend="triton", num_kv_blocks=40, max_num_seqs=8, max_model_len=400),
+          torch_eager)
+    # rotary and the KV write as two launches (the fused launch is the default) against the fused graphs run
+    with _env("TOKENMILL_DISABLE_TRITON_ROTARY_KV", "1"):
+        check("fused_rotary_kv_vs_two_launch", triton_graphs, run(attention_backend="triton", **chunked))
+    # ops/triton_gemv.py folded into the layers (off by default) against the plain graphs run
+    with _env("TOKENMILL_TRITON_GEMV", "1"):
+        check("folded_gemvs_vs_plain", run(attention_backend="triton", **chunked), triton_graphs)
     # quantized linears: the Triton dequantize-GEMMs against the dequantized torch twins (same int8 codes)
     with _env("TOKENMILL_DISABLE_TRITON_QUANT", "1"):
-        int8_twin, i5 = _greedy_tokens(path, prompts, quantization="int8", attention_backend="triton")
-    int8_triton, i6 = _greedy_tokens(path, prompts, quantization="int8", attention_backend="triton")
+        int8_twin = run(quantization="int8", attention_backend="triton")
+    check("int8_triton_vs_twin", run(quantization="int8", attention_backend="triton"), int8_twin)
+    # the int4 LM head: the Triton AWQ GEMM against its dequantized twin (same codes)
+    with _env("TOKENMILL_DISABLE_TRITON_QUANT", "1"):
+        head4_twin = run(attention_backend="triton", quantize_lm_head="int4")
+    check("int4_head_triton_vs_twin", run(attention_backend="triton", quantize_lm_head="int4"), head4_twin)
     # W8A8 on the GPU (cuBLAS int8 GEMM through torch._int_mm) against the same method on the CPU
-    w8a8_gpu, _ = _greedy_tokens(path, prompts, quantization="w8a8", attention_backend="triton")
-    w8a8_cpu, _ = _greedy_tokens(path, prompts, quantization="w8a8", device="cpu")
+    check("w8a8_gpu_vs_cpu", run(quantization="w8a8", attention_backend="triton"),
+          run(quantization="w8a8", device="cpu"))
     # W8A8 where cuBLAS's int8 GEMM refuses the shape (K, N not multiples of 8): the exact float64 path
     from tokenmill.quantization.int8 import int_matmul
     gen = torch.Generator().manual_seed(3)
     a, b = (torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8) for shape in ((5, 250), (37, 250)))
-    odd_exact = torch.equal(int_matmul(a.cuda(), b.cuda(), False).cpu(), (a.int() @ b.int().t()).float())
-    # rotary and the KV write as two launches (the fused launch is the default) against the fused graphs run
-    with _env("TOKENMILL_DISABLE_TRITON_ROTARY_KV", "1"):
-        two_launch, i10 = _greedy_tokens(path, prompts, attention_backend="triton", **chunked)
-    # ops/triton_gemv.py folded into the layers (off by default) against the plain graphs run
-    with _env("TOKENMILL_TRITON_GEMV", "1"):
-        folded, i11 = _greedy_tokens(path, prompts, attention_backend="triton", **chunked)
-    # the int4 LM head: the Triton AWQ GEMM against its dequantized twin (same codes)
-    with _env("TOKENMILL_DISABLE_TRITON_QUANT", "1"):
-        head4_twin, i12 = _greedy_tokens(path, prompts, attention_backend="triton", quantize_lm_head="int4")
-    head4_triton, i13 = _greedy_tokens(path, prompts, attention_backend="triton", quantize_lm_head="int4")
-    # n-gram speculation over the decode graphs (verification rows replay in the buckets; no async with it)
-    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
-    spec_graphs, i14 = _greedy_tokens(path, prompts, attention_backend="triton", speculative_config=ngram, **chunked)
-    # a draft model (the target as its own draft: drafts all but always accepted) with CUDA graphs of its own
-    draft = {"method": "draft_model", "model": path, "num_speculative_tokens": 3, "adaptive": False}
-    draft_graphs, i15 = _greedy_tokens(path, prompts, attention_backend="triton", speculative_config=draft, **chunked)
-
+    res["w8a8_odd_shape_exact"] = torch.equal(int_matmul(a.cuda(), b.cuda(), False).cpu(),
+                                              (a.int() @ b.int().t()).float())
+    save_partial("engine_greedy", res)
     try:  # last and on its own: a failure here must not cost the checks above
         tiers = _tier_round_trip(path, prompts)
     except Exception as e:
         tiers = {"tiers": [], "plain": [], "tier_hits": 0, "stats": f"{type(e).__name__}: {e}"[:500]}
-
-    def agree(a, b) -> float:
-        return sum(x == y for x, y in zip(a, b)) / len(a) if a else 0.0
-    return {"triton_vs_torch": agree(triton_eager, torch_eager), "graphs_vs_eager": agree(triton_graphs, triton_eager),
-            "preemption_vs_torch": agree(preempt, torch_eager), "int8_triton_vs_twin": agree(int8_triton, int8_twin),
-            "async_vs_sync_graphs": agree(triton_graphs, graphs_sync),
-            "async_vs_sync_sampled": agree(sampled_async, sampled_sync),
-            "w8a8_gpu_vs_cpu": agree(w8a8_gpu, w8a8_cpu), "w8a8_odd_shape_exact": odd_exact,
-            "fused_rotary_kv_vs_two_launch": agree(triton_graphs, two_launch),
-            "folded_gemvs_vs_plain": agree(folded, triton_graphs),
-            "int4_head_triton_vs_twin": agree(head4_triton, head4_twin),
-            "ngram_spec_vs_plain_graphs": agree(spec_graphs, graphs_sync),
-            "draft_model_graphs_vs_plain": agree(draft_graphs, graphs_sync),
-            "kv_tiers_vs_plain": agree(tiers["tiers"], tiers["plain"]), "kv_tier_hits": tiers["tier_hits"],
-            "kv_tier_stats": tiers["stats"],
-            "backends": [i1, i2, i3, i4, i5, i6, i7, i8, i9, i10, i11, i12, i13, i14, i15]}
+    check("kv_tiers_vs_plain", tiers["tiers"], tiers["plain"])
+    res.update(kv_tier_hits=tiers["tier_hits"], kv_tier_stats=tiers["stats"])
+    return res
 
 
 # ------------------------------------------------------------------ timings on the 8B shape
