@@ -135,6 +135,35 @@ def test_a_worker_killed_mid_step_fails_the_step(model_dirs):
     assert time.time() - t0 < 30
 
 
+def test_a_hung_pipeline_stage_fails_the_engine_after_the_timeout(model_dirs):
+    """A last stage that neither answers nor exits (SIGSTOP: a hang) fails the step after distributed_timeout_s,
+    as a collective would; the driver waited for its result forever."""
+    llm = make_llm(model_dirs["llama"][0], pipeline_parallel_size=2, distributed_timeout_s=3, **ENGINE)
+    victim = llm.llm_engine.core.executor.procs[0][1]
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        t0 = time.time()
+        with pytest.raises(WorkerFailure, match="no result from the last pipeline stage"):
+            llm.generate([{"prompt_token_ids": DISTINCT[0]}], GREEDY, use_tqdm=False)
+        assert time.time() - t0 < 20
+    finally:
+        if victim.poll() is None:  # the engine's failure kills its workers; in case it did not
+            os.kill(victim.pid, signal.SIGKILL)
+        assert victim.wait(timeout=10) is not None
+
+
+def test_a_refused_second_engine_leaves_the_first_running(model_dirs):
+    """A second multi-rank engine in one process is refused before it starts anything (its cleanup tore down
+    the first engine's process group, failing the first engine's next step)."""
+    first = make_llm(model_dirs["llama"][0], pipeline_parallel_size=2, **ENGINE)
+    want = first.generate([{"prompt_token_ids": DISTINCT[0]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(RuntimeError, match="already runs a multi-rank engine"):
+        make_llm(model_dirs["llama"][0], tensor_parallel_size=2, **ENGINE)
+    got = first.generate([{"prompt_token_ids": DISTINCT[0]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
+    close(first)
+
+
 @pytest.mark.parametrize("kw,message", [
     (dict(tensor_parallel_size=3), "does not divide the model's 4 attention heads"),
     (dict(pipeline_parallel_size=3), "larger than the model's 2 layers"),

@@ -160,3 +160,23 @@ def test_shutdown_past_the_timeout_ends_every_request_cleanly(tiny_model_dir, tm
         assert "Exception in ASGI application" not in srv.logs()
     finally:
         srv.terminate()
+
+
+def test_shutdown_kills_an_engine_core_stuck_in_a_step(tmp_path):
+    """The core ignores SIGTERM (the API process owns shutdown) and only notices its parent is gone while idle:
+    one stuck in a step (a hung worker) outlived the server. Past terminate's wait, shutdown kills it."""
+    import subprocess
+    import sys
+    import types
+
+    from tokenmill.engine.core_client import CoreClient
+    stuck = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                              "signal.SIG_IGN); print('up', flush=True); time.sleep(120)"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert stuck.stdout.readline().strip() == b"up"  # its SIGTERM handler is in place
+    closable = types.SimpleNamespace(close=lambda linger=None: None, term=lambda: None)
+    client = types.SimpleNamespace(closed=False, send=lambda msg: None, proc=stuck, _input=closable,
+                                   _output=closable, _sync_ctx=closable, _actx=closable, _dir=str(tmp_path / "x"))
+    t0 = time.time()
+    CoreClient.shutdown(client, timeout=0.5)
+    assert stuck.poll() == -signal.SIGKILL and time.time() - t0 < 10

@@ -27,7 +27,8 @@ from multiprocessing.connection import Connection, Listener, wait
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.distributed import control
 from tokenmill.distributed.layout import ParallelLayout, threads_per_rank
-from tokenmill.distributed.rendezvous import Rendezvous, agree_min, init_rank, release_group, shm_slot_bytes
+from tokenmill.distributed.rendezvous import (Rendezvous, agree_min, check_group_free, init_rank, release_group,
+                                             shm_slot_bytes)
 from tokenmill.distributed.worker import WorkerArgs
 from tokenmill.worker.build import build_runner
 from tokenmill.worker.model_runner import ModelRunnerOutput
@@ -105,11 +106,14 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig, mc: ModelConfig, dtype):
         import torch
 
+        check_group_free()  # before anything starts: a refused engine's cleanup must leave the running one alone
         self.config = config
         self.layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size, rank=0)
         self.rdzv = Rendezvous.from_config(config)
         self.max_in_flight = self.layout.pp_size
         self.failure: str | None = None
+        self._joined = False  # this engine reached init_rank: the process group is its to release
+        self._exit_codes: dict[int, int] = {}  # worker exit codes, as the watch threads see them
         self.on_failure = None  # set by the engine-core process: wakes its loop when a worker dies while idle
         self._closing = False
         self._lock = threading.Lock()
@@ -128,6 +132,7 @@ class MultiprocExecutor:
             ranks_here = self.layout.world_size if ray else len(self.rdzv.node_ranks(self.layout.world_size))
             self._caller_threads = torch.get_num_threads()  # rank 0 computes in the caller's process
             torch.set_num_threads(config.num_threads or threads_per_rank(ranks_here))
+            self._joined = True
             shard, link, self.comm_stats = init_rank(self.layout, self.rdzv, mc.num_layers,
                                                        shm_slot_bytes(config, mc, dtype))
             self.runner = build_runner(config, mc, dtype, shard, link, agree=agree_min)
@@ -194,10 +199,15 @@ class MultiprocExecutor:
             raise self._fail(e) from e
 
     def collect(self) -> ModelRunnerOutput:
-        """The oldest submitted step's result, from the last stage (pipeline parallelism)."""
+        """The oldest submitted step's result, from the last stage (pipeline parallelism). A stage that hangs
+        (no exit, no error) fails the engine after distributed_timeout_s, as a collective would."""
+        timeout = self.config.distributed_timeout_s
         try:
+            if not self.result_conn.poll(timeout):
+                raise TimeoutError(f"no result from the last pipeline stage in {timeout:.0f} s "
+                                   "(distributed_timeout_s): a worker hangs")
             msg = self.result_conn.recv()
-        except (EOFError, OSError) as e:
+        except (EOFError, OSError) as e:  # TimeoutError is an OSError
             raise self._fail(e) from e
         if isinstance(msg, control.WorkerError):
             raise self._fail(None, f"worker rank {msg.rank} failed: {msg.message}")
@@ -242,12 +252,14 @@ class MultiprocExecutor:
                 if isinstance(msg, control.WorkerError):
                     return f"worker rank {msg.rank} failed: {msg.message}"
         for rank, p in self.procs:
-            if p.poll() is not None and p.returncode != 0:
-                return f"worker rank {rank} exited with code {p.returncode}"
+            # the watch thread may hold the process in wait(), where poll() answers None: its code, once it has one
+            code = self._exit_codes.get(rank, p.poll())
+            if code is not None and code != 0:
+                return f"worker rank {rank} exited with code {code}"
         return None
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
-        code = proc.wait()
+        code = self._exit_codes[rank] = proc.wait()
         if self._closing:
             return
         self.failure = self.failure or f"worker rank {rank} exited with code {code}"
@@ -284,7 +296,8 @@ class MultiprocExecutor:
                 p.stdin.close()
         self.listener.close()
         on_main = threading.current_thread() is threading.main_thread()
-        release_group(destroy=on_main)
+        if self._joined:
+            release_group(destroy=on_main)
         if on_main:
             self._restore_threads()
 

@@ -90,10 +90,8 @@ def init_rank(layout: ParallelLayout, rdzv: Rendezvous, num_layers: int,
     if rdzv.nnodes == 1 and rdzv.master_addr.startswith("127."):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    check_group_free()
     if dist.is_initialized():
-        if not _released[0]:
-            raise RuntimeError("this process already runs a multi-rank engine (torch.distributed has one default "
-                               "group per process); close it first")
         destroy_group()
     backend = "nccl" if rdzv.device == "cuda" else "gloo"
     if rdzv.device == "cuda":  # one GPU per rank of a node (NCCL refuses two ranks on one device)
@@ -161,6 +159,14 @@ def _shm_group(layout: ParallelLayout, group, slot_bytes: int, timeout_s: float)
 
 
 _released = [False]  # the group's engine has closed (or failed), so a new engine may replace the group
+
+
+def check_group_free() -> None:
+    """Refuse a second multi-rank engine in this process (torch.distributed has one default group per process)
+    before it starts anything: its cleanup must not tear down the running engine's group."""
+    if dist.is_initialized() and not _released[0]:
+        raise RuntimeError("this process already runs a multi-rank engine (torch.distributed has one default "
+                           "group per process); close it first")
 
 
 def release_group(destroy: bool) -> None:

@@ -110,7 +110,11 @@ class CoreClient:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.terminate()
-            self.proc.wait(timeout)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:  # stuck in a step (it ignores SIGTERM): its workers die with it
+                self.proc.kill()
+                self.proc.wait()
         self._input.close(0)
         self._output.close(0)
         self._sync_ctx.term()
