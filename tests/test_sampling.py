@@ -276,3 +276,17 @@ def test_logit_bias_comes_before_the_penalties_is_bounded_and_checked_against_th
     llm = make_llm(llama_dir)
     with pytest.raises(ValueError, match="logit_bias"):
         llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llama_dir):
+    """vLLM's truncate_prompt_tokens: the request runs on the prompt's last N tokens (a prompt longer than
+    max_model_len fits that way), exactly as if only those had been sent."""
+    llm = make_llm(llama_dir, max_model_len=64)
+    long = random_prompts([90], seed=5)[0]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    cut = llm.generate([{"prompt_token_ids": long}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                                    truncate_prompt_tokens=20), use_tqdm=False)[0]
+    tail = llm.generate([{"prompt_token_ids": long[-20:]}], sp, use_tqdm=False)[0]
+    assert cut.prompt_token_ids == long[-20:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)

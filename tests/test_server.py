@@ -347,6 +347,12 @@ def test_openai_edges_as_vllm_answers_them(server):
     texts = [post(server, "/v1/completions", hot).json()["choices"][0]["text"] for _ in range(2)]
     assert texts[0] == texts[1] and texts[0]
     assert post(server, "/v1/completions", {**hot, "seed": -(2**63)}).status_code == 200
+    # vLLM's truncate_prompt_tokens: a prompt past max_model_len, cut to its last 100 tokens
+    r = post(server, "/v1/completions", {**GOOD, "prompt": [5] * (limit + 50), "truncate_prompt_tokens": 100})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 100
+    r = post(server, "/v1/completions", {**GOOD, "prompt": "To be, or not to be. " * 400, "truncate_prompt_tokens": 50})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 50  # text past the bytes bound too
+    _assert_error(post(server, "/v1/completions", {**GOOD, "truncate_prompt_tokens": 0}), 400, "truncate_prompt_tokens")
     # logit_bias, OpenAI's way (ids as strings, biases clamped to [-100, 100])
     r = post(server, "/v1/completions", {**GOOD, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
                                          "logit_bias": {"40": 1000}})

@@ -29,6 +29,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's, vLLM's)
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last N tokens
     # Filled in by the engine from generation_config.json; not a user knob.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -78,6 +79,9 @@ class SamplingParams:
             raise bad("stop", "stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.truncate_prompt_tokens is not None and (type(self.truncate_prompt_tokens) is not int
+                                                        or self.truncate_prompt_tokens < 1):
+            raise bad("truncate_prompt_tokens", f"must be an integer >= 1, got {self.truncate_prompt_tokens!r}")
         if self.logit_bias is not None and (
                 not isinstance(self.logit_bias, dict)
                 or any(type(t) is not int or t < 0 or not _is_num(b) for t, b in self.logit_bias.items())):

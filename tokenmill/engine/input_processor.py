@@ -88,10 +88,12 @@ class InputProcessor:
         return cls(tok, model_config.vocab_size, config.max_model_len,
                    eos_token_ids(config.model, tok, model_config.hf_config), mm, chat_media)
 
-    def encode(self, text: str, add_special_tokens: bool = True, field: str = "prompt") -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, field: str = "prompt", bounded: bool = True
+               ) -> list[int]:
         """Token ids of `text`; a text that cannot fit in max_model_len tokens is refused before it is
-        tokenized (see prompt_bound: a large text costs the tokenizer seconds and hundreds of MiB)."""
-        if self.max_prompt_bytes is not None and len(text) > self.max_prompt_bytes // 4:
+        tokenized (see prompt_bound: a large text costs the tokenizer seconds and hundreds of MiB), unless
+        not `bounded` (the server's body limit still bounds it)."""
+        if bounded and self.max_prompt_bytes is not None and len(text) > self.max_prompt_bytes // 4:
             size = utf8_length(text)
             if size > self.max_prompt_bytes:
                 raise ValueError(f"'{field}' is longer than max_model_len ({self.max_model_len} tokens): its {size} "
@@ -135,7 +137,9 @@ class InputProcessor:
         # the template already carries any BOS; don't add special tokens twice
         return self.encode(text, add_special_tokens=False, field="messages")
 
-    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt, bounded: bool = True) -> tuple[str | None, list[int]]:
+        """`bounded`: a text that cannot fit max_model_len is refused before it is tokenized (not when the
+        request keeps only the prompt's last tokens, truncate_prompt_tokens)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -146,7 +150,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True was set)")
-            return prompt, self.encode(prompt)
+            return prompt, self.encode(prompt, bounded=bounded)
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
         raise ValueError(f"'prompt' must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
@@ -170,7 +174,12 @@ class InputProcessor:
         media = []
         if self.mm is not None:
             prompt, media = self.mm.prepare(prompt, mm_data)
-        text, ids = self.tokenize_prompt(prompt)
+        keep = params.truncate_prompt_tokens
+        text, ids = self.tokenize_prompt(prompt, bounded=keep is None)
+        if keep is not None and len(ids) > keep:
+            if media:  # the cut could split an image's placeholder tokens from its pixels
+                raise ValueError("'truncate_prompt_tokens' cannot cut a prompt with images or video")
+            ids, text = ids[-keep:], None  # (the text is the tokens' again, for echo and the output)
         items = []
         if self.mm is not None:
             ids, items = self.mm.expand(ids, media)

@@ -127,6 +127,7 @@ class _SamplingFields(OpenAIBase):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: the prompt's token logprobs, top-N each
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=2**31 - 1)  # vLLM's: keep the prompt's last N
 
 
 class CompletionRequest(_SamplingFields):

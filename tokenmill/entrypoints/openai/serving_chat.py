@@ -51,7 +51,7 @@ def _render(engine: AsyncLLM, convo: list[dict], add_generation_prompt: bool, te
         with engine_errors():
             try:
                 return ip.chat_prompt(convo, add_generation_prompt, tools=tools, template_kwargs=template_kwargs)
-            except (TypeError, KeyError, jinja2.TemplateError) as e:  # e.g. a role the template refuses
+            except (TypeError, KeyError, AttributeError, jinja2.TemplateError) as e:  # e.g. a role it refuses
                 raise APIError(400, f"chat template failed: {e}", "messages") from None
     try:
         text = ip.chat_text(convo, add_generation_prompt, tools=tools, template_kwargs=template_kwargs)

@@ -173,7 +173,8 @@ class ServingBase:
             if any(not 0 <= t < vocab for t in bias):
                 raise APIError(400, f"'logit_bias' token ids must be in [0, {vocab})", "logit_bias")
         kw = dict(n=req.n, max_tokens=max_tokens, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
-                  logit_bias=bias, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs,
+                  logit_bias=bias, truncate_prompt_tokens=req.truncate_prompt_tokens,
+                  ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs,
                   prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
                   skip_special_tokens=req.skip_special_tokens)
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
