@@ -66,8 +66,8 @@ class KVTransferWorker:
         self._loads: dict[str, _Load] = {}
         self._landed = threading.Event()
         self._landing: collections.deque = collections.deque()  # (stores, host blocks, copy event) on a GPU
-        self._threads = [threading.Thread(target=self._store_loop, name="kv-store", daemon=True)]
-        self._threads[0].start()
+        self._store_thread = threading.Thread(target=self._store_loop, name="kv-store", daemon=True)
+        self._store_thread.start()
         self._load_threads: list[threading.Thread] = []
         self._add_load_thread()
 
@@ -300,6 +300,6 @@ class KVTransferWorker:
             pass
         for _ in self._load_threads:
             self._load_q.put(None)
-        for t in self._threads + self._load_threads:
+        for t in [self._store_thread, *self._load_threads]:
             t.join(timeout=2.0 if t.is_alive() else 0)
         self.chain.close()

@@ -164,14 +164,11 @@ class ServingBase:
     def sampling_params(self, req, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         bias = None
-        if req.logit_bias:  # OpenAI's: token ids as strings, biases clamped to [-100, 100] (as vLLM)
-            vocab = self.engine.model_config.vocab_size
-            try:
+        if req.logit_bias:  # OpenAI's: token ids as strings, biases clamped to [-100, 100] (as vLLM); the engine
+            try:  # refuses ids outside the vocabulary
                 bias = {int(t): min(max(b, -100.0), 100.0) for t, b in req.logit_bias.items()}
             except ValueError:
                 raise APIError(400, "'logit_bias' keys must be token ids", "logit_bias") from None
-            if any(not 0 <= t < vocab for t in bias):
-                raise APIError(400, f"'logit_bias' token ids must be in [0, {vocab})", "logit_bias")
         kw = dict(n=req.n, max_tokens=max_tokens, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
                   logit_bias=bias, truncate_prompt_tokens=req.truncate_prompt_tokens,
                   ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs,

@@ -14,6 +14,7 @@ a CRC-32 over the payload catches corruption and truncation.
 """
 from __future__ import annotations
 
+import math
 import struct
 import zlib
 
@@ -31,10 +32,7 @@ class CorruptBlock(ValueError):
 
 
 def payload_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
-    return n
+    return math.prod(shape) * dtype.itemsize
 
 
 def encode_block(fingerprint: bytes, key: bytes, block: torch.Tensor) -> bytes:

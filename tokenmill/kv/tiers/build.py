@@ -5,6 +5,7 @@ import logging
 
 import torch
 
+from tokenmill.kv.tiers.blockfile import payload_bytes
 from tokenmill.kv.tiers.chain import TierChain
 from tokenmill.kv.tiers.connector import KVConnector
 from tokenmill.kv.tiers.fingerprint import model_fingerprint, weights_identity
@@ -33,9 +34,7 @@ def build_tier_chain(config, architecture: str, dtype: torch.dtype, block_shape:
         tiers.append(DiskTier(config.kv_disk_cache_dir, int(config.kv_disk_cache_gb * _GIB), fp, block_shape, dtype))
     if config.kv_remote_cache_url:
         tiers.append(RedisTier(config.kv_remote_cache_url, fp, block_shape, dtype))
-    block_bytes = dtype.itemsize
-    for d in block_shape:
-        block_bytes *= d
+    block_bytes = payload_bytes(block_shape, dtype)
     logger.info("KV tiers: %s; %d bytes per block (%d per token), model fingerprint %s",
                 ", ".join(t.name for t in tiers), block_bytes, block_bytes // config.block_size, fp.hex()[:12])
     return TierChain(tiers)

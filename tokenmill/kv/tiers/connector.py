@@ -51,6 +51,7 @@ class KVConnector:
         self.stats = TierStats()
         self._lock = threading.Lock()
         self._last_warning = 0.0
+        self._lookups_off_until = 0.0  # a tier whose lookups were slow answers misses until then
 
     # -- the interface ------------------------------------------------------------------------------------
     def exists(self, key: bytes) -> bool:
@@ -96,6 +97,18 @@ class KVConnector:
         """The tier's byte accounting matches what it holds, within its cap."""
 
     # -- shared bookkeeping -------------------------------------------------------------------------------
+    def _lookups_paused(self) -> bool:
+        return time.monotonic() < self._lookups_off_until
+
+    def _pause_if_slow(self, t0: float, limit_s: float, pause_s: float, what: str) -> None:
+        """Lookups run on the scheduler's thread, once per waiting request and step: one that took over `limit_s`
+        (since monotonic `t0`) turns this tier's lookups into misses for `pause_s`, so a slow tier costs a slow
+        step now and then, not every step."""
+        took = time.monotonic() - t0
+        if took > limit_s:
+            self._lookups_off_until = time.monotonic() + pause_s
+            self._warn("%s took %.0f ms for a lookup; lookups skipped (misses) for %.0f s", what, took * 1e3,
+                       pause_s)
     def snapshot(self) -> dict[str, float]:
         self.stats.blocks, self.stats.bytes = self.occupancy()
         self.stats.capacity_bytes = self.capacity_bytes

@@ -47,7 +47,6 @@ class DiskTier(KVConnector):
         self._bytes = 0
         self._cap_lowered_at = 0.0  # when a full disk last lowered the cap
         self._revalidated_at = 0.0
-        self._stat_off_until = 0.0
         try:
             os.makedirs(self.dir, exist_ok=True)
             self._scan()
@@ -86,18 +85,15 @@ class DiskTier(KVConnector):
         with self._lock:
             if key in self._index:
                 return True
-        if time.monotonic() < self._stat_off_until:
+        if self._lookups_paused():  # a slow disk: only indexed blocks are looked up for a while
             return False
         t0 = time.monotonic()
         try:  # another engine on the same directory may have written it since we scanned
             size = os.stat(self._path(key)).st_size
         except OSError:
             return False
-        finally:  # lookups run on the scheduler's thread: a disk this slow gets no stat from it for a while
-            if time.monotonic() - t0 > _SLOW_STAT_S:
-                self._stat_off_until = time.monotonic() + _STAT_OFF_S
-                self._warn("a stat in %s took %.0f ms; only indexed blocks are looked up for %.0f s", self.dir,
-                           (time.monotonic() - t0) * 1e3, _STAT_OFF_S)
+        finally:
+            self._pause_if_slow(t0, _SLOW_STAT_S, _STAT_OFF_S, f"a stat in {self.dir}")
         self._add(key, size)
         return True
 

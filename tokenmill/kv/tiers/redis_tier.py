@@ -37,7 +37,6 @@ class RedisTier(KVConnector):
         self.retry_after_s = retry_after_s
         self._down_until = 0.0
         self.slow_lookup_s = slow_lookup_s
-        self._lookups_off_until = 0.0  # a slow server's lookups are skipped until then
         self._keys_written = 0
         self._bytes_written = 0
 
@@ -59,7 +58,7 @@ class RedisTier(KVConnector):
         return self.batched_exists([key]) == 1
 
     def batched_exists(self, keys: list[bytes]) -> int:
-        if not keys or time.monotonic() < self._lookups_off_until:
+        if not keys or self._lookups_paused():
             return 0
 
         def run():
@@ -70,11 +69,7 @@ class RedisTier(KVConnector):
 
         t0 = time.monotonic()
         answers = self._call(run, [])
-        took = time.monotonic() - t0
-        if took > self.slow_lookup_s:
-            self._lookups_off_until = time.monotonic() + self.retry_after_s
-            self._warn("%s took %.0f ms for a lookup; lookups skipped (misses) for %.0f s", self.url, took * 1e3,
-                       self.retry_after_s)
+        self._pause_if_slow(t0, self.slow_lookup_s, self.retry_after_s, self.url)
         n = 0
         for present in answers:
             if not present:
