@@ -13,6 +13,7 @@ Writes JSON (and a log) to --out-dir and prints a short table last.
                     the graphs == plain, KV tiers (host + disk) == none with tier hits, W8A8 on shapes
                     cuBLAS's int8 GEMM refuses exact
     nccl_tp1        issue 19: an NCCL group through the engine's rendezvous, a tp=1 runner through it == plain
+                    (its tokens, and its KV blocks from the profile)
     multimodal      issue 18: the shipped tiny-llava on CUDA, inline / encoder thread on a side stream / int8
     mm_encoder      the LLaVA-1.5 vision tower in bf16 / int8 / W8A8, ms per image
     llama8b         Llama-3-8B shape, dummy bf16: batch-1 and batch-64 decode with and without async scheduling
@@ -393,8 +394,8 @@ def engine_greedy() -> dict:
 @section("nccl_tp1")
 def nccl_tp1() -> dict:
     """Issue 19 on one GPU: the NCCL process group initializes through the engine's rendezvous, its collectives
-    give the right values, and a tp=1 runner built through the distributed path (its shard, NCCL's agree_min)
-    samples the same greedy tokens as a runner built without it."""
+    give the right values, a tp=1 runner built through the distributed path (its shard, NCCL's agree_min)
+    samples the same greedy tokens as a runner built without it, and sizes its KV cache by the same profile."""
     import torch.distributed as dist
     from tokenmill.config import EngineConfig, ModelConfig
     from tokenmill.distributed.layout import ParallelLayout
@@ -425,8 +426,18 @@ def nccl_tp1() -> dict:
     res["tp1_tokens"] = tokens(shard)
     res["plain_tokens"] = tokens(None)
     res["same_tokens"] = res["tp1_tokens"] == res["plain_tokens"]
+
+    def profiled_blocks(*dist_args) -> int:  # the KV profile, as a TP rank runs it (with its link) and alone
+        cfg = EngineConfig(model=path, dtype="float32", max_model_len=1024, enforce_eager=True)
+        cfg.resolve(mc)
+        n = build_runner(cfg, mc, torch.float32, *dist_args).num_blocks
+        torch.cuda.empty_cache()
+        return n
+    res["profiled_kv_blocks_tp1"] = profiled_blocks(shard, link, agree_min)
+    res["profiled_kv_blocks_plain"] = profiled_blocks()
     release_group(True)
-    res["ok"] = res["all_reduce_ok"] and res["agree_min"] == 7 and res["same_tokens"]
+    res["ok"] = (res["all_reduce_ok"] and res["agree_min"] == 7 and res["same_tokens"]
+                 and res["profiled_kv_blocks_tp1"] == res["profiled_kv_blocks_plain"])
     return res
 
 

@@ -525,3 +525,22 @@ def test_pinned_ring_takes_its_buffers_in_turn():
     assert ptrs[4] != ptrs[1] and hosts[4].shape == (90,)  # it grew for 90 tokens
     assert ptrs[5] == ptrs[2]
     assert ring.copy(torch.ones(2, 4, dtype=torch.float32)).shape == (2, 4)  # another dtype: its own buffer
+
+
+def test_tensor_parallel_ranks_profile_their_kv_cache_and_pipeline_stages_take_the_bound(llama_dir):
+    """Every rank that holds all the layers runs the worst-case step on CUDA (TP ranks together, so their
+    all-reduces pair up); a pipeline stage cannot run a step alone. TP used to take the rough bound too,
+    because the distributed path always hands the runner a pipeline link, neighbours or not."""
+    from tokenmill.distributed.comm import WHOLE_MODEL, ModelShard, TensorParallel
+    from tokenmill.worker.build import profiles_kv_cache
+
+    cfg = EngineConfig(model=llama_dir, max_model_len=256)
+    cfg.device = "cuda"
+    tp_rank = ModelShard(TensorParallel(1, 2))
+    assert profiles_kv_cache(cfg, WHOLE_MODEL) and profiles_kv_cache(cfg, tp_rank)
+    assert not profiles_kv_cache(cfg, ModelShard(TensorParallel(0, 2), is_last_stage=False))
+    assert not profiles_kv_cache(cfg, ModelShard(is_first_stage=False))
+    cfg.num_kv_blocks = 64
+    assert not profiles_kv_cache(cfg, WHOLE_MODEL)
+    cfg.num_kv_blocks, cfg.device = None, "cpu"
+    assert not profiles_kv_cache(cfg, tp_rank)

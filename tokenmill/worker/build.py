@@ -50,7 +50,7 @@ def build_runner(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, shar
                            hidden_size=mc.hidden_size)
 
     budget = None
-    if config.device == "cuda" and config.num_kv_blocks is None and pipeline is None:
+    if profiles_kv_cache(config, shard):
         worst = WorstCase.for_limits(config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len,
                                      config.block_size, spec.num_speculative_tokens if spec is not None else 0)
         budget = measure_gpu_budget(make_runner, worst, config.gpu_memory_utilization,
@@ -69,6 +69,15 @@ def build_runner(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, shar
     if config.device == "cpu":
         cpu_malloc.tune_for_steps()  # after the load: what it freed goes back to the OS first
     return runner
+
+
+def profiles_kv_cache(config: EngineConfig, shard: ModelShard) -> bool:
+    """Whether this rank sizes its KV cache by running the worst-case step (CUDA). A rank that holds every
+    layer can, tensor-parallel ranks included: they all build with the same config, so they run the same
+    profile step at once and its all-reduces pair up. A pipeline stage cannot run a step alone and takes a
+    bound (num_kv_blocks)."""
+    return (config.device == "cuda" and config.num_kv_blocks is None
+            and shard.is_first_stage and shard.is_last_stage)
 
 
 def captured_decode_step(config: EngineConfig, model, backend, kv_caches, mirrors: int = MIRRORS):
