@@ -306,8 +306,11 @@ GOOD = {"model": MODEL, "prompt": "To be", "max_tokens": 2}
     ({"model": MODEL, "messages": []}, "messages"),
     ({"model": MODEL, "messages": [{"role": "", "content": "x"}]}, "messages"),
     ({"model": MODEL, "messages": [{"role": 7, "content": "x"}]}, "messages"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
      "response_format"),
+    ({**GOOD, "guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+    ({**GOOD, "structured_outputs": {"choice": []}}, "structured_outputs"),
+    ({**GOOD, "structured_outputs": {"pattern": "a+"}}, "structured_outputs"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
 ])
 def test_bad_values_get_400(server, body, param):
@@ -372,11 +375,11 @@ def test_openai_edges_as_vllm_answers_them(server):
     with_kw = post(server, "/v1/chat/completions", {**chat, "chat_template_kwargs": {"suffix": "Zounds"}})
     assert with_kw.json()["usage"]["prompt_tokens"] > post(server, "/v1/chat/completions", chat).json()["usage"][
         "prompt_tokens"]
-    # tools: without tool calling only tool_choice "none" is served (OpenAI's default with tools is "auto"), and
-    # the tools go to the template (vLLM's default); an agent's history (calls, their JSON arguments parsed, tool
-    # answers) goes to the template too
+    # tools: without a tool-call parser "auto" (OpenAI's default with tools) is refused; with "none" the tools go
+    # to the template (vLLM's default); an agent's history (calls, their JSON arguments parsed, tool answers)
+    # goes to the template too. "required" and named functions: test_structured_outputs_and_forced_tool_calls
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
-    for choice in (None, "auto", "required", {"type": "function", "function": {"name": "f"}}):
+    for choice in (None, "auto", {"type": "function", "function": {"name": "g"}}):
         _assert_error(post(server, "/v1/chat/completions", {**chat, "tools": tools, "tool_choice": choice}), 400,
                       "tool_choice")
     _assert_error(post(server, "/v1/chat/completions", {**chat, "tool_choice": "none"}), 400, "tool_choice")
@@ -527,3 +530,62 @@ def test_schema_fuzz_no_5xx(server):
     assert not failures, failures[:5]
     assert len(statuses) > 30 and 400 in statuses and 200 in statuses, statuses
     assert post(server, "/v1/completions", GOOD).status_code == 200
+
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+           "properties": {"city": {"enum": ["Verona", "Mantua"]}, "days": {"type": "integer", "minimum": 1,
+                                                                              "maximum": 7}}}
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "tides", "parameters": {
+             "type": "object", "additionalProperties": False, "required": ["port"],
+             "properties": {"port": {"enum": ["Venice"]}}}}}]
+
+
+def _weather_ok(args: dict) -> bool:
+    return set(args) == {"city", "days"} and args["city"] in ("Verona", "Mantua") and 1 <= args["days"] <= 7
+
+
+def test_structured_outputs_and_forced_tool_calls(server, client):
+    """response_format, vLLM's structured_outputs and guided_* fields constrain the text; tool_choice "required"
+    or a named function force calls whose arguments match the tools' schemas, streamed or not."""
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Weather?"}], max_tokens=120, temperature=0)
+    r = client.chat.completions.create(**chat, response_format={
+        "type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}})
+    assert r.choices[0].finish_reason == "stop" and _weather_ok(json.loads(r.choices[0].message.content))
+    r = client.chat.completions.create(**chat, response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason != "stop" or isinstance(json.loads(r.choices[0].message.content), dict)
+    r = client.completions.create(model=MODEL, prompt="To be", max_tokens=40, temperature=0,
+                                  extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}})
+    assert r.choices[0].text in ("yes", "no", "maybe") and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model=MODEL, prompt="To be", max_tokens=40, temperature=0.8, seed=1,
+                                  extra_body={"guided_regex": "[a-c]{3}-[0-9]{2}"})
+    assert re.fullmatch("[a-c]{3}-[0-9]{2}", r.choices[0].text)
+    _assert_error(post(server, "/v1/completions", {**GOOD, "guided_regex": "(unclosed"}), 400, "regex")
+
+    named = {"type": "function", "function": {"name": "weather"}}
+    r = client.chat.completions.create(**chat, tools=TOOLS, tool_choice=named)
+    call, = r.choices[0].message.tool_calls
+    assert call.function.name == "weather" and _weather_ok(json.loads(call.function.arguments))
+    assert r.choices[0].message.content == "" and r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(**chat, tools=TOOLS, tool_choice="required")
+    calls = r.choices[0].message.tool_calls
+    assert calls and r.choices[0].finish_reason == "tool_calls"
+    for c in calls:
+        args = json.loads(c.function.arguments)
+        assert _weather_ok(args) if c.function.name == "weather" else args == {"port": "Venice"}
+    assert len({c.id for c in calls}) == len(calls)
+
+    for choice in (named, "required"):  # streamed: the same calls, arguments assembled from the deltas
+        whole = client.chat.completions.create(**chat, tools=TOOLS, tool_choice=choice).choices[0]
+        got, finish = {}, None
+        for chunk in client.chat.completions.create(**chat, tools=TOOLS, tool_choice=choice, stream=True):
+            for ch in chunk.choices:
+                finish = ch.finish_reason or finish
+                for d in ch.delta.tool_calls or []:
+                    entry = got.setdefault(d.index, {"name": None, "arguments": "", "id": None})
+                    entry["id"] = d.id or entry["id"]
+                    entry["name"] = (d.function.name if d.function and d.function.name else entry["name"])
+                    entry["arguments"] += d.function.arguments or "" if d.function else ""
+        assert [(g["name"], json.loads(g["arguments"])) for _, g in sorted(got.items())] == [
+            (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+        assert all(g["id"] for g in got.values()) and finish == whole.finish_reason

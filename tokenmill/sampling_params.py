@@ -6,6 +6,38 @@ import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+_STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What a request's output must match (vLLM's StructuredOutputsParams): exactly one of a JSON schema (a dict
+    or its JSON text), any JSON object, a regular expression, one of a list of strings, or an EBNF grammar
+    (xgrammar's dialect, GBNF-like). sample/grammar.py compiles it."""
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False  # JSON: no whitespace but xgrammar's default separators
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise ValueError("invalid sampling parameter 'structured_outputs': set exactly one of "
+                             f"{', '.join(_STRUCTURED_KINDS)} (got {', '.join(set_) or 'none'})")
+        ok = {"json": lambda v: isinstance(v, (str, dict)), "json_object": lambda v: v is True,
+              "regex": lambda v: isinstance(v, str) and v, "grammar": lambda v: isinstance(v, str) and v,
+              "choice": lambda v: isinstance(v, list) and v and all(isinstance(c, str) and c for c in v)}
+        if not ok[self.kind](getattr(self, self.kind)):
+            raise ValueError(f"invalid sampling parameter 'structured_outputs': '{self.kind}' must be "
+                             + {"json": "a JSON schema (an object or its JSON text)", "json_object": "true",
+                                "regex": "a non-empty string", "grammar": "a non-empty string",
+                                "choice": "a non-empty list of non-empty strings"}[self.kind])
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclass
@@ -30,6 +62,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's, vLLM's)
     truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last N tokens
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must match (sample/grammar.py)
     # Filled in by the engine from generation_config.json; not a user knob.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -86,6 +119,10 @@ class SamplingParams:
                 not isinstance(self.logit_bias, dict)
                 or any(type(t) is not int or t < 0 or not _is_num(b) for t, b in self.logit_bias.items())):
             raise bad("logit_bias", "must map non-negative token ids to finite numbers")
+        if isinstance(self.structured_outputs, dict):  # as vLLM's offline API also takes it
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @functools.cached_property
     def logit_bias_tensors(self) -> tuple:
@@ -108,8 +145,9 @@ class SamplingParams:
     @property
     def argmax_only(self) -> bool:
         """Whether an argmax of the raw logits is the whole sampler (once min_tokens is reached): greedy,
-        no logprobs, no penalties, no logit bias."""
-        return self.greedy and self.logprobs is None and not self.needs_penalties and not self.logit_bias
+        no logprobs, no penalties, no logit bias, no grammar."""
+        return (self.greedy and self.logprobs is None and not self.needs_penalties and not self.logit_bias
+                and self.structured_outputs is None)
 
     @property
     def stop_ids(self) -> list[int]:

@@ -204,7 +204,8 @@ class AsyncLLM:
         self.num_submitting += 1
         try:
             args = (prompts, params, priority, time.time(), strict_max_tokens)
-            if any(_needs_tokenizer(p) for _, p in prompts):
+            # (a grammar compiles there too: a large JSON schema takes xgrammar a while)
+            if params.structured_outputs is not None or any(_needs_tokenizer(p) for _, p in prompts):
                 processed = await self.run_tokenizer(self._process, *args)
             else:
                 processed = self._process(*args)

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from tokenmill.engine.messages import EngineCoreRequest
 from tokenmill.engine.prompt_bound import max_bytes_per_token, utf8_length
+from tokenmill.sample.grammar import GrammarCompiler
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -70,6 +71,7 @@ class InputProcessor:
         # a text longer than this many bytes cannot fit in max_model_len tokens (None: no safe bound)
         per_token = max_bytes_per_token(tokenizer) if tokenizer is not None else None
         self.max_prompt_bytes = None if per_token is None else int(max_model_len * per_token)
+        self.grammars = GrammarCompiler(tokenizer, vocab_size)  # structured outputs (compiled on first use)
 
     @classmethod
     def from_config(cls, config, model_config) -> "InputProcessor":
@@ -188,6 +190,8 @@ class InputProcessor:
             raise ValueError("'stop' strings need a tokenizer")
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             raise ValueError(f"'logit_bias' token ids must be in [0, {self.vocab_size})")
+        if params.structured_outputs is not None:  # compiled here to refuse a bad grammar before it is queued
+            self.grammars.compile(params.structured_outputs)
         params = replace(params, eos_token_ids=self.eos_token_ids)
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         return text, EngineCoreRequest(request_id, child_ids, ids, params, arrival_time, priority, items)

@@ -1,6 +1,6 @@
-"""Logits -> next tokens: penalties, min_tokens, greedy or temperature / top-k / top-p / min-p
-sampling, and logprobs. Seeded requests draw from their own generator, so a seed reproduces the same
-tokens whatever else shares the batch.
+"""Logits -> next tokens: logit bias, penalties, min_tokens, grammar masks (structured outputs), then greedy
+or temperature / top-k / top-p / min-p sampling, and logprobs. Seeded requests draw from their own
+generator, so a seed reproduces the same tokens whatever else shares the batch.
 
 Everything runs on the logits' device: generators live there (CUDA's Philox generators on a GPU), the
 per-row parameters go over in one small copy each, and the only device-to-host transfer is the chosen
@@ -13,6 +13,7 @@ from itertools import chain
 import torch
 
 from tokenmill.device_copy import device_tensor, take_rows, to_device
+from tokenmill.sample.grammar import apply_token_masks
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -29,6 +30,8 @@ class SampleRow:
     # async scheduling: the last output token, sampled by the step in flight and not on the host yet ([1], on
     # the device; not in output_token_ids): penalties count it there, without waiting for it
     pending: torch.Tensor | None = None
+    # structured outputs: the tokens its grammar allows next (sample/grammar.py's packed int32 bitmask, host)
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -212,12 +215,15 @@ class Sampler:
         penalties = any(r.params.needs_penalties for r in rows)
         bias = any(r.params.logit_bias for r in rows)
         min_tokens = any(r.num_output_tokens < r.params.min_tokens for r in rows)
-        if penalties or bias or min_tokens:
+        masked = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
+        if penalties or bias or min_tokens or masked:
             logits = logits.clone()
             if bias:  # before the penalties, as vLLM (a repetition penalty scales the biased logit)
                 apply_logit_bias(logits, rows)
             apply_penalties(logits, rows)
             apply_min_tokens(logits, rows)
+            if masked:
+                apply_token_masks(logits, masked, [rows[i].token_bitmask for i in masked])
         return logits
 
     @staticmethod

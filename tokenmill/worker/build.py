@@ -14,6 +14,7 @@ from tokenmill.distributed.layout import kv_head_split
 from tokenmill.engine.variants import build_attention_backend
 from tokenmill.kv.manager import cdiv
 from tokenmill.models.loader import load_model
+from tokenmill.sample.grammar import GrammarCompiler
 from tokenmill.spec_decode.build import build_proposer, kv_bytes_per_block, load_draft
 from tokenmill.worker.encoder_runner import EncoderRunner
 from tokenmill.spec_decode.draft_model import DraftModelProposer
@@ -64,11 +65,21 @@ def build_runner(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, shar
             # k + 1 mirrors: a proposal's k chained draft steps are staged without waiting for their copies
             proposer.decode_step = captured_decode_step(config, proposer.model, proposer.backend, proposer.kv_caches,
                                                         mirrors=max(MIRRORS, spec.num_speculative_tokens + 1))
+    runner.grammars = GrammarCompiler(None, mc.vocab_size, load_tokenizer=lambda: _tokenizer(config))
     if mc.is_multimodal:
         runner.encoder = EncoderRunner(model, config.device, dtype, config.mm_encoder_overlap)
     if config.device == "cpu":
         cpu_malloc.tune_for_steps()  # after the load: what it freed goes back to the OS first
     return runner
+
+
+def _tokenizer(config: EngineConfig):
+    """The tokenizer, for structured outputs' grammars: loaded by the first such request (None without one)."""
+    from tokenmill.engine.input_processor import load_tokenizer  # (engine/ imports this module)
+
+    if config.skip_tokenizer_init:
+        return None
+    return load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
 
 
 def profiles_kv_cache(config: EngineConfig, shard: ModelShard) -> bool:

@@ -90,6 +90,7 @@ class ModelRunner:
         # a captured decode step: DecodeGraphs (worker/cuda_graphs.py) on a GPU, CpuDecodeStep
         # (worker/cpu_decode_step.py) on a CPU; None runs every step through the model's per-op path
         self.decode_step = None
+        self.grammars = None  # sample/grammar.py GrammarCompiler (worker/build.py): structured outputs' matchers
         self.num_bursts = 0  # steps run as bursts of decode steps (num_scheduler_steps; tests read it)
         self.num_argmax_steps = 0  # greedy decode / verification steps whose LM head and argmax ran in the C call
         # async scheduling (engine/core.py): sampled tokens stay on the device until collect(); per request
@@ -393,6 +394,8 @@ class ModelRunner:
             return
         rows = [SampleRow(st.sampling_params, st.prompt_token_ids, st.output_token_ids,
                           self.requests.generator(s.request_id)) for s, st in zip(seqs, states)]
+        if any(st.sampling_params.structured_outputs is not None for st in states):
+            self._grammar_masks(seqs, states, rows)
         if self._pending:
             self._pending_penalty_tokens(seqs, rows)
         if self.defer_tokens:
@@ -405,6 +408,25 @@ class ModelRunner:
             out.sampled_token_ids[s.request_id] = [res.token_ids[j]]
             if res.logprobs[j] is not None:
                 out.logprobs[s.request_id] = [res.logprobs[j]]
+
+    def _grammar_masks(self, seqs: list[ScheduledRequest], states: list[RequestState], rows: list[SampleRow]) -> None:
+        """Structured outputs: each such row's allowed next tokens, from its matcher once it has taken the tokens
+        sampled since its last step. Under async scheduling the last of them may still be on the device: it is
+        read there (the one wait such a request costs a step; requests without a grammar never pay it)."""
+        for s, st, row in zip(seqs, states, rows):
+            spec = st.sampling_params.structured_outputs
+            if spec is None:
+                continue
+            if st.grammar is None:
+                if self.grammars is None:
+                    raise RuntimeError("this model runner was built without a grammar compiler (worker/build.py)")
+                st.grammar = self.grammars.matcher(spec, st.sampling_params.stop_ids)
+            tokens = st.output_token_ids
+            pending = self._pending.get(s.request_id)
+            if pending is not None and pending[2] < len(tokens):
+                step, src, slot = pending
+                tokens = tokens[:slot] + [int(step.tokens[src])] + tokens[slot + 1:]
+            row.token_bitmask = st.grammar.next_bitmask(tokens)
 
     def _pending_penalty_tokens(self, seqs: list[ScheduledRequest], rows: list[SampleRow]) -> None:
         """Async scheduling: a penalized request that ran ahead samples while its last token is a placeholder

@@ -26,6 +26,7 @@ class RequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     mm_items: list = field(default_factory=list)  # multimodal/inputs.py MultiModalItem, in prompt order
+    grammar: object = None  # sample/grammar.py RequestGrammar, made at the first step that samples (structured outputs)
 
     def __post_init__(self):
         self.argmax_only = self.sampling_params.argmax_only  # read every step: looked up once

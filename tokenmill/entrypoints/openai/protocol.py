@@ -128,6 +128,13 @@ class _SamplingFields(OpenAIBase):
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: the prompt's token logprobs, top-N each
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=2**31 - 1)  # vLLM's: keep the prompt's last N
+    # vLLM's structured outputs: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} |
+    # {"json_object": true}, and its older guided_* fields (one of them per request)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -183,8 +190,16 @@ class ChatMessage(OpenAIBase):
     tool_call_id: str | None = None  # which call a tool message answers
 
 
+class JsonSchemaFormat(OpenAIBase):
+    name: StrictStr = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")  # (`schema` would shadow pydantic's)
+    strict: bool | None = None
+
+
 class ResponseFormat(OpenAIBase):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -12,6 +12,7 @@ from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.entrypoints.openai.serving_engine import ChunkEvents, ServingBase, engine_errors, usage
+from tokenmill.entrypoints.openai.structured import ForcedToolCalls
 
 
 async def render_chat(engine: AsyncLLM, messages: list[ChatMessage], add_generation_prompt: bool = True,
@@ -65,36 +66,37 @@ class OpenAIServingChat(ServingBase):
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         self.check_stream_options(req)
-        if req.response_format is not None and req.response_format.type != "text":
-            raise APIError(400, f"response_format type {req.response_format.type!r} is not supported; use 'text'",
-                           "response_format")
-        if req.tool_choice is not None and not req.tools:
-            raise APIError(400, "'tool_choice' needs 'tools'", "tool_choice")
-        if req.tools and req.tool_choice != "none":  # OpenAI's default with tools is "auto"
-            # no tool-call parser and no structured outputs: no call could be read out of the text. With "none"
-            # the tools go to the template (as vLLM's default) and the answer is text
-            raise APIError(400, f"tool_choice {req.tool_choice or 'auto'!r} needs tool calling, which this server "
-                                "does not have; send tool_choice 'none' for a text answer", "tool_choice")
+        forced = _forced_tool_calls(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         prompt = await render_chat(self.engine, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
                                    req.tools)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs)
+        params = self.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs,
+                                      forced.grammar if forced is not None else None)
         rid, subs = await self.submit([prompt], params, req.priority, "chatcmpl", "messages")
         created = int(time.time())
         if req.stream:
             with self.aborted_on_error(subs):
-                return self.stream_response(subs, _ChatEvents(self, req, rid, subs, created))
-        return await self.respond(raw, subs, lambda: self._full(req, rid, subs, created))
+                return self.stream_response(subs, _ChatEvents(self, req, rid, subs, created, forced))
+        return await self.respond(raw, subs, lambda: self._full(req, rid, subs, created, forced))
 
-    async def _full(self, req: ChatCompletionRequest, rid: str, subs, created: int) -> Response:
+    async def _full(self, req: ChatCompletionRequest, rid: str, subs, created: int,
+                    forced: ForcedToolCalls | None) -> Response:
         choices, prompt_rows = await self.collect(subs, req.n)
         top_n = req.top_logprobs or 0
-        out = [{"index": ch.index, "message": {"role": "assistant", "content": ch.text},
-                "logprobs": self.chat_logprobs(ch.logprobs, top_n) if req.logprobs else None,
-                "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason} for ch in choices]
+        out = []
+        for ch in choices:
+            message = {"role": "assistant", "content": ch.text}
+            finish = ch.finish_reason
+            if forced is not None:
+                message = forced.message(ch.index, ch.text)
+                if "tool_calls" in message and finish == "stop":
+                    finish = forced.finish_reason or finish
+            out.append({"index": ch.index, "message": message,
+                        "logprobs": self.chat_logprobs(ch.logprobs, top_n) if req.logprobs else None,
+                        "finish_reason": finish, "stop_reason": ch.stop_reason})
         body = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_for(req),
                 "choices": out, "usage": usage(len(subs[0][2]), sum(c.num_tokens for c in choices))}
         if req.prompt_logprobs is not None:  # vLLM's place for them in chat: the response
@@ -102,14 +104,32 @@ class OpenAIServingChat(ServingBase):
         return Response(msgspec.json.encode(body), media_type="application/json")
 
 
+def _forced_tool_calls(req: ChatCompletionRequest) -> ForcedToolCalls | None:
+    """tool_choice "required" or a named function: the calls the answer is forced into. With "none" the tools
+    only go to the template (vLLM's default) and the answer is text; "auto" would need a parser for the model's
+    own tool-call format."""
+    if req.tool_choice is not None and not req.tools:
+        raise APIError(400, "'tool_choice' needs 'tools'", "tool_choice")
+    if not req.tools or req.tool_choice == "none":
+        return None
+    if req.tool_choice in (None, "auto"):  # OpenAI's default with tools is "auto"
+        raise APIError(400, f"tool_choice {req.tool_choice or 'auto'!r} needs a tool-call parser for the model's "
+                            "format, which this server does not have; send 'required', a named function, or 'none' "
+                            "for a text answer", "tool_choice")
+    return ForcedToolCalls(req.tools, req.tool_choice)
+
+
 class _ChatEvents(ChunkEvents):
     """SSE chunks of a streamed chat completion (StreamEvents). OpenAI opens each choice with the role and
     empty content; like vLLM, that chunk goes out with the first tokens, so clients that time the first
     chunk measure a real TTFT."""
 
-    def __init__(self, serving: OpenAIServingChat, req: ChatCompletionRequest, rid: str, subs, created: int):
+    def __init__(self, serving: OpenAIServingChat, req: ChatCompletionRequest, rid: str, subs, created: int,
+                 forced: ForcedToolCalls | None = None):
         super().__init__(serving, req, rid, "chat.completion.chunk", created, len(subs[0][2]))
         self.opened = False
+        self.forced = forced
+        self.texts: dict[int, str] = {}  # forced tool calls: each choice's text so far
 
     def on_output(self, k: int, out) -> bytes:
         req, encode = self.req, msgspec.json.encode
@@ -126,9 +146,13 @@ class _ChatEvents(ChunkEvents):
         for c in out.outputs:
             if not c.token_ids and c.finish_reason is None:
                 continue
-            delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+            finish = c.finish_reason
+            if self.forced is None:
+                delta = {"content": c.text} if c.text or finish is None else {}
+            else:
+                delta, finish = self._tool_delta(c)
             lp = self.serving.chat_logprobs(c.logprobs, req.top_logprobs or 0) if req.logprobs else None
-            choice = encode({"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason,
+            choice = encode({"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish,
                              "stop_reason": c.stop_reason})
             if self.continuous_usage:
                 events.append(self.choice_chunk(c.index, choice, self.num_prompt, len(c.token_ids)))
@@ -138,3 +162,12 @@ class _ChatEvents(ChunkEvents):
         if choices:
             events.append(self.chunk(choices))
         return b"".join(events)
+
+    def _tool_delta(self, c) -> tuple[dict, str | None]:
+        first = c.index not in self.texts
+        text = self.texts[c.index] = self.texts.get(c.index, "") + c.text
+        delta = self.forced.stream_delta(c.index, c.text, first, text if c.finish_reason is not None else None)
+        finish = c.finish_reason
+        if "tool_calls" in delta and finish == "stop":
+            finish = self.forced.finish_reason or finish
+        return delta, finish

@@ -16,6 +16,7 @@ from tokenmill.engine.async_llm import AsyncLLM, QueueFullError
 from tokenmill.engine.core_client import EngineDeadError
 from tokenmill.entrypoints.openai.errors import APIError, bad_request, error_dict
 from tokenmill.entrypoints.openai.streaming import SSE_DONE, SSEStream, cancel_on_disconnect, sse
+from tokenmill.entrypoints.openai.structured import requested_grammar
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -162,7 +163,7 @@ class ServingBase:
         return out
 
     def sampling_params(self, req, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, tool_grammar=None) -> SamplingParams:
         bias = None
         if req.logit_bias:  # OpenAI's: token ids as strings, biases clamped to [-100, 100] (as vLLM); the engine
             try:  # refuses ids outside the vocabulary
@@ -173,7 +174,8 @@ class ServingBase:
                   logit_bias=bias, truncate_prompt_tokens=req.truncate_prompt_tokens,
                   ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs,
                   prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
-                  skip_special_tokens=req.skip_special_tokens)
+                  skip_special_tokens=req.skip_special_tokens,
+                  structured_outputs=requested_grammar(req, tool_grammar))
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
             v = getattr(req, name)

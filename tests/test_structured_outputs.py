@@ -1,0 +1,144 @@
+"""Structured outputs (sample/grammar.py): every output matches its grammar, whatever the engine does meanwhile
+(batching with other requests, async scheduling, speculative decoding, preemption); a bad grammar is refused
+when the request is made; the mask's torch unpacking agrees with xgrammar's own kernel."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_llm, random_prompts
+import tokenmill
+from tokenmill import SamplingParams
+from tokenmill.sampling_params import StructuredOutputsParams
+
+xgrammar = pytest.importorskip("xgrammar")
+SHIPPED = Path(tokenmill.__file__).parent / "assets" / "models" / "tiny-shakespeare"
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "lines", "alive"],
+          "properties": {"name": {"enum": ["ROMEO", "JULIET", "TYBALT"]},
+                         "lines": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                                   "maxItems": 3},
+                         "alive": {"type": "boolean"}}}
+SPECS = {
+    "json": StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+    "regex": StructuredOutputsParams(regex=r"(ab|cd)[0-9]{2,4}-[xyz]"),
+    "choice": StructuredOutputsParams(choice=["to be", "not to be", "the question"]),
+    "grammar": StructuredOutputsParams(grammar='root ::= "(" item ("," item)* ")"\nitem ::= [a-c]+'),
+}
+
+
+def _matches(kind: str, text: str) -> bool:
+    if kind == "json":
+        v = json.loads(text)
+        return (set(v) == {"name", "lines", "alive"} and v["name"] in ("ROMEO", "JULIET", "TYBALT")
+                and isinstance(v["alive"], bool) and len(v["lines"]) <= 3 and all(0 <= x <= 9 for x in v["lines"]))
+    if kind == "regex":
+        return re.fullmatch(r"(ab|cd)[0-9]{2,4}-[xyz]", text) is not None
+    if kind == "choice":
+        return text in ("to be", "not to be", "the question")
+    return re.fullmatch(r"\([a-c]+(,[a-c]+)*\)", text) is not None
+
+
+def _params(kind: str, **kw) -> SamplingParams:
+    kw.setdefault("temperature", 0.0)
+    return SamplingParams(max_tokens=60, structured_outputs=SPECS[kind], **kw)
+
+
+def _generate(llm, prompts, params):
+    """(the output tokens' own text, the tokens, finish reason) per prompt. Not the output's text: the
+    detokenizer reads on from the prompt's last tokens, and a random prompt can end inside a UTF-8 character."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.llm_engine.check_invariants()
+    tok = llm.get_tokenizer()
+    return [(tok.decode(o.outputs[0].token_ids, skip_special_tokens=True), o.outputs[0].token_ids,
+             o.outputs[0].finish_reason) for o in outs]
+
+
+# a sampled request among greedy ones, and plain requests beside them: their masks must not leak
+MIXED = [_params("json"), _params("regex"), _params("choice", temperature=0.9, seed=3), _params("grammar"),
+         SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+         _params("json", temperature=1.0, seed=7)]
+PROMPTS = random_prompts([5, 17, 3, 30, 9, 12], seed=11)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    return _generate(make_llm(llama_dir), PROMPTS, MIXED)
+
+
+def test_every_output_matches_its_grammar_and_ends_with_it(reference):
+    kinds = ["json", "regex", "choice", "grammar", None, "json"]
+    for kind, (text, _, reason) in zip(kinds, reference):
+        if kind is None:
+            continue
+        assert _matches(kind, text), (kind, text)
+        assert reason == "stop", (kind, text)  # the grammar completes, then only EOS is allowed
+
+
+def test_a_request_alone_gets_the_tokens_it_gets_in_a_batch(llama_dir, reference):
+    llm = make_llm(llama_dir)
+    for i in (0, 1, 3):
+        assert _generate(llm, [PROMPTS[i]], [MIXED[i]])[0] == reference[i]
+
+
+@pytest.mark.parametrize("kw", [dict(async_scheduling=True, enforce_eager=True), dict(async_scheduling=True),
+                                dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                         "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
+                                dict(num_kv_blocks=7, max_model_len=96, max_num_seqs=6),
+                                dict(max_num_batched_tokens=8)],
+                         ids=["async-eager", "async", "ngram", "preemption", "chunked"])
+def test_engine_variants_give_the_plain_engine_tokens(llama_dir, reference, kw):
+    llm = make_llm(llama_dir, **kw)
+    got = _generate(llm, PROMPTS, MIXED)
+    assert got == reference
+    core = llm.llm_engine.core
+    if kw.get("async_scheduling"):
+        assert core.scheduler.num_run_ahead > 0
+    if "num_kv_blocks" in kw:
+        assert core.scheduler.num_preemptions > 0
+
+
+def test_the_shipped_model_answers_in_json():
+    llm = make_llm(str(SHIPPED), dtype="auto")
+    sp = SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=SPECS["json"])
+    (text, _, reason), = _generate(llm, [llm.get_tokenizer().encode("ROMEO:")], sp)
+    assert _matches("json", text) and reason == "stop", text
+
+
+@pytest.mark.parametrize("spec, message", [
+    (dict(json='{"type": "object", "properties": '), "invalid 'json'"),
+    (dict(regex="(unclosed"), "invalid 'regex'"),
+    (dict(grammar="root ::= undefined_rule"), "invalid 'grammar'"),
+])
+def test_a_grammar_that_does_not_compile_is_refused_and_the_engine_serves_on(llama_dir, spec, message):
+    llm = make_llm(llama_dir)
+    with pytest.raises(ValueError, match=message):
+        llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(structured_outputs=StructuredOutputsParams(**spec)),
+                     use_tqdm=False)
+    assert _generate(llm, [PROMPTS[1]], [MIXED[1]])[0][2] == "stop"
+
+
+@pytest.mark.parametrize("spec", [{}, dict(json={}, regex="a"), dict(choice=[]), dict(choice=["a", 1]),
+                                  dict(regex=""), dict(json_object=False)])
+def test_params_need_exactly_one_well_formed_grammar(spec):
+    with pytest.raises(ValueError, match="structured_outputs"):
+        StructuredOutputsParams(**spec)
+
+
+def test_torch_unpacking_of_the_mask_matches_xgrammars_kernel():
+    from tokenmill.sample.grammar import apply_token_masks
+
+    g = torch.Generator().manual_seed(0)
+    vocab, rows = 1000, [0, 2, 3]  # a width that is not a multiple of 32; row 1 unmasked
+    logits = torch.randn(4, vocab, generator=g)
+    masks = [torch.randint(-2**31, 2**31 - 1, (32,), generator=g, dtype=torch.int64).to(torch.int32) for _ in rows]
+    ours = logits.clone()
+    apply_token_masks(ours, rows, masks)
+    theirs = logits.clone()
+    full = torch.full((4, 32), -1, dtype=torch.int32)  # xgrammar indexes the bitmask by the logits' row
+    full[rows] = torch.stack(masks)
+    xgrammar.apply_token_bitmask_inplace(theirs, full, indices=rows)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours[1], logits[1]) and torch.isinf(ours[0]).any()

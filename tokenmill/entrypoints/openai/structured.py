@@ -1,0 +1,140 @@
+"""A request's grammar from the OpenAI fields that ask for one, and forced tool calls.
+
+    response_format {"type": "json_object"}               -> any JSON object
+    response_format {"type": "json_schema", ...schema}   -> that schema
+    structured_outputs {...} / guided_json, guided_regex,  -> as vLLM takes them (one per request)
+      guided_choice, guided_grammar
+    tool_choice {"type": "function", "function": {name}} -> that tool's parameters; the text is its arguments
+    tool_choice "required"                                -> a JSON array of {"name", "parameters"}, one item
+                                                             per call, each of a tool's own schema (as vLLM)
+
+"auto" would need a parser for each model family's tool-call format; it is refused (serving_chat.py)."""
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from tokenmill.entrypoints.openai.errors import APIError, bad_request
+from tokenmill.sampling_params import StructuredOutputsParams
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def requested_grammar(req, tool_grammar: StructuredOutputsParams | None = None) -> StructuredOutputsParams | None:
+    """The one grammar a request asks for (None: none); a 400 for two, or for one that is malformed."""
+    asked: list[tuple[str, Any]] = []
+    if req.structured_outputs is not None:
+        asked.append(("structured_outputs", req.structured_outputs))
+    for name, kind in _GUIDED.items():
+        if getattr(req, name) is not None:
+            asked.append((name, {kind: getattr(req, name)}))
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise APIError(400, "response_format 'json_schema' needs json_schema.schema", "response_format")
+        else:
+            asked.append(("response_format", {"json": fmt.json_schema.json_schema}))
+    if tool_grammar is not None:
+        asked.append(("tool_choice", tool_grammar))
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise APIError(400, f"one grammar per request: got {', '.join(name for name, _ in asked)}", asked[1][0])
+    name, spec = asked[0]
+    if isinstance(spec, StructuredOutputsParams):
+        return spec
+    try:
+        return StructuredOutputsParams(**spec)
+    except TypeError:
+        raise APIError(400, f"'{name}' takes json, json_object, regex, choice, grammar or disable_any_whitespace",
+                       name) from None
+    except ValueError as e:
+        raise bad_request(str(e).replace("'structured_outputs'", f"'{name}'"), name) from None
+
+
+def _functions(tools: list[dict]) -> dict[str, dict]:
+    """name -> parameters schema, for OpenAI's tool list; a 400 for a malformed one."""
+    out = {}
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise APIError(400, "each tool must be {'type': 'function', 'function': {'name': ..., 'parameters': "
+                                "...}}", "tools")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise APIError(400, f"tool {fn['name']!r}: 'parameters' must be a JSON schema object", "tools")
+        out[fn["name"]] = params or {"type": "object", "properties": {}}
+    return out
+
+
+class ForcedToolCalls:
+    """tool_choice "required" or a named function: the grammar that forces the call(s), and the message fields
+    the output text turns into."""
+
+    def __init__(self, tools: list[dict], tool_choice):
+        functions = _functions(tools)
+        if tool_choice == "required":
+            self.name = None
+            items = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                      "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p}}
+                     for n, p in functions.items()]
+            schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        else:
+            fn = tool_choice.get("function") if tool_choice.get("type") == "function" else None
+            self.name = fn.get("name") if isinstance(fn, dict) else None
+            if self.name not in functions:
+                raise APIError(400, f"tool_choice names function {self.name!r}, which is not in 'tools'", "tool_choice")
+            schema = functions[self.name]
+        # compact JSON, as OpenAI's arguments come (and no room for a model to pad a call with whitespace)
+        self.grammar = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        self.ids: dict[int, list[str]] = {}  # per choice: the ids its calls got (streaming gives them out first)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """What a finished choice that called tools reports: OpenAI's "tool_calls" for required calls, the
+        output's own ("stop") for a named function, as vLLM."""
+        return "tool_calls" if self.name is None else None
+
+    def calls(self, index: int, text: str) -> list[dict] | None:
+        """The tool calls a choice's whole text makes; None where the text is not a whole call list (it was cut
+        by max_tokens or a stop string: the text is then the content)."""
+        if self.name is not None:
+            return [self._call(index, 0, self.name, text)]
+        try:
+            parsed = json.loads(text)
+            return [self._call(index, i, c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+                    for i, c in enumerate(parsed)]
+        except (ValueError, TypeError, KeyError):
+            return None
+
+    def _call(self, index: int, i: int, name: str, arguments: str) -> dict:
+        ids = self.ids.setdefault(index, [])
+        while len(ids) <= i:
+            ids.append(f"chatcmpl-tool-{uuid.uuid4().hex}")
+        return {"id": ids[i], "type": "function", "function": {"name": name, "arguments": arguments}}
+
+    def message(self, index: int, text: str) -> dict:
+        calls = self.calls(index, text)
+        if calls is None:
+            return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": "", "tool_calls": calls}
+
+    def stream_delta(self, index: int, text: str, first: bool, final_text: str | None) -> dict:
+        """A streamed chunk's delta. A named function streams its arguments as they come (the first chunk
+        carries the call's id and name); required calls go out whole with the last chunk (`final_text`: the
+        choice's whole text, once it has finished), since their JSON must be complete to split."""
+        if self.name is not None:
+            call = {"index": 0, "function": {"arguments": text}}
+            if first:
+                whole = self._call(index, 0, self.name, text)
+                call = {"index": 0, **whole}
+            return {"tool_calls": [call]} if text or first else {}
+        if final_text is None:
+            return {}
+        calls = self.calls(index, final_text)
+        if calls is None:
+            return {"content": final_text}
+        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}

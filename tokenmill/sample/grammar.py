@@ -1,0 +1,118 @@
+"""Structured outputs: the tokens a request's grammar allows next, as a mask the sampler applies.
+
+A request's `StructuredOutputsParams` (sampling_params.py: a JSON schema, any JSON object, a regex, a choice
+of strings or an EBNF grammar) compiles once per process through xgrammar (compiled grammars are cached by
+their text), and each request gets a matcher that walks its output tokens. Before each step that samples for
+it, the matcher catches up with the tokens sampled since, then writes the allowed tokens as a bitmask:
+
+    bitmask   int32 [ceil(vocab / 32)]: bit b of word w set  <=>  token 32 * w + b is allowed
+    unpacked  bool  [vocab]            (apply_token_masks, on the logits' device; disallowed -> -inf)
+
+The matcher lives on the worker beside the request's other state (worker/request_state.py), so the scheduler
+and the step messages stay as they are; every rank that samples (the last pipeline stage, each of its TP ranks)
+walks the same tokens and makes the same masks. Such a request takes no drafts (sched/scheduler.py) and no
+argmax-only fast path (SamplingParams.argmax_only)."""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+
+import torch
+
+from tokenmill.device_copy import device_tensor, to_device
+from tokenmill.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger("tokenmill")
+BITS = 32
+# JSON's whitespace between two elements, at most: room for pretty-printing (a newline and 5 levels of 4-space
+# indent), and a bound on a model that would otherwise emit whitespace until max_tokens (small models do)
+MAX_JSON_WHITESPACE = 24
+
+
+class GrammarCompiler:
+    """xgrammar's compiler for one tokenizer and logits width. A worker passes `load_tokenizer` (a function that
+    loads it) instead of the tokenizer: it pays for one only once a structured request arrives."""
+
+    def __init__(self, tokenizer, vocab_size: int, load_tokenizer=None):
+        self._tokenizer, self._load, self.vocab_size = tokenizer, load_tokenizer, vocab_size
+
+    @functools.cached_property
+    def _compiler(self):
+        import xgrammar
+
+        tok = self._load() if self._load is not None else self._tokenizer
+        if tok is None:
+            raise ValueError("structured outputs need a tokenizer (skip_tokenizer_init=True was set)")
+        info = xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size)
+        return xgrammar.GrammarCompiler(info, max_threads=1)
+
+    def compile(self, spec: StructuredOutputsParams):
+        """The compiled grammar (cached by xgrammar); ValueError naming the field for a spec it cannot take."""
+        c = self._compiler
+        try:
+            if spec.json is not None:
+                return _json(c, spec.json if isinstance(spec.json, str) else json.dumps(spec.json), spec)
+            if spec.json_object:  # an object, as OpenAI's json_object mode (xgrammar's builtin takes any value)
+                return _json(c, '{"type": "object"}', spec)
+            if spec.regex is not None:
+                return c.compile_regex(spec.regex)
+            if spec.choice is not None:
+                return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in spec.choice))
+            return c.compile_grammar(spec.grammar)
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse errors are RuntimeErrors
+            raise ValueError(f"invalid '{spec.kind}' for structured outputs: {_first_line(e)}") from None
+
+    def matcher(self, spec: StructuredOutputsParams, stop_token_ids: list[int]) -> "RequestGrammar":
+        return RequestGrammar(self.compile(spec), stop_token_ids, self.vocab_size)
+
+
+class RequestGrammar:
+    """One request's matcher, and how many of its output tokens it has taken."""
+
+    def __init__(self, compiled, stop_token_ids: list[int], vocab_size: int):
+        import xgrammar
+
+        self._matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
+        self._bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+        self.consumed = 0
+        self.broken = False  # a token the grammar refused (none should reach it): masking stops, with a warning
+
+    def next_bitmask(self, output_token_ids: list[int]) -> torch.Tensor | None:
+        """The allowed next tokens after `output_token_ids` (int32 [words], on the host); None once the grammar
+        is done with (it has taken a stop token: a request with ignore_eos goes on unconstrained) or broken."""
+        m = self._matcher
+        for tok in output_token_ids[self.consumed:]:
+            if self.broken or m.is_terminated():
+                break
+            if not m.accept_token(tok):
+                self.broken = True
+                logger.warning("a structured-output request sampled token %d, which its grammar refuses; "
+                               "its remaining tokens are not constrained", tok)
+        self.consumed = len(output_token_ids)
+        if self.broken or m.is_terminated():
+            return None
+        m.fill_next_token_bitmask(self._bitmask)
+        return self._bitmask[0].clone()
+
+
+def apply_token_masks(logits: torch.Tensor, rows: list[int], bitmasks: list[torch.Tensor]) -> None:
+    """In place: the tokens each row's bitmask leaves out get -inf, for all masked rows in one write. The
+    bitmasks go to the device packed (vocab / 8 bytes a row) and are unpacked there."""
+    dev, vocab = logits.device, logits.shape[-1]
+    packed = to_device(torch.stack(bitmasks), dev)
+    shifts = torch.arange(BITS, dtype=torch.int32, device=dev)
+    allowed = ((packed.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
+    at = device_tensor(rows, torch.int64, dev)
+    logits.index_copy_(0, at, logits.index_select(0, at).masked_fill(~allowed, float("-inf")))
+
+
+def _json(compiler, schema: str, spec: StructuredOutputsParams):
+    if spec.disable_any_whitespace:
+        return compiler.compile_json_schema(schema, any_whitespace=False)
+    return compiler.compile_json_schema(schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
