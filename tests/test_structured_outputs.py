@@ -107,6 +107,14 @@ def test_the_shipped_model_answers_in_json():
     assert _matches("json", text) and reason == "stop", text
 
 
+def test_a_complete_grammar_ends_the_request_before_min_tokens(llama_dir):
+    """Banning the stop tokens would leave nothing to sample: the grammar wins, and the output still matches."""
+    llm = make_llm(llama_dir)
+    sps = [_params("choice", min_tokens=30), _params("regex", min_tokens=30, temperature=1.0, seed=2)]
+    for kind, (text, ids, reason) in zip(["choice", "regex"], _generate(llm, PROMPTS[:2], sps)):
+        assert _matches(kind, text) and reason == "stop" and len(ids) < 30, (kind, text)
+
+
 @pytest.mark.parametrize("spec, message", [
     (dict(json='{"type": "object", "properties": '), "invalid 'json'"),
     (dict(regex="(unclosed"), "invalid 'regex'"),

@@ -75,6 +75,11 @@ class RequestGrammar:
 
         self._matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
         self._bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+        # every bit but the stop tokens': a mask with none of these set allows nothing but stopping
+        self._not_stop = torch.full_like(self._bitmask[0], -1)
+        for t in self._matcher.stop_token_ids:
+            if t < vocab_size:  # (bit 31 is int32's sign bit: ~(1 << 31) would not fit)
+                self._not_stop[t // BITS] &= ~(1 << (t % BITS)) if t % BITS < BITS - 1 else 2**31 - 1
         self.consumed = 0
         self.broken = False  # a token the grammar refused (none should reach it): masking stops, with a warning
 
@@ -94,6 +99,11 @@ class RequestGrammar:
             return None
         m.fill_next_token_bitmask(self._bitmask)
         return self._bitmask[0].clone()
+
+    def only_stops(self, bitmask: torch.Tensor) -> bool:
+        """Whether `bitmask` allows stop tokens only (the grammar is complete): min_tokens then gives way, since
+        banning them would leave no token to sample."""
+        return not bool((bitmask & self._not_stop).any())
 
 
 def apply_token_masks(logits: torch.Tensor, rows: list[int], bitmasks: list[torch.Tensor]) -> None:

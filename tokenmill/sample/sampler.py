@@ -32,6 +32,7 @@ class SampleRow:
     pending: torch.Tensor | None = None
     # structured outputs: the tokens its grammar allows next (sample/grammar.py's packed int32 bitmask, host)
     token_bitmask: torch.Tensor | None = None
+    grammar_complete: bool = False  # its grammar allows only stop tokens: min_tokens does not ban them
 
     @property
     def num_output_tokens(self) -> int:
@@ -127,7 +128,7 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     at_rows, at_ids = [], []
     for i, r in enumerate(rows):
         sp = r.params
-        if r.num_output_tokens < sp.min_tokens:
+        if r.num_output_tokens < sp.min_tokens and not r.grammar_complete:
             # ids past the logits (a tokenizer's added tokens, a client's typo) can never be sampled: masking them
             # would fail the step (on a GPU, a device-side assert that ends the CUDA context)
             banned = [t for t in sp.stop_ids if t < logits.shape[-1]]

@@ -639,7 +639,9 @@ class Scheduler:
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         sp, num_output = req.sampling_params, len(req.output_token_ids)
-        if num_output >= sp.min_tokens:
+        # a grammar lets a stop token through before min_tokens only once it is complete (sample/grammar.py):
+        # the request ends there, as nothing else could follow
+        if num_output >= sp.min_tokens or sp.structured_outputs is not None:
             if not sp.ignore_eos and token in sp.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if token in sp.stop_token_ids:

@@ -426,7 +426,8 @@ class ModelRunner:
             if pending is not None and pending[2] < len(tokens):
                 step, src, slot = pending
                 tokens = tokens[:slot] + [int(step.tokens[src])] + tokens[slot + 1:]
-            row.token_bitmask = st.grammar.next_bitmask(tokens)
+            row.token_bitmask = mask = st.grammar.next_bitmask(tokens)
+            row.grammar_complete = mask is not None and st.grammar.only_stops(mask)
 
     def _pending_penalty_tokens(self, seqs: list[ScheduledRequest], rows: list[SampleRow]) -> None:
         """Async scheduling: a penalized request that ran ahead samples while its last token is a placeholder
