@@ -1,5 +1,5 @@
 """Tensor and pipeline parallelism on CPU with gloo: every split gives the tokens of a single process
-(greedy and seeded sampling, with chunked prefill, prefix hits and preemption), a dead worker ends the
+(greedy and seeded sampling, structured outputs, with chunked prefill, prefix hits and preemption), a dead worker ends the
 engine with an error, and sizes the model cannot split over are refused before any process starts."""
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from server_fixtures import ServerProcess, core_pid, tiny_model_dir  # noqa: F40
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=12, seed=7, ignore_eos=True)
 LONGER = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+# structured outputs: each sampling rank walks its own matcher over the same tokens
+REGEX = SamplingParams(temperature=0.8, seed=3, max_tokens=20, structured_outputs={"regex": "[a-c]{2,5}-[0-9]{1,3}"})
 # chunked prefill (16-token budget), prefix hits (the second pass over SHARED), preemption (the four
 # DISTINCT prompts fit in 10 blocks, their 20-token decodes do not)
 ENGINE = dict(max_num_batched_tokens=16, num_kv_blocks=10, max_model_len=64, allow_cpu_oversubscription=True)
@@ -32,7 +34,7 @@ def run(llm) -> dict:
         return [o.outputs[0].token_ids for o in outs]
 
     out = {"shared": gen(SHARED, GREEDY), "shared_again": gen(SHARED, GREEDY), "distinct": gen(DISTINCT, LONGER),
-           "seeded": gen(SHARED[:2], SEEDED)}
+           "seeded": gen(SHARED[:2], SEEDED), "regex": gen(DISTINCT[:2], REGEX)}
     stats = llm.llm_engine.get_stats()
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0, stats
     llm.llm_engine.check_invariants()
