@@ -152,6 +152,9 @@ class _ChatEvents(ChunkEvents):
             else:
                 delta, finish = self._tool_delta(c)
             lp = self.serving.chat_logprobs(c.logprobs, req.top_logprobs or 0) if req.logprobs else None
+            if not delta and finish is None and lp is None and not self.continuous_usage:
+                self.num_completion += len(c.token_ids)  # required tool calls, held back until they are whole
+                continue
             choice = encode({"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish,
                              "stop_reason": c.stop_reason})
             if self.continuous_usage:
