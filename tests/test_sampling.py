@@ -290,3 +290,44 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llama_dir):
     assert cut.prompt_token_ids == long[-20:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         SamplingParams(truncate_prompt_tokens=0)
+
+
+def test_allowed_token_ids_limit_each_row_only():
+    """vLLM's allowed_token_ids: a row samples only among its ids (ids past the logits left out), the other rows
+    are untouched, greedy takes the best allowed logit, and logprobs stay raw."""
+    g = torch.Generator().manual_seed(3)
+    raw = torch.randn(3, 50, generator=g)
+    rows = [SampleRow(SamplingParams(temperature=0, logprobs=0, allowed_token_ids=[4, 9, 31, 777]), [1], [], None),
+            SampleRow(SamplingParams(temperature=0), [1], [], None),
+            SampleRow(SamplingParams(temperature=1.0, seed=5, allowed_token_ids=[2, 40]), [1], [], None)]
+    assert not rows[0].params.argmax_only
+    adjusted = Sampler.adjusted_logits(raw, rows)
+    assert torch.equal(adjusted[1], raw[1])
+    assert torch.isfinite(adjusted[0]).nonzero().view(-1).tolist() == [4, 9, 31]
+    assert torch.isfinite(adjusted[2]).nonzero().view(-1).tolist() == [2, 40]
+    for _ in range(5):
+        out = Sampler()(raw, rows)
+        assert out.token_ids[0] == max((4, 9, 31), key=lambda t: raw[0, t]) and out.token_ids[2] in (2, 40)
+        assert out.token_ids[1] == int(raw[1].argmax())
+        assert out.logprobs[0][0][1] == pytest.approx(raw[0].log_softmax(-1)[out.token_ids[0]].item())
+    for bad in ([], [-1], "5"):
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
+
+
+def test_allowed_token_ids_through_the_engine_with_async_scheduling_and_speculation(llama_dir):
+    """The argmax-only paths (the one-call step, bursts) must not skip the list; async scheduling and n-gram
+    speculation (whose verification samples from the same limited logits) give the same tokens; an id outside
+    the vocabulary is refused."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([6, 9, 14], seed=4)]
+    allowed = [7, 11, 19, 23, 101]
+    sp = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, allowed_token_ids=allowed),
+          SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+          SamplingParams(temperature=0.9, seed=1, max_tokens=10, ignore_eos=True, allowed_token_ids=allowed[:2])]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    runs = [[o.outputs[0].token_ids for o in make_llm(llama_dir, **kw).generate(prompts, sp, use_tqdm=False)]
+            for kw in (dict(), dict(async_scheduling=True), dict(speculative_config=ngram))]
+    assert runs[0] == runs[1] == runs[2]
+    assert set(runs[0][0]) <= set(allowed) and set(runs[0][2]) <= set(allowed[:2])
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        make_llm(llama_dir).generate(prompts[:1], SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)

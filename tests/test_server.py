@@ -311,6 +311,8 @@ GOOD = {"model": MODEL, "prompt": "To be", "max_tokens": 2}
     ({**GOOD, "guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
     ({**GOOD, "structured_outputs": {"choice": []}}, "structured_outputs"),
     ({**GOOD, "structured_outputs": {"pattern": "a+"}}, "structured_outputs"),
+    ({**GOOD, "allowed_token_ids": [10**6]}, "allowed_token_ids"),
+    ({**GOOD, "allowed_token_ids": []}, "allowed_token_ids"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
 ])
 def test_bad_values_get_400(server, body, param):
@@ -375,15 +377,18 @@ def test_openai_edges_as_vllm_answers_them(server):
     with_kw = post(server, "/v1/chat/completions", {**chat, "chat_template_kwargs": {"suffix": "Zounds"}})
     assert with_kw.json()["usage"]["prompt_tokens"] > post(server, "/v1/chat/completions", chat).json()["usage"][
         "prompt_tokens"]
-    # tools: without a tool-call parser "auto" (OpenAI's default with tools) is refused; with "none" the tools go
-    # to the template (vLLM's default); an agent's history (calls, their JSON arguments parsed, tool answers)
-    # goes to the template too. "required" and named functions: test_structured_outputs_and_forced_tool_calls
+    # tools: without a tool-call parser "auto" (OpenAI's default with tools) is refused; with "none" (or an
+    # explicit null, as vLLM) the tools go to the template (vLLM's default); an agent's history (calls, their
+    # JSON arguments parsed, tool answers) goes to the template too. "required" and named functions:
+    # test_structured_outputs_and_forced_tool_calls
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
-    for choice in (None, "auto", {"type": "function", "function": {"name": "g"}}):
+    for choice in ("auto", {"type": "function", "function": {"name": "g"}}):
         _assert_error(post(server, "/v1/chat/completions", {**chat, "tools": tools, "tool_choice": choice}), 400,
                       "tool_choice")
+    _assert_error(post(server, "/v1/chat/completions", {**chat, "tools": tools}), 400, "tool_choice")  # "auto"
     _assert_error(post(server, "/v1/chat/completions", {**chat, "tool_choice": "none"}), 400, "tool_choice")
     assert post(server, "/v1/chat/completions", {**chat, "tools": tools, "tool_choice": "none"}).status_code == 200
+    assert post(server, "/v1/chat/completions", {**chat, "tools": tools, "tool_choice": None}).status_code == 200
     history = [{"role": "user", "content": "x"},
                {"role": "assistant", "content": None, "tool_calls": [
                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Verona"}'}}]},
@@ -561,6 +566,10 @@ def test_structured_outputs_and_forced_tool_calls(server, client):
                                   extra_body={"guided_regex": "[a-c]{3}-[0-9]{2}"})
     assert re.fullmatch("[a-c]{3}-[0-9]{2}", r.choices[0].text)
     _assert_error(post(server, "/v1/completions", {**GOOD, "guided_regex": "(unclosed"}), 400, "regex")
+    the = post(server, "/tokenize", {"model": MODEL, "prompt": " the", "add_special_tokens": False}).json()["tokens"]
+    r = client.completions.create(model=MODEL, prompt="To be", max_tokens=3, extra_body={
+        "allowed_token_ids": the[-1:], "ignore_eos": True})
+    assert r.choices[0].text == post(server, "/detokenize", {"model": MODEL, "tokens": the[-1:] * 3}).json()["prompt"]
 
     named = {"type": "function", "function": {"name": "weather"}}
     r = client.chat.completions.create(**chat, tools=TOOLS, tool_choice=named)

@@ -63,6 +63,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's, vLLM's)
     truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last N tokens
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must match (sample/grammar.py)
+    allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these ids
     # Filled in by the engine from generation_config.json; not a user knob.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -119,6 +120,10 @@ class SamplingParams:
                 not isinstance(self.logit_bias, dict)
                 or any(type(t) is not int or t < 0 or not _is_num(b) for t, b in self.logit_bias.items())):
             raise bad("logit_bias", "must map non-negative token ids to finite numbers")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or any(type(t) is not int or t < 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
         if isinstance(self.structured_outputs, dict):  # as vLLM's offline API also takes it
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -134,6 +139,12 @@ class SamplingParams:
         biases = [min(max(float(b), -1e4), 1e4) for b in (self.logit_bias or {}).values()]
         return torch.tensor(ids, dtype=torch.int64), torch.tensor(biases, dtype=torch.float32)
 
+    @functools.cached_property
+    def allowed_token_tensor(self):
+        """allowed_token_ids as an int64 host tensor, made once per request."""
+        import torch
+        return torch.tensor(self.allowed_token_ids or [], dtype=torch.int64)
+
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
@@ -145,9 +156,9 @@ class SamplingParams:
     @property
     def argmax_only(self) -> bool:
         """Whether an argmax of the raw logits is the whole sampler (once min_tokens is reached): greedy,
-        no logprobs, no penalties, no logit bias, no grammar."""
+        no logprobs, no penalties, no logit bias, no grammar, no allowed-token list."""
         return (self.greedy and self.logprobs is None and not self.needs_penalties and not self.logit_bias
-                and self.structured_outputs is None)
+                and self.structured_outputs is None and self.allowed_token_ids is None)
 
     @property
     def stop_ids(self) -> list[int]:

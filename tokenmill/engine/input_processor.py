@@ -190,6 +190,8 @@ class InputProcessor:
             raise ValueError("'stop' strings need a tokenizer")
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             raise ValueError(f"'logit_bias' token ids must be in [0, {self.vocab_size})")
+        if params.allowed_token_ids and max(params.allowed_token_ids) >= self.vocab_size:
+            raise ValueError(f"'allowed_token_ids' must be in [0, {self.vocab_size})")
         if params.structured_outputs is not None:  # compiled here to refuse a bad grammar before it is queued
             self.grammars.compile(params.structured_outputs)
         params = replace(params, eos_token_ids=self.eos_token_ids)

@@ -123,6 +123,17 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     logits.index_put_((index[0], index[1]), to_device(values, dev).to(logits.dtype), accumulate=True)
 
 
+def apply_allowed_tokens(logits: torch.Tensor, idx: list[int], rows: list[SampleRow]) -> None:
+    """In place: rows idx keep only their allowed_token_ids' logits (the rest -inf), for all of them in one write,
+    from tensors each request made once. Ids past the logits (a smaller draft vocabulary) are left out."""
+    vocab, dev = logits.shape[-1], logits.device
+    ids = [rows[i].params.allowed_token_tensor for i in idx]
+    flat = torch.cat([t[t < vocab] + j * vocab for j, t in enumerate(ids)])  # positions in [len(idx), vocab]
+    keep = torch.zeros(len(idx) * vocab, dtype=torch.bool, device=dev).index_fill_(0, to_device(flat, dev), True)
+    at = device_tensor(idx, torch.int64, dev)
+    logits.index_copy_(0, at, logits.index_select(0, at).masked_fill(~keep.view(len(idx), vocab), float("-inf")))
+
+
 def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     """Stop ids get -inf until a row has its min_tokens, for all rows in one masked write."""
     at_rows, at_ids = [], []
@@ -217,8 +228,11 @@ class Sampler:
         bias = any(r.params.logit_bias for r in rows)
         min_tokens = any(r.num_output_tokens < r.params.min_tokens for r in rows)
         masked = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
-        if penalties or bias or min_tokens or masked:
+        allowed = [i for i, r in enumerate(rows) if r.params.allowed_token_ids]
+        if penalties or bias or min_tokens or masked or allowed:
             logits = logits.clone()
+            if allowed:
+                apply_allowed_tokens(logits, allowed, rows)
             if bias:  # before the penalties, as vLLM (a repetition penalty scales the biased logit)
                 apply_logit_bias(logits, rows)
             apply_penalties(logits, rows)

@@ -131,6 +131,7 @@ class _SamplingFields(OpenAIBase):
     # vLLM's structured outputs: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} |
     # {"json_object": true}, and its older guided_* fields (one of them per request)
     structured_outputs: dict[str, Any] | None = None
+    allowed_token_ids: list[TokenId] | None = None  # vLLM's: sample only among these
     guided_json: dict[str, Any] | StrictStr | None = None
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None

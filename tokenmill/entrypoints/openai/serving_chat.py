@@ -112,6 +112,8 @@ def _forced_tool_calls(req: ChatCompletionRequest) -> ForcedToolCalls | None:
         raise APIError(400, "'tool_choice' needs 'tools'", "tool_choice")
     if not req.tools or req.tool_choice == "none":
         return None
+    if req.tool_choice is None and "tool_choice" in req.model_fields_set:  # an explicit null: "none", as vLLM
+        return None
     if req.tool_choice in (None, "auto"):  # OpenAI's default with tools is "auto"
         raise APIError(400, f"tool_choice {req.tool_choice or 'auto'!r} needs a tool-call parser for the model's "
                             "format, which this server does not have; send 'required', a named function, or 'none' "
