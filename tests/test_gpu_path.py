@@ -115,8 +115,9 @@ def _generate(model_dir: str, backend: str, graphs: bool = False, max_tokens: in
 
 
 def _child_main(mode: str, model_dir: str) -> None:
+    # the interpreted (slow) runs first, so that the children's shards take turns at them (triton_child.run_child)
     child_main({f"{backend}-{name}": functools.partial(_generate, model_dir, backend, **kw)
-                for name, kw in SCENARIOS.items() for backend in ("torch", "triton")
+                for backend in ("triton", "torch") for name, kw in SCENARIOS.items()
                 if backend == "triton" or name not in TORCH_RUN})
 
 

@@ -31,12 +31,17 @@ needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not install
 TRITON_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 
+SHARD_ENV = "TOKENMILL_TEST_SHARD"  # "i/n": the child runs every n-th job from the i-th
+
+
 def child_main(jobs: dict[str, Callable[[], dict]]) -> None:
-    """In the child: run every job, print their records (an exception is a record too) on one line."""
+    """In the child: run every job of its shard, print their records (an exception is a record too) on one
+    line."""
     import torch
     torch.set_num_threads(1)
+    shard, shards = map(int, os.environ.get(SHARD_ENV, "0/1").split("/"))
     results = {}
-    for case_id, job in jobs.items():
+    for case_id, job in list(jobs.items())[shard::shards]:
         try:
             results[case_id] = job()
         except Exception as e:  # reported per case by the parent
@@ -46,17 +51,30 @@ def child_main(jobs: dict[str, Callable[[], dict]]) -> None:
 
 def run_child(test_file: str, mode: str, timeout: float = 300, extra_args: list[str] = ()) -> dict:
     """In the parent: run `test_file` as a script with arguments `mode` ("interpret" sets TRITON_INTERPRET=1)
-    and `extra_args`, with this tokenmill and tests/ first on the path; returns the child's records."""
+    and `extra_args`, with this tokenmill and tests/ first on the path; returns the children's records. The jobs
+    are split over one single-threaded child per core (up to 2): the interpreter is single-threaded, and
+    these children are most of the suite's time on a 2-core machine."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(tokenmill.__file__).parents[1]), str(Path(__file__).parent),
                                          env.get("PYTHONPATH", "")])
     if mode == "interpret":
         env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, test_file, mode, *extra_args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"{mode} child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1].removeprefix("RESULTS "))
+    shards = max(1, min(2, len(os.sched_getaffinity(0))))
+    procs = [subprocess.Popen([sys.executable, test_file, mode, *extra_args], env={**env, SHARD_ENV: f"{i}/{shards}"},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(shards)]
+    results = {}
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            lines = [line for line in out.splitlines() if line.startswith("RESULTS ")]
+            assert proc.returncode == 0 and lines, f"{mode} child failed:\n{out[-3000:]}\n{err[-3000:]}"
+            results.update(json.loads(lines[-1].removeprefix("RESULTS ")))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
 
 
 def skip_without_nvidia_backend() -> None:

@@ -185,6 +185,8 @@ async def serve(args) -> int:
 
     config = EngineConfig(**engine_kwargs(args))
     chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     # like vLLM, the model argument is the default name; the shipped model gets its short name
     default = os.path.basename(DEFAULT_MODEL) if os.path.abspath(args.model) == DEFAULT_MODEL else args.model
     names = args.served_model_name or [default]
@@ -194,6 +196,7 @@ async def serve(args) -> int:
         await engine.start()
         engine.input_processor.chat_template = chat_template
         state = ServerState(engine, names)
+        state.chat.tool_parser = args.tool_call_parser if args.enable_auto_tool_choice else None
         api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY") or None
         app = build_app(state, api_key, args.max_request_body_bytes)
         # our drain (lifecycle.py) ends requests past --shutdown-timeout itself; uvicorn's timeout, which

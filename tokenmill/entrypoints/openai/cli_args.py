@@ -34,6 +34,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template itself) used in place of the tokenizer's, "
                         "for /v1/chat/completions and /tokenize")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve tool_choice 'auto' (OpenAI's default with tools): the model's own tool-call text is "
+                        "read by --tool-call-parser into tool_calls")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="the model family's tool-call format: hermes (Qwen 2.5 / 3, Hermes: <tool_call>{...}"
+                        "</tool_call>) or llama3_json (Llama 3.1 / 3.2: a JSON object with name and parameters)")
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     p.add_argument("--uvicorn-log-level", default="info",

@@ -13,6 +13,7 @@ from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.entrypoints.openai.serving_engine import ChunkEvents, ServingBase, engine_errors, usage
 from tokenmill.entrypoints.openai.structured import ForcedToolCalls
+from tokenmill.entrypoints.openai.tool_parsers import AutoToolCalls
 
 
 async def render_chat(engine: AsyncLLM, messages: list[ChatMessage], add_generation_prompt: bool = True,
@@ -63,10 +64,12 @@ def _render(engine: AsyncLLM, convo: list[dict], add_generation_prompt: bool, te
 
 
 class OpenAIServingChat(ServingBase):
+    tool_parser: str | None = None  # --tool-call-parser, with --enable-auto-tool-choice (tool_parsers.py)
+
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         self.check_stream_options(req)
-        forced = _forced_tool_calls(req)
+        forced = _tool_calls(req, self.tool_parser)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         prompt = await render_chat(self.engine, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
@@ -83,7 +86,7 @@ class OpenAIServingChat(ServingBase):
         return await self.respond(raw, subs, lambda: self._full(req, rid, subs, created, forced))
 
     async def _full(self, req: ChatCompletionRequest, rid: str, subs, created: int,
-                    forced: ForcedToolCalls | None) -> Response:
+                    forced: ForcedToolCalls | AutoToolCalls | None) -> Response:
         choices, prompt_rows = await self.collect(subs, req.n)
         top_n = req.top_logprobs or 0
         out = []
@@ -92,8 +95,7 @@ class OpenAIServingChat(ServingBase):
             finish = ch.finish_reason
             if forced is not None:
                 message = forced.message(ch.index, ch.text)
-                if "tool_calls" in message and finish == "stop":
-                    finish = forced.finish_reason or finish
+                finish = forced.finish_reason(ch.index, message, finish)
             out.append({"index": ch.index, "message": message,
                         "logprobs": self.chat_logprobs(ch.logprobs, top_n) if req.logprobs else None,
                         "finish_reason": finish, "stop_reason": ch.stop_reason})
@@ -104,20 +106,22 @@ class OpenAIServingChat(ServingBase):
         return Response(msgspec.json.encode(body), media_type="application/json")
 
 
-def _forced_tool_calls(req: ChatCompletionRequest) -> ForcedToolCalls | None:
-    """tool_choice "required" or a named function: the calls the answer is forced into. With "none" the tools
-    only go to the template (vLLM's default) and the answer is text; "auto" would need a parser for the model's
-    own tool-call format."""
+def _tool_calls(req: ChatCompletionRequest, parser: str | None) -> ForcedToolCalls | AutoToolCalls | None:
+    """tool_choice "required" or a named function: the calls the answer is forced into; "auto" (OpenAI's default
+    with tools): the calls the model writes in its own format, read by the server's --tool-call-parser. With
+    "none" the tools only go to the template (vLLM's default) and the answer is text."""
     if req.tool_choice is not None and not req.tools:
         raise APIError(400, "'tool_choice' needs 'tools'", "tool_choice")
     if not req.tools or req.tool_choice == "none":
         return None
     if req.tool_choice is None and "tool_choice" in req.model_fields_set:  # an explicit null: "none", as vLLM
         return None
-    if req.tool_choice in (None, "auto"):  # OpenAI's default with tools is "auto"
-        raise APIError(400, f"tool_choice {req.tool_choice or 'auto'!r} needs a tool-call parser for the model's "
-                            "format, which this server does not have; send 'required', a named function, or 'none' "
-                            "for a text answer", "tool_choice")
+    if req.tool_choice in (None, "auto"):
+        if parser is None:
+            raise APIError(400, "tool_choice 'auto' needs the server started with --enable-auto-tool-choice and "
+                                "--tool-call-parser; send 'required', a named function, or 'none' for a text "
+                                "answer", "tool_choice")
+        return AutoToolCalls(parser)
     return ForcedToolCalls(req.tools, req.tool_choice)
 
 
@@ -127,11 +131,10 @@ class _ChatEvents(ChunkEvents):
     chunk measure a real TTFT."""
 
     def __init__(self, serving: OpenAIServingChat, req: ChatCompletionRequest, rid: str, subs, created: int,
-                 forced: ForcedToolCalls | None = None):
+                 forced: ForcedToolCalls | AutoToolCalls | None = None):
         super().__init__(serving, req, rid, "chat.completion.chunk", created, len(subs[0][2]))
         self.opened = False
         self.forced = forced
-        self.texts: dict[int, str] = {}  # forced tool calls: each choice's text so far
 
     def on_output(self, k: int, out) -> bytes:
         req, encode = self.req, msgspec.json.encode
@@ -169,10 +172,5 @@ class _ChatEvents(ChunkEvents):
         return b"".join(events)
 
     def _tool_delta(self, c) -> tuple[dict, str | None]:
-        first = c.index not in self.texts
-        text = self.texts[c.index] = self.texts.get(c.index, "") + c.text
-        delta = self.forced.stream_delta(c.index, c.text, first, text if c.finish_reason is not None else None)
-        finish = c.finish_reason
-        if "tool_calls" in delta and finish == "stop":
-            finish = self.forced.finish_reason or finish
-        return delta, finish
+        delta = self.forced.stream_delta(c.index, c.text, c.finish_reason is not None)
+        return delta, self.forced.finish_reason(c.index, delta, c.finish_reason)

@@ -12,10 +12,10 @@
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
 from tokenmill.entrypoints.openai.errors import APIError, bad_request
+from tokenmill.entrypoints.openai.tool_parsers import call_dict
 from tokenmill.sampling_params import StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -90,51 +90,45 @@ class ForcedToolCalls:
             schema = functions[self.name]
         # compact JSON, as OpenAI's arguments come (and no room for a model to pad a call with whitespace)
         self.grammar = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
-        self.ids: dict[int, list[str]] = {}  # per choice: the ids its calls got (streaming gives them out first)
+        self.texts: dict[int, str] = {}  # per choice: the text streamed so far
 
-    @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self, index: int, message_or_delta: dict, finish: str | None) -> str | None:
         """What a finished choice that called tools reports: OpenAI's "tool_calls" for required calls, the
         output's own ("stop") for a named function, as vLLM."""
-        return "tool_calls" if self.name is None else None
+        if self.name is None and finish == "stop" and message_or_delta.get("tool_calls"):
+            return "tool_calls"
+        return finish
 
-    def calls(self, index: int, text: str) -> list[dict] | None:
+    def calls(self, text: str) -> list[dict] | None:
         """The tool calls a choice's whole text makes; None where the text is not a whole call list (it was cut
         by max_tokens or a stop string: the text is then the content)."""
         if self.name is not None:
-            return [self._call(index, 0, self.name, text)]
+            return [call_dict(self.name, text)]
         try:
             parsed = json.loads(text)
-            return [self._call(index, i, c["name"], json.dumps(c["parameters"], ensure_ascii=False))
-                    for i, c in enumerate(parsed)]
+            return [call_dict(c["name"], c["parameters"]) for c in parsed]
         except (ValueError, TypeError, KeyError):
             return None
 
-    def _call(self, index: int, i: int, name: str, arguments: str) -> dict:
-        ids = self.ids.setdefault(index, [])
-        while len(ids) <= i:
-            ids.append(f"chatcmpl-tool-{uuid.uuid4().hex}")
-        return {"id": ids[i], "type": "function", "function": {"name": name, "arguments": arguments}}
-
     def message(self, index: int, text: str) -> dict:
-        calls = self.calls(index, text)
+        calls = self.calls(text)
         if calls is None:
             return {"role": "assistant", "content": text}
         return {"role": "assistant", "content": "", "tool_calls": calls}
 
-    def stream_delta(self, index: int, text: str, first: bool, final_text: str | None) -> dict:
+    def stream_delta(self, index: int, text: str, finished: bool) -> dict:
         """A streamed chunk's delta. A named function streams its arguments as they come (the first chunk
-        carries the call's id and name); required calls go out whole with the last chunk (`final_text`: the
-        choice's whole text, once it has finished), since their JSON must be complete to split."""
+        carries the call's id and name); required calls go out whole with the last chunk, since their JSON
+        must be complete to split."""
+        first = index not in self.texts
+        whole = self.texts[index] = self.texts.get(index, "") + text
         if self.name is not None:
-            call = {"index": 0, "function": {"arguments": text}}
             if first:
-                whole = self._call(index, 0, self.name, text)
-                call = {"index": 0, **whole}
-            return {"tool_calls": [call]} if text or first else {}
-        if final_text is None:
+                return {"tool_calls": [{"index": 0, **call_dict(self.name, text)}]}
+            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
+        if not finished:
             return {}
-        calls = self.calls(index, final_text)
+        calls = self.calls(whole)
         if calls is None:
-            return {"content": final_text}
+            return {"content": whole}
         return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}

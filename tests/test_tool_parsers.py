@@ -1,0 +1,103 @@
+"""tool_choice "auto" (entrypoints/openai/tool_parsers.py): each parser splits a model's text into content and
+tool calls, the same whole or streamed in any chunks; the server serves it behind vLLM's flags."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from server_fixtures import ServerProcess, tiny_model_dir  # noqa: F401  (fixture)
+from tokenmill.entrypoints.openai.tool_parsers import AutoToolCalls, HermesParser, Llama3JsonParser
+
+HERMES = [
+    ("Let me look.\n<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Verona\"}}\n</tool_call>",
+     "Let me look.", [("weather", {"city": "Verona"})]),
+    ("<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call>\n<tool_call>{\"name\": \"b\", \"arguments\": "
+     "{\"x\": [1, 2]}}</tool_call>", "", [("a", {}), ("b", {"x": [1, 2]})]),
+    ("no calls here, only < and <tool", "no calls here, only < and <tool", []),
+    ("<tool_call>{not json}</tool_call> then text", "<tool_call>{not json}</tool_call> then text", []),
+    ("cut off <tool_call>{\"name\": \"a\", \"argu", "cut off <tool_call>{\"name\": \"a\", \"argu", []),
+]
+LLAMA3 = [
+    ("{\"name\": \"weather\", \"parameters\": {\"city\": \"Mantua\"}}", "", [("weather", {"city": "Mantua"})]),
+    ("<|python_tag|>{\"name\": \"a\", \"parameters\": {}}; {\"name\": \"b\", \"parameters\": {\"n\": 1}}", "",
+     [("a", {}), ("b", {"n": 1})]),
+    ("The weather is fine.", "The weather is fine.", []),
+    ("{\"not\": \"a call\"}", "{\"not\": \"a call\"}", []),
+]
+CASES = [("hermes", *c) for c in HERMES] + [("llama3_json", *c) for c in LLAMA3]
+
+
+def _calls(calls: list[dict]) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+@pytest.mark.parametrize("parser, text, content, calls", CASES)
+def test_whole_text_splits_into_content_and_calls(parser, text, content, calls):
+    p = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}[parser]()
+    got_content, got_calls = p.extract(text)
+    assert got_content == content and _calls(got_calls) == calls
+    assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function" for c in got_calls)
+
+
+@pytest.mark.parametrize("parser, text, content, calls", CASES)
+def test_any_chunking_of_a_stream_gives_the_whole_texts_calls(parser, text, content, calls):
+    """Every split into three chunks: the calls are the whole text's, each sent once, and the content sent is
+    the text outside them (held-back tag prefixes included, once it is clear they are text)."""
+    for i in range(len(text) + 1):
+        for j in range(i, len(text) + 1, 3):
+            tools = AutoToolCalls(parser)
+            deltas = [tools.stream_delta(0, chunk, k == 2) for k, chunk in enumerate([text[:i], text[i:j], text[j:]])]
+            sent_calls = [c for d in deltas for c in d.get("tool_calls", [])]
+            assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in sent_calls] == calls
+            assert [c["index"] for c in sent_calls] == list(range(len(calls)))
+            sent = "".join(d.get("content", "") for d in deltas)
+            assert (sent.strip() if calls else sent) == content, (i, j, deltas)
+            finish = tools.finish_reason(0, deltas[-1], "stop")
+            assert finish == ("tool_calls" if calls else "stop")
+
+
+def test_message_carries_calls_and_content():
+    m = AutoToolCalls("hermes").message(0, HERMES[0][0])
+    assert m["content"] == "Let me look." and _calls(m["tool_calls"]) == HERMES[0][2]
+    m = AutoToolCalls("hermes").message(0, HERMES[1][0])
+    assert m["content"] is None  # only calls: null content, as OpenAI
+    assert AutoToolCalls("hermes").message(0, "plain") == {"role": "assistant", "content": "plain"}
+
+
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+# the tiny random model writes what the regex lets it: here a Hermes call, to exercise the whole path
+CALL_TEXT = '<tool_call>\n{"name": "weather", "arguments": {"city": "Verona"}}\n</tool_call>'
+
+
+def test_the_server_serves_auto_tool_choice_behind_the_flags(tiny_model_dir, tmp_path):  # noqa: F811
+    srv = ServerProcess(tiny_model_dir, tmp_path / "server.log", "--enable-auto-tool-choice",
+                        "--tool-call-parser", "hermes")
+    try:
+        srv.wait_ready()
+        body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS, "max_tokens": 80,
+                "temperature": 0, "structured_outputs": {"regex": CALL_TEXT.replace("{", "\\{").replace("}", "\\}")}}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60).json()
+        choice = r["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", r
+        assert _calls(choice["message"]["tool_calls"]) == [("weather", {"city": "Verona"})]
+        assert choice["message"]["content"] is None
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        deltas = [e["choices"][0] for e in events if e["choices"]]
+        calls = [c for d in deltas for c in d["delta"].get("tool_calls") or []]
+        assert _calls(calls) == [("weather", {"city": "Verona"})] and deltas[-1]["finish_reason"] == "tool_calls"
+        plain = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            **body, "structured_outputs": {"choice": ["It is sunny."]}}).json()["choices"][0]
+        assert plain["message"] == {"role": "assistant", "content": "It is sunny."}
+        assert plain["finish_reason"] == "stop"
+    finally:
+        assert srv.terminate() == 0, srv.logs()
+
+
+def test_auto_tool_choice_needs_a_parser():
+    from tokenmill.entrypoints.cli import main
+
+    assert main(["serve", "--enable-auto-tool-choice", "--port", "1"]) == 2

@@ -1,0 +1,135 @@
+"""Tool calls the model writes in its own format, for tool_choice "auto" (`--enable-auto-tool-choice
+--tool-call-parser NAME`, vLLM's flags). Each parser splits a choice's text into content and calls:
+
+    hermes       ...content <tool_call>{"name": "f", "arguments": {...}}</tool_call> ... (Qwen 2.5 / 3, Hermes)
+    llama3_json  [<|python_tag|>]{"name": "f", "parameters": {...}}[; {...}]               (Llama 3.1 / 3.2)
+
+Streaming: content streams as it comes, except text that may be the start of a call, which is held back;
+a call goes out whole (id, name, arguments) once its text is complete. A call that never completes (cut by
+max_tokens) goes out as content when the choice finishes."""
+from __future__ import annotations
+
+import json
+import uuid
+
+
+def call_dict(name: str, arguments) -> dict:
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": args}}
+
+
+def _call_from_json(text: str, args_key: str) -> dict | None:
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    return call_dict(obj["name"], obj.get(args_key, obj.get("arguments", {})))
+
+
+class HermesParser:
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def extract(self, text: str) -> tuple[str, list[dict]]:
+        """(content, calls): content is the text outside complete, well-formed call blocks."""
+        content, calls, pos = [], [], 0
+        while True:
+            start = text.find(self.OPEN, pos)
+            end = text.find(self.CLOSE, start + len(self.OPEN)) if start >= 0 else -1
+            if end < 0:
+                content.append(text[pos:])
+                break
+            call = _call_from_json(text[start + len(self.OPEN):end].strip(), "arguments")
+            content.append(text[pos:start] if call is not None else text[pos:end + len(self.CLOSE)])
+            if call is not None:
+                calls.append(call)
+            pos = end + len(self.CLOSE)
+        return "".join(content).strip() if calls else "".join(content), calls
+
+    def stream(self, buffer: str, finished: bool) -> tuple[str, list[dict], str]:
+        """(content to send, calls to send, text to keep) from the unsent `buffer`."""
+        start = buffer.find(self.OPEN)
+        if start < 0:
+            if finished:
+                return buffer, [], ""
+            keep = _partial_suffix(buffer, self.OPEN)  # the start of an opening tag: hold it back
+            return buffer[:len(buffer) - keep], [], buffer[len(buffer) - keep:]
+        end = buffer.find(self.CLOSE, start)
+        if end < 0:
+            return (buffer, [], "") if finished else (buffer[:start], [], buffer[start:])
+        content, calls = self.extract(buffer[:end + len(self.CLOSE)])
+        more_content, more_calls, rest = self.stream(buffer[end + len(self.CLOSE):], finished)
+        return (content if not calls else buffer[:start]) + more_content, calls + more_calls, rest
+
+
+class Llama3JsonParser:
+    TAG = "<|python_tag|>"
+
+    def extract(self, text: str) -> tuple[str, list[dict]]:
+        body = text.strip()
+        body = body[len(self.TAG):].lstrip() if body.startswith(self.TAG) else body
+        if not body.startswith("{"):
+            return text, []
+        calls = []
+        for part in body.split(";"):
+            call = _call_from_json(part.strip(), "parameters")
+            if call is None:
+                return text, []
+            calls.append(call)
+        return "", calls
+
+    def stream(self, buffer: str, finished: bool) -> tuple[str, list[dict], str]:
+        lead = buffer.lstrip()
+        maybe_call = lead.startswith(("{", self.TAG)) or (self.TAG.startswith(lead) and lead)
+        if not maybe_call and lead:
+            return buffer, [], ""  # plain text: it streams (a call must come first)
+        if not finished:
+            return "", [], buffer
+        content, calls = self.extract(buffer)
+        return content, calls, ""
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+TOOL_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+
+
+class AutoToolCalls:
+    """tool_choice "auto": the parser's calls out of each choice's text, whole or streamed."""
+
+    grammar = None  # the model writes freely
+
+    def __init__(self, parser_name: str):
+        self.parser = TOOL_PARSERS[parser_name]()
+        self.pending: dict[int, str] = {}  # per choice: streamed text not sent yet
+        self.num_calls: dict[int, int] = {}
+
+    def message(self, index: int, text: str) -> dict:
+        content, calls = self.parser.extract(text)
+        message = {"role": "assistant", "content": content or None if calls else content}
+        if calls:
+            message["tool_calls"] = calls
+        return message
+
+    def finish_reason(self, index: int, message_or_delta: dict, finish: str | None) -> str | None:
+        return "tool_calls" if finish == "stop" and (message_or_delta.get("tool_calls") or self.num_calls.get(index)) \
+            else finish
+
+    def stream_delta(self, index: int, text: str, finished: bool) -> dict:
+        content, calls, self.pending[index] = self.parser.stream(self.pending.get(index, "") + text, finished)
+        delta = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            first = self.num_calls.get(index, 0)
+            self.num_calls[index] = first + len(calls)
+            delta["tool_calls"] = [{"index": first + i, **c} for i, c in enumerate(calls)]
+        return delta
