@@ -566,6 +566,9 @@ def test_structured_outputs_and_forced_tool_calls(server, client):
                                   extra_body={"guided_regex": "[a-c]{3}-[0-9]{2}"})
     assert re.fullmatch("[a-c]{3}-[0-9]{2}", r.choices[0].text)
     _assert_error(post(server, "/v1/completions", {**GOOD, "guided_regex": "(unclosed"}), 400, "regex")
+    r = post(server, "/v1/completions", {**GOOD, "max_tokens": 240, "temperature": 0, "response_format": {
+        "type": "json_schema", "json_schema": {"schema": WEATHER}}})  # on completions too, as vLLM
+    assert _weather_ok(json.loads(r.json()["choices"][0]["text"]))
     the = post(server, "/tokenize", {"model": MODEL, "prompt": " the", "add_special_tokens": False}).json()["tokens"]
     r = client.completions.create(model=MODEL, prompt="To be", max_tokens=3, extra_body={
         "allowed_token_ids": the[-1:], "ignore_eos": True})

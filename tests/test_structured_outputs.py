@@ -133,6 +133,8 @@ def test_a_grammar_that_does_not_compile_is_refused_and_the_engine_serves_on(lla
 def test_params_need_exactly_one_well_formed_grammar(spec):
     with pytest.raises(ValueError, match="structured_outputs"):
         StructuredOutputsParams(**spec)
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs={**spec, "jsn": {}})  # as a dict, unknown keys too
 
 
 def test_torch_unpacking_of_the_mask_matches_xgrammars_kernel():
@@ -150,3 +152,73 @@ def test_torch_unpacking_of_the_mask_matches_xgrammars_kernel():
     xgrammar.apply_token_bitmask_inplace(theirs, full, indices=rows)
     assert torch.equal(ours, theirs)
     assert torch.equal(ours[1], logits[1]) and torch.isinf(ours[0]).any()
+
+
+def test_choices_and_json_strings_hold_any_text_and_never_raw_control_characters(llama_dir):
+    """Non-ASCII choices (an emoji is a surrogate pair in JSON's \\u escapes, which xgrammar would read as two
+    characters) come out whole; a length-bounded JSON string refuses the raw control characters xgrammar's own
+    grammar lets through (JSON forbids them)."""
+    llm = make_llm(llama_dir)
+    emoji = StructuredOutputsParams(choice=["🙂", "a🙂b", "café"])
+    for seed in range(4):
+        (text, _, reason), = _generate(llm, [PROMPTS[seed]], [SamplingParams(temperature=1.0, seed=seed,
+                                                                            max_tokens=20, structured_outputs=emoji)])
+        assert text in emoji.choice and reason == "stop"
+    from tokenmill.sample.grammar import GrammarCompiler
+    compiler = GrammarCompiler(llm.get_tokenizer(), 512)
+    bounded = compiler.compile(StructuredOutputsParams(json={"type": "object", "properties": {
+        "a": {"type": "string", "maxLength": 6}}}, disable_any_whitespace=True))
+    for text, ok in (('{"a": "ab"}', True), ('{"a": "a\x00"}', False), ('{"a": "a\x1f"}', False),
+                     ('{"a": "a\tb"}', False)):
+        assert xgrammar.GrammarMatcher(bounded).accept_string(text) is ok, text
+
+
+def test_stop_ids_outside_the_vocabulary_do_not_fail_the_step(llama_dir):
+    """An id past the vocabulary can never be sampled: the matcher leaves it out (xgrammar refuses it, which
+    failed every request in the step)."""
+    llm = make_llm(llama_dir)
+    sp = [_params("regex", stop_token_ids=[10**6]), SamplingParams(temperature=0, max_tokens=5)]
+    (text, _, reason), plain = _generate(llm, PROMPTS[:2], sp)
+    assert _matches("regex", text) and reason == "stop" and plain[2] == "length"
+
+
+def test_a_slow_grammar_compiles_off_the_engines_steps(llama_dir, monkeypatch):
+    """While a grammar compiles (on a thread) its request waits outside the scheduler; the other requests keep
+    stepping, and it joins once compiled. An abort while it waits drops it."""
+    import threading
+
+    llm = make_llm(llama_dir)
+    engine = llm.llm_engine
+    gate, compiler = threading.Event(), engine.core.runner.grammars  # the engine's (the front end has its own)
+    real = compiler.compile
+
+    def slow(spec):
+        gate.wait(30)
+        return real(spec)
+    monkeypatch.setattr(compiler, "compile", slow)
+    engine.add_request("plain", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=6))
+    engine.add_request("regex", {"prompt_token_ids": PROMPTS[1]}, MIXED[1])
+    engine.add_request("gone", {"prompt_token_ids": PROMPTS[2]}, MIXED[1])
+    finished = []
+    while "plain" not in finished:
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert set(engine.core.grammar_wait.waiting) == {"regex", "gone"}  # the plain request ran meanwhile
+    engine.abort_request(["gone"])
+    gate.set()
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert set(outs) == {"regex"}
+    assert _matches("regex", llm.get_tokenizer().decode(outs["regex"].outputs[0].token_ids, skip_special_tokens=True))
+    engine.check_invariants()
+
+
+def test_a_tokenizer_whose_tokens_do_not_concatenate_is_refused():
+    """xgrammar matches text by concatenating tokens' strings; the shipped LLaVA's word-level tokenizer puts
+    spaces between words, so a grammar's output would not match it."""
+    from tokenmill.engine.input_processor import load_tokenizer
+    from tokenmill.sample.grammar import GrammarCompiler
+
+    tok = load_tokenizer(str(SHIPPED.parent / "tiny-llava"))
+    with pytest.raises(ValueError, match="concatenate"):
+        GrammarCompiler(tok, len(tok)).compile(SPECS["choice"])

@@ -101,3 +101,31 @@ def test_auto_tool_choice_needs_a_parser():
     from tokenmill.entrypoints.cli import main
 
     assert main(["serve", "--enable-auto-tool-choice", "--port", "1"]) == 2
+
+
+def test_required_calls_take_pydantic_style_defs_and_lenient_json():
+    """Tools whose schemas refer to their own $defs (pydantic's shape) compile under "required" (the definitions
+    move to the root, where #/$defs/... resolves); two tools defining one name differently are a 400; a call
+    list with a raw control character in a string still parses into calls."""
+    from tokenmill.entrypoints.openai.errors import APIError
+    from tokenmill.entrypoints.openai.structured import ForcedToolCalls
+    from tokenmill.sample.grammar import GrammarCompiler
+    from test_structured_outputs import SHIPPED
+    from tokenmill.engine.input_processor import load_tokenizer
+
+    unit = {"$defs": {"Unit": {"enum": ["C", "F"]}}, "type": "object", "required": ["unit"],
+            "properties": {"unit": {"$ref": "#/$defs/Unit"}}}
+    tools = [{"type": "function", "function": {"name": "temp", "parameters": unit}},
+             {"type": "function", "function": {"name": "wind", "parameters": {**unit, "properties": {
+                 "unit": {"$ref": "#/$defs/Unit"}, "gusts": {"type": "boolean"}}}}}]
+    forced = ForcedToolCalls(tools, "required")
+    compiled = GrammarCompiler(load_tokenizer(str(SHIPPED)), 4096).compile(forced.grammar)
+    import xgrammar
+    assert xgrammar.GrammarMatcher(compiled).accept_string('[{"name": "temp", "parameters": {"unit": "C"}}]')
+    assert not xgrammar.GrammarMatcher(compiled).accept_string('[{"name": "temp", "parameters": {"unit": "K"}}]')
+    clash = [tools[0], {"type": "function", "function": {"name": "x", "parameters": {
+        "$defs": {"Unit": {"enum": ["K"]}}, "type": "object"}}}]
+    with pytest.raises(APIError, match="differently"):
+        ForcedToolCalls(clash, "required")
+    calls = forced.calls('[{"name": "temp", "parameters": {"unit": "C\x10"}}]')
+    assert calls and json.loads(calls[0]["function"]["arguments"]) == {"unit": "C\x10"}

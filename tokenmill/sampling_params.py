@@ -125,7 +125,11 @@ class SamplingParams:
                 or any(type(t) is not int or t < 0 for t in self.allowed_token_ids)):
             raise bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
         if isinstance(self.structured_outputs, dict):  # as vLLM's offline API also takes it
-            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError:
+                raise bad("structured_outputs", f"takes {', '.join(_STRUCTURED_KINDS)} or disable_any_whitespace, "
+                          f"got {', '.join(map(str, self.structured_outputs))}") from None
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")
 

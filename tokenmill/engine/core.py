@@ -11,6 +11,7 @@ import torch
 
 from tokenmill import cpu_threads
 from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.engine.grammar_wait import GrammarWait
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.variants import build_kv_manager, build_scheduler
 from tokenmill.kv.manager import KVCacheManager
@@ -128,6 +129,7 @@ class EngineCore:
                 logger.warning("num_scheduler_steps=%d ignored: bursts of decode steps run on the CPU's one-call "
                                "decode step only (not with enforce_eager, a GPU, or a model split over ranks)",
                                config.num_scheduler_steps)
+        self.grammar_wait = GrammarWait(self.runner.grammars)  # structured outputs' requests, while they compile
         self.num_steps = 0
         self.governor = None
         if (config.adaptive_cpu_threads and config.device == "cpu" and torch.get_num_threads() > 1
@@ -138,10 +140,15 @@ class EngineCore:
 
     # -- requests ------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        self.scheduler.add_request(req)
+        if req.sampling_params.structured_outputs is not None:
+            self.grammar_wait.add(req)  # joins the scheduler once its grammar compiled, off the step's thread
+        else:
+            self.scheduler.add_request(req)
 
     def abort(self, request_ids) -> list[str]:
         aborted = [r.request_id for r in self.scheduler.abort(request_ids)]
+        if self.grammar_wait.waiting:
+            aborted += self.grammar_wait.abort(request_ids)
         if self.kv_transfer is not None and self.scheduler.loading:
             # a cancelled load is final at once: free its blocks now, not at the next step
             self.kv_transfer.cancel(aborted)
@@ -149,8 +156,9 @@ class EngineCore:
         return aborted
 
     def _busy(self) -> bool:
-        """Requests to run, or a step in flight."""
-        return self.scheduler.num_unfinished > 0 or bool(self._in_flight) or self._deferred is not None
+        """Requests to run (or waiting for their grammar), or a step in flight."""
+        return (self.scheduler.num_unfinished > 0 or bool(self._in_flight) or self._deferred is not None
+                or bool(self.grammar_wait.waiting))
 
     def has_unfinished(self) -> bool:
         """Whether stepping has work left: requests, a step in flight, or KV-tier stores still landing."""
@@ -168,6 +176,8 @@ class EngineCore:
             self.scheduler.finish_loads(xfer.poll())
         if encoder is not None:
             self.scheduler.finish_encodes(encoder.poll())
+        if self.grammar_wait.waiting:
+            self._admit_compiled()
         sched = self.scheduler.schedule()
         if xfer is not None:
             xfer.store(sched.kv_stores)  # before the forward, which may overwrite the evicted blocks
@@ -189,6 +199,8 @@ class EngineCore:
                 xfer.wait(0.01)  # only loads are in flight: sleep until one lands instead of spinning
             if encoder is not None and encoder.num_in_flight:  # only encodes are in flight: sleep until one lands
                 self.scheduler.finish_encodes(encoder.poll(wait_s=0.01))
+            if self.grammar_wait.waiting:  # only grammars are compiling: sleep until one is done
+                self._admit_compiled(wait_s=0.01)
             return []
         self.num_steps += 1
         if self.executor is not None and self.executor.max_in_flight > 1:
@@ -229,6 +241,10 @@ class EngineCore:
 
     def _executor(self):
         return self.executor if self.executor is not None else self.runner
+
+    def _admit_compiled(self, wait_s: float = 0.0) -> None:
+        for req in self.grammar_wait.ready(wait_s):
+            self.scheduler.add_request(req)
 
     def set_async_scheduling(self, on: bool) -> None:
         """The scheduler runs requests ahead and the runner leaves tokens on the device, or neither (between
@@ -332,6 +348,7 @@ class EngineCore:
     def close(self) -> None:
         """Write the pool's cached blocks down the tiers and stop the transfer threads (also at exit); stop
         the worker processes of a multi-rank engine."""
+        self.grammar_wait.close()
         if self.kv_transfer is not None:
             self._finalizer()
         if self.executor is not None:

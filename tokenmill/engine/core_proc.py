@@ -103,7 +103,7 @@ class CoreProc:
         elif isinstance(msg, UtilityCall):
             self._send(self._call(msg))
         elif isinstance(msg, Shutdown):
-            core.abort(list(core.scheduler.requests))
+            core.abort(list(core.scheduler.requests) + list(core.grammar_wait.waiting))
             self.running = False
 
     def _call(self, msg: UtilityCall) -> UtilityResult:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import threading
 
 import torch
 
@@ -34,31 +35,43 @@ class GrammarCompiler:
     """xgrammar's compiler for one tokenizer and logits width. A worker passes `load_tokenizer` (a function that
     loads it) instead of the tokenizer: it pays for one only once a structured request arrives."""
 
-    def __init__(self, tokenizer, vocab_size: int, load_tokenizer=None):
+    def __init__(self, tokenizer, vocab_size: int, load_tokenizer=None, cache_bytes: int = 512 << 20):
         self._tokenizer, self._load, self.vocab_size = tokenizer, load_tokenizer, vocab_size
+        self.cache_bytes = cache_bytes  # xgrammar's cache of compiled grammars (unbounded by default), as vLLM's
+        self._lock = threading.Lock()  # compiles may come from the engine's thread and the precompile thread
+        self._made = None
 
-    @functools.cached_property
+    @property
     def _compiler(self):
+        with self._lock:
+            if self._made is None:
+                self._made = self._make()
+            return self._made
+
+    def _make(self):
         import xgrammar
 
         tok = self._load() if self._load is not None else self._tokenizer
         if tok is None:
             raise ValueError("structured outputs need a tokenizer (skip_tokenizer_init=True was set)")
         info = xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size)
-        return xgrammar.GrammarCompiler(info, max_threads=1)
+        _check_tokens_concatenate(tok, info)
+        return xgrammar.GrammarCompiler(info, max_threads=1, cache_limit_bytes=self.cache_bytes)
 
     def compile(self, spec: StructuredOutputsParams):
         """The compiled grammar (cached by xgrammar); ValueError naming the field for a spec it cannot take."""
         c = self._compiler
         try:
             if spec.json is not None:
-                return _json(c, spec.json if isinstance(spec.json, str) else json.dumps(spec.json), spec)
+                schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+                return c.compile_grammar(json_grammar(schema, not spec.disable_any_whitespace))
             if spec.json_object:  # an object, as OpenAI's json_object mode (xgrammar's builtin takes any value)
-                return _json(c, '{"type": "object"}', spec)
+                return c.compile_grammar(json_grammar('{"type": "object"}', not spec.disable_any_whitespace))
             if spec.regex is not None:
                 return c.compile_regex(spec.regex)
-            if spec.choice is not None:
-                return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in spec.choice))
+            if spec.choice is not None:  # (non-ASCII as is: xgrammar reads \uXXXX surrogate pairs as two characters)
+                return c.compile_grammar("root ::= " + " | ".join(json.dumps(s, ensure_ascii=False)
+                                                                   for s in spec.choice))
             return c.compile_grammar(spec.grammar)
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse errors are RuntimeErrors
             raise ValueError(f"invalid '{spec.kind}' for structured outputs: {_first_line(e)}") from None
@@ -73,7 +86,8 @@ class RequestGrammar:
     def __init__(self, compiled, stop_token_ids: list[int], vocab_size: int):
         import xgrammar
 
-        self._matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
+        stops = [t for t in stop_token_ids if 0 <= t < vocab_size]  # (an id past the vocabulary: never sampled)
+        self._matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=stops or None)
         self._bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
         # every bit but the stop tokens': a mask with none of these set allows nothing but stopping
         self._not_stop = torch.full_like(self._bitmask[0], -1)
@@ -117,10 +131,33 @@ def apply_token_masks(logits: torch.Tensor, rows: list[int], bitmasks: list[torc
     logits.index_copy_(0, at, logits.index_select(0, at).masked_fill(~allowed, float("-inf")))
 
 
-def _json(compiler, schema: str, spec: StructuredOutputsParams):
-    if spec.disable_any_whitespace:
-        return compiler.compile_json_schema(schema, any_whitespace=False)
-    return compiler.compile_json_schema(schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+# xgrammar's JSON grammars let length-bounded strings (minLength / maxLength) hold raw control characters, which
+# JSON forbids (mlc-ai/xgrammar#286; its unbounded strings exclude them): those strings' class, and ours
+_BOUNDED_STRING_CHARS = r'[^\"\\\r\n]'
+_JSON_STRING_CHARS = r'[^\0-\x1f\"\\]'
+
+
+@functools.lru_cache(maxsize=256)
+def json_grammar(schema: str, any_whitespace: bool) -> str:
+    """A JSON schema's grammar, as EBNF text for xgrammar (whose compiler caches it by that text)."""
+    import xgrammar
+
+    if any_whitespace:
+        g = xgrammar.Grammar.from_json_schema(schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+    else:
+        g = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False)
+    return str(g).replace(_BOUNDED_STRING_CHARS, _JSON_STRING_CHARS)
+
+
+def _check_tokens_concatenate(tok, info) -> None:
+    """xgrammar matches text by concatenating its tokens' strings; a tokenizer whose decoding puts something
+    between tokens (a word-level one, WordPiece's spaces) would get outputs that do not match. Refused."""
+    text = "The quick brown fox, 12 jumps."
+    ids = tok.encode(text, add_special_tokens=False)
+    joined = b"".join(info.decoded_vocab[i] for i in ids if i < len(info.decoded_vocab)).decode(errors="replace")
+    if joined.strip() != text.strip():
+        raise ValueError("structured outputs need a tokenizer whose tokens' texts concatenate into the text (byte-"
+                         f"level BPE, SentencePiece); this one's do not ({text!r} comes back as {joined!r})")
 
 
 def _first_line(e: Exception) -> str:

@@ -102,6 +102,18 @@ class StreamOptions(OpenAIBase):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(OpenAIBase):
+    name: StrictStr = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")  # (`schema` would shadow pydantic's)
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBase):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(OpenAIBase):
     """Fields shared by completions and chat."""
     model: str | None = None
@@ -136,6 +148,7 @@ class _SamplingFields(OpenAIBase):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's (chat); vLLM takes it on completions too
 
 
 class CompletionRequest(_SamplingFields):
@@ -191,25 +204,12 @@ class ChatMessage(OpenAIBase):
     tool_call_id: str | None = None  # which call a tool message answers
 
 
-class JsonSchemaFormat(OpenAIBase):
-    name: StrictStr = "response"
-    description: str | None = None
-    json_schema: dict[str, Any] | None = Field(None, alias="schema")  # (`schema` would shadow pydantic's)
-    strict: bool | None = None
-
-
-class ResponseFormat(OpenAIBase):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
     max_completion_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     add_generation_prompt: bool = True

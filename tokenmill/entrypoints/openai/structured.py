@@ -29,7 +29,7 @@ def requested_grammar(req, tool_grammar: StructuredOutputsParams | None = None) 
     for name, kind in _GUIDED.items():
         if getattr(req, name) is not None:
             asked.append((name, {kind: getattr(req, name)}))
-    fmt = getattr(req, "response_format", None)
+    fmt = req.response_format
     if fmt is not None and fmt.type != "text":
         if fmt.type == "json_object":
             asked.append(("response_format", {"json_object": True}))
@@ -70,6 +70,22 @@ def _functions(tools: list[dict]) -> dict[str, dict]:
     return out
 
 
+def _hoist_defs(functions: dict[str, dict]) -> dict:
+    """The tools' `$defs` (pydantic's schemas refer to them as #/$defs/Name), moved to the root of the combined
+    schema, where those references resolve; two tools that define one name differently are a 400 (as vLLM)."""
+    defs: dict = {}
+    for name, params in functions.items():
+        own = params.get("$defs")
+        if not own:
+            continue
+        functions[name] = {k: v for k, v in params.items() if k != "$defs"}
+        for key, value in own.items():
+            if defs.setdefault(key, value) != value:
+                raise APIError(400, f"tools define '$defs/{key}' differently; 'required' puts every tool's "
+                                    "definitions in one schema", "tools")
+    return defs
+
+
 class ForcedToolCalls:
     """tool_choice "required" or a named function: the grammar that forces the call(s), and the message fields
     the output text turns into."""
@@ -78,10 +94,11 @@ class ForcedToolCalls:
         functions = _functions(tools)
         if tool_choice == "required":
             self.name = None
+            defs = _hoist_defs(functions)
             items = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
                       "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p}}
                      for n, p in functions.items()]
-            schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+            schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}, **({"$defs": defs} if defs else {})}
         else:
             fn = tool_choice.get("function") if tool_choice.get("type") == "function" else None
             self.name = fn.get("name") if isinstance(fn, dict) else None
@@ -104,8 +121,8 @@ class ForcedToolCalls:
         by max_tokens or a stop string: the text is then the content)."""
         if self.name is not None:
             return [call_dict(self.name, text)]
-        try:
-            parsed = json.loads(text)
+        try:  # (strict=False: a raw control character in a string, which some grammars let through, is kept)
+            parsed = json.loads(text, strict=False)
             return [call_dict(c["name"], c["parameters"]) for c in parsed]
         except (ValueError, TypeError, KeyError):
             return None

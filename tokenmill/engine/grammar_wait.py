@@ -1,0 +1,50 @@
+"""Structured-output requests wait here while their grammar compiles on a thread (vLLM's WAITING_FOR_FSM):
+a large schema takes xgrammar seconds to compile (a deeply nested one, 8 s), and compiled in the step it would
+stall every request in the engine. A request joins the scheduler once its grammar is in the runner's compiler
+cache, where the worker's matcher then finds it."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+
+from tokenmill.engine.request import Request
+
+logger = logging.getLogger("tokenmill")
+
+
+class GrammarWait:
+    def __init__(self, compiler):
+        self.compiler = compiler  # sample/grammar.py GrammarCompiler: the runner's own
+        self._pool = None
+        self.waiting: dict[str, tuple[Request, cf.Future]] = {}
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def add(self, req: Request) -> None:
+        if self._pool is None:
+            self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="tokenmill-grammar")
+        self.waiting[req.request_id] = (req, self._pool.submit(self.compiler.compile, req.sampling_params
+                                                               .structured_outputs))
+
+    def ready(self, wait_s: float = 0.0) -> list[Request]:
+        """The requests whose grammar has compiled, in arrival order; with `wait_s`, first wait that long for
+        one. A grammar that fails here (the front end compiled it already: nothing should) goes on with its
+        request, whose step then reports the error."""
+        if wait_s and self.waiting:
+            cf.wait([f for _, f in self.waiting.values()], timeout=wait_s, return_when=cf.FIRST_COMPLETED)
+        done = [rid for rid, (_, f) in self.waiting.items() if f.done()]
+        out = []
+        for rid in done:
+            req, future = self.waiting.pop(rid)
+            if future.exception() is not None:
+                logger.error("request %s: its grammar failed to compile in the engine: %s", rid, future.exception())
+            out.append(req)
+        return out
+
+    def abort(self, request_ids) -> list[str]:
+        return [rid for rid in request_ids if self.waiting.pop(rid, None) is not None]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
