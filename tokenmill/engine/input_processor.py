@@ -71,7 +71,8 @@ class InputProcessor:
         # a text longer than this many bytes cannot fit in max_model_len tokens (None: no safe bound)
         per_token = max_bytes_per_token(tokenizer) if tokenizer is not None else None
         self.max_prompt_bytes = None if per_token is None else int(max_model_len * per_token)
-        self.grammars = GrammarCompiler(tokenizer, vocab_size)  # structured outputs (compiled on first use)
+        # structured outputs: compiled here only to refuse a bad grammar, so a small cache will do
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, cache_bytes=64 << 20)
 
     @classmethod
     def from_config(cls, config, model_config) -> "InputProcessor":

@@ -14,19 +14,20 @@ import uuid
 
 
 def call_dict(name: str, arguments) -> dict:
-    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    # (allow_nan=False: a number past float range, 1e999, would come out as Infinity, which is not JSON)
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False, allow_nan=False)
     return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
             "function": {"name": name, "arguments": args}}
 
 
 def _call_from_json(text: str, args_key: str) -> dict | None:
     try:
-        obj = json.loads(text)
-    except ValueError:
+        obj = json.loads(text, strict=False)  # (a raw control character in a string is kept)
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        return call_dict(obj["name"], obj.get(args_key, obj.get("arguments", {})))
+    except ValueError:  # not JSON, or arguments that cannot be JSON again (1e999)
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    return call_dict(obj["name"], obj.get(args_key, obj.get("arguments", {})))
 
 
 class HermesParser:
