@@ -98,8 +98,9 @@ class RequestGrammar:
         self.broken = False  # a token the grammar refused (none should reach it): masking stops, with a warning
 
     def next_bitmask(self, output_token_ids: list[int]) -> torch.Tensor | None:
-        """The allowed next tokens after `output_token_ids` (int32 [words], on the host); None once the grammar
-        is done with (it has taken a stop token: a request with ignore_eos goes on unconstrained) or broken."""
+        """The allowed next tokens after `output_token_ids` (int32 [words], on the host: the matcher's own buffer,
+        valid until its next call); None once the grammar is done with (it has taken a stop token: a request with
+        ignore_eos goes on unconstrained) or broken."""
         m = self._matcher
         for tok in output_token_ids[self.consumed:]:
             if self.broken or m.is_terminated():
@@ -112,12 +113,12 @@ class RequestGrammar:
         if self.broken or m.is_terminated():
             return None
         m.fill_next_token_bitmask(self._bitmask)
-        return self._bitmask[0].clone()
+        return self._bitmask[0]
 
     def only_stops(self, bitmask: torch.Tensor) -> bool:
         """Whether `bitmask` allows stop tokens only (the grammar is complete): min_tokens then gives way, since
-        banning them would leave no token to sample."""
-        return not bool((bitmask & self._not_stop).any())
+        banning them would leave no token to sample. (A grammar that could not end here allows no stop token.)"""
+        return self._matcher.is_completed() and not bool((bitmask & self._not_stop).any())
 
 
 def apply_token_masks(logits: torch.Tensor, rows: list[int], bitmasks: list[torch.Tensor]) -> None:
@@ -126,9 +127,12 @@ def apply_token_masks(logits: torch.Tensor, rows: list[int], bitmasks: list[torc
     dev, vocab = logits.device, logits.shape[-1]
     packed = to_device(torch.stack(bitmasks), dev)
     shifts = torch.arange(BITS, dtype=torch.int32, device=dev)
-    allowed = ((packed.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
+    banned = ((packed.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab] == 0
+    if len(rows) == logits.shape[0]:  # every row masked (rows are distinct and increasing): in place
+        logits.masked_fill_(banned, float("-inf"))
+        return
     at = device_tensor(rows, torch.int64, dev)
-    logits.index_copy_(0, at, logits.index_select(0, at).masked_fill(~allowed, float("-inf")))
+    logits.index_copy_(0, at, logits.index_select(0, at).masked_fill(banned, float("-inf")))
 
 
 # xgrammar's JSON grammars let length-bounded strings (minLength / maxLength) hold raw control characters, which
