@@ -25,6 +25,8 @@ LLAMA3 = [
      [("a", {}), ("b", {"n": 1})]),
     ("The weather is fine.", "The weather is fine.", []),
     ("{\"not\": \"a call\"}", "{\"not\": \"a call\"}", []),
+    ("{\"name\": \"q\", \"parameters\": {\"sql\": \"a; b\"}};{\"name\": \"r\", \"parameters\": {}}", "",
+     [("q", {"sql": "a; b"}), ("r", {})]),  # a ";" inside a string does not split
 ]
 CASES = [("hermes", *c) for c in HERMES] + [("llama3_json", *c) for c in LLAMA3]
 

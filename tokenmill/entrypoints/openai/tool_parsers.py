@@ -22,11 +22,17 @@ def call_dict(name: str, arguments) -> dict:
 
 def _call_from_json(text: str, args_key: str) -> dict | None:
     try:
-        obj = json.loads(text, strict=False)  # (a raw control character in a string is kept)
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return None
+        return _call_from_obj(json.loads(text, strict=False), args_key)  # (raw control characters are kept)
+    except ValueError:  # not JSON
+        return None
+
+
+def _call_from_obj(obj, args_key: str) -> dict | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    try:
         return call_dict(obj["name"], obj.get(args_key, obj.get("arguments", {})))
-    except ValueError:  # not JSON, or arguments that cannot be JSON again (1e999)
+    except ValueError:  # arguments that cannot be JSON again (1e999)
         return None
 
 
@@ -73,12 +79,18 @@ class Llama3JsonParser:
         body = body[len(self.TAG):].lstrip() if body.startswith(self.TAG) else body
         if not body.startswith("{"):
             return text, []
-        calls = []
-        for part in body.split(";"):
-            call = _call_from_json(part.strip(), "parameters")
+        calls, pos, decoder = [], 0, json.JSONDecoder(strict=False)
+        while pos < len(body):  # objects one after another, joined by ";" (never split inside a string)
+            try:
+                obj, pos = decoder.raw_decode(body, pos)
+            except ValueError:
+                return text, []
+            call = _call_from_obj(obj, "parameters")
             if call is None:
                 return text, []
             calls.append(call)
+            while pos < len(body) and body[pos] in " \t\r\n;":
+                pos += 1
         return "", calls
 
     def stream(self, buffer: str, finished: bool) -> tuple[str, list[dict], str]:
