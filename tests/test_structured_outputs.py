@@ -56,6 +56,13 @@ def _generate(llm, prompts, params):
              o.outputs[0].finish_reason) for o in outs]
 
 
+def _nested(levels: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"k": schema}}
+    return schema
+
+
 # a sampled request among greedy ones, and plain requests beside them: their masks must not leak
 MIXED = [_params("json"), _params("regex"), _params("choice", temperature=0.9, seed=3), _params("grammar"),
          SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
@@ -119,6 +126,7 @@ def test_a_complete_grammar_ends_the_request_before_min_tokens(llama_dir):
     (dict(json='{"type": "object", "properties": '), "invalid 'json'"),
     (dict(regex="(unclosed"), "invalid 'regex'"),
     (dict(grammar="root ::= undefined_rule"), "invalid 'grammar'"),
+    (dict(json=_nested(40)), "brackets deep"),  # xgrammar would take seconds to minutes over a deep schema
 ])
 def test_a_grammar_that_does_not_compile_is_refused_and_the_engine_serves_on(llama_dir, spec, message):
     llm = make_llm(llama_dir)

@@ -24,6 +24,7 @@ LLAMA3 = [
     ("<|python_tag|>{\"name\": \"a\", \"parameters\": {}}; {\"name\": \"b\", \"parameters\": {\"n\": 1}}", "",
      [("a", {}), ("b", {"n": 1})]),
     ("The weather is fine.", "The weather is fine.", []),
+    ("Try it: {\"name\": \"a\", \"parameters\": {}}", "Try it: {\"name\": \"a\", \"parameters\": {}}", []),
     ("{\"not\": \"a call\"}", "{\"not\": \"a call\"}", []),
     ("{\"name\": \"q\", \"parameters\": {\"sql\": \"a; b\"}};{\"name\": \"r\", \"parameters\": {}}", "",
      [("q", {"sql": "a; b"}), ("r", {})]),  # a ";" inside a string does not split

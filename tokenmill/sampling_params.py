@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import json as _json
 import math
 from dataclasses import dataclass, field
 
@@ -34,6 +35,12 @@ class StructuredOutputsParams:
                              + {"json": "a JSON schema (an object or its JSON text)", "json_object": "true",
                                 "regex": "a non-empty string", "grammar": "a non-empty string",
                                 "choice": "a non-empty list of non-empty strings"}[self.kind])
+        if isinstance(self.json, dict):  # kept as text: a deeply nested dict cannot be pickled to worker ranks
+            try:
+                self.json = _json.dumps(self.json)
+            except (TypeError, ValueError, RecursionError):
+                raise ValueError("invalid sampling parameter 'structured_outputs': 'json' must be a JSON schema "
+                                 "(an object or its JSON text)") from None
 
     @property
     def kind(self) -> str:

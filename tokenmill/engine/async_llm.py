@@ -162,6 +162,7 @@ class AsyncLLM:
         self.on_dead: Callable[[str], None] | None = None  # called once the core is gone (the server exits)
         self.num_submitting = 0  # requests between admission and registration (tokenizing)
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-tokenizer")
+        self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-grammar")
         self.client = CoreClient(config, log_level)
         self._tasks: list[asyncio.Task] = []
 
@@ -204,7 +205,8 @@ class AsyncLLM:
         self.num_submitting += 1
         try:
             args = (prompts, params, priority, time.time(), strict_max_tokens)
-            # (a grammar compiles there too: a large JSON schema takes xgrammar a while)
+            if params.structured_outputs is not None:
+                await self._check_grammar(params.structured_outputs)
             if params.structured_outputs is not None or any(_needs_tokenizer(p) for _, p in prompts):
                 processed = await self.run_tokenizer(self._process, *args)
             else:
@@ -225,6 +227,17 @@ class AsyncLLM:
             raise EngineDeadError(self.dead)
         if self.closing is not None:
             raise EngineDeadError(self.closing)
+
+    async def _check_grammar(self, spec) -> None:
+        """Compile (to validate; a bad grammar's ValueError reaches the caller) on a thread of its own: a large
+        schema must not hold up other requests' tokenizing. The first one builds the tokenizer's info for
+        xgrammar, which reads the tokenizer: on the tokenizer thread (Hugging Face tokenizers are not safe to
+        share between threads)."""
+        grammars = self.input_processor.grammars
+        if not grammars.made:
+            await self.run_tokenizer(grammars.compile, spec)
+        else:
+            await asyncio.get_running_loop().run_in_executor(self._grammar_pool, grammars.compile, spec)
 
     def _process(self, prompts, params: SamplingParams, priority: int, arrival_time: float | None,
                  strict_max_tokens: bool) -> list[tuple[str | None, EngineCoreRequest]]:
@@ -465,6 +478,7 @@ class AsyncLLM:
         self.stop_accepting("the server is shutting down")
         self.fail_in_flight("the server is shutting down")
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

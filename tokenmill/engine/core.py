@@ -323,7 +323,8 @@ class EngineCore:
     def stats(self) -> EngineStats:
         s, kv = self.scheduler, self.kv
         return EngineStats(
-            num_running=len(s.running), num_waiting=len(s.waiting) + len(s.loading), num_kv_blocks=kv.pool.num_blocks,
+            num_running=len(s.running), num_waiting=len(s.waiting) + len(s.loading) + len(self.grammar_wait),
+            num_kv_blocks=kv.pool.num_blocks,
             num_free_kv_blocks=kv.num_free_blocks, kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
             prefix_cache_hit_rate=kv.stats.hit_rate, num_preemptions=s.num_preemptions, num_steps=self.num_steps,

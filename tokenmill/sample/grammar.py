@@ -42,6 +42,11 @@ class GrammarCompiler:
         self._made = None
 
     @property
+    def made(self) -> bool:
+        """Whether the tokenizer's info is built (the first compile builds it, reading the tokenizer)."""
+        return self._made is not None
+
+    @property
     def _compiler(self):
         with self._lock:
             if self._made is None:
@@ -64,6 +69,7 @@ class GrammarCompiler:
         try:
             if spec.json is not None:
                 schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+                _check_depth(schema)
                 return c.compile_grammar(json_grammar(schema, not spec.disable_any_whitespace))
             if spec.json_object:  # an object, as OpenAI's json_object mode (xgrammar's builtin takes any value)
                 return c.compile_grammar(json_grammar('{"type": "object"}', not spec.disable_any_whitespace))
@@ -151,6 +157,29 @@ def json_grammar(schema: str, any_whitespace: bool) -> str:
     else:
         g = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False)
     return str(g).replace(_BOUNDED_STRING_CHARS, _JSON_STRING_CHARS)
+
+
+# a schema nested deeper than this many brackets is refused: xgrammar's compile time grows fast with depth
+# (500 levels take seconds, 2,000 minutes), and no real schema comes near it (a pydantic model 10 deep: ~20)
+MAX_SCHEMA_DEPTH = 64
+
+
+def _check_depth(schema: str) -> None:
+    """Refuse a schema nested past MAX_SCHEMA_DEPTH, counted over its text's brackets (outside strings)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in schema:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    if deepest > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"the schema nests {deepest} brackets deep; at most {MAX_SCHEMA_DEPTH} are taken")
 
 
 def _check_tokens_concatenate(tok, info) -> None:

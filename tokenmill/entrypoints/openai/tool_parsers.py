@@ -93,11 +93,15 @@ class Llama3JsonParser:
                 pos += 1
         return "", calls
 
+    def __init__(self):
+        self.texting = False  # content has gone out: the rest is content too (calls must come first)
+
     def stream(self, buffer: str, finished: bool) -> tuple[str, list[dict], str]:
         lead = buffer.lstrip()
         maybe_call = lead.startswith(("{", self.TAG)) or (self.TAG.startswith(lead) and lead)
-        if not maybe_call and lead:
-            return buffer, [], ""  # plain text: it streams (a call must come first)
+        if self.texting or (not maybe_call and lead):
+            self.texting = True
+            return buffer, [], ""
         if not finished:
             return "", [], buffer
         content, calls = self.extract(buffer)
@@ -121,7 +125,9 @@ class AutoToolCalls:
     grammar = None  # the model writes freely
 
     def __init__(self, parser_name: str):
-        self.parser = TOOL_PARSERS[parser_name]()
+        self.make_parser = TOOL_PARSERS[parser_name]
+        self.parser = self.make_parser()
+        self.streams: dict[int, object] = {}  # per choice: its parser while streaming (they keep state)
         self.pending: dict[int, str] = {}  # per choice: streamed text not sent yet
         self.num_calls: dict[int, int] = {}
 
@@ -137,7 +143,8 @@ class AutoToolCalls:
             else finish
 
     def stream_delta(self, index: int, text: str, finished: bool) -> dict:
-        content, calls, self.pending[index] = self.parser.stream(self.pending.get(index, "") + text, finished)
+        parser = self.streams.get(index) or self.streams.setdefault(index, self.make_parser())
+        content, calls, self.pending[index] = parser.stream(self.pending.get(index, "") + text, finished)
         delta = {}
         if content:
             delta["content"] = content
