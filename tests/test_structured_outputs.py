@@ -230,3 +230,22 @@ def test_a_tokenizer_whose_tokens_do_not_concatenate_is_refused():
     tok = load_tokenizer(str(SHIPPED.parent / "tiny-llava"))
     with pytest.raises(ValueError, match="concatenate"):
         GrammarCompiler(tok, len(tok)).compile(SPECS["choice"])
+
+
+def test_a_grammar_that_fails_in_the_engine_ends_only_its_request(llama_dir, monkeypatch):
+    """The front end compiled it, so this should not happen; if the engine's compile fails anyway, that request
+    ends (aborted) and the others run on (in the step, the error would fail every request there)."""
+    llm = make_llm(llama_dir)
+    engine = llm.llm_engine
+
+    def broken(spec):
+        raise MemoryError("out of memory compiling")
+    monkeypatch.setattr(engine.core.runner.grammars, "compile", broken)
+    engine.add_request("plain", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=6))
+    engine.add_request("regex", {"prompt_token_ids": PROMPTS[1]}, MIXED[1])
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert outs["regex"].outputs[0].finish_reason == "abort" and not outs["regex"].outputs[0].token_ids
+    assert len(outs["plain"].outputs[0].token_ids) == 6
+    engine.check_invariants()

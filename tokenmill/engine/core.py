@@ -166,6 +166,10 @@ class EngineCore:
 
     # -- the step --------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        if self.grammar_wait.waiting:  # compiled grammars' requests join the scheduler (failed ones end here)
+            failed = self._admit_compiled()
+            if failed:
+                return failed
         spec, started = self.scheduler.spec, time.perf_counter()
         if spec is not None:
             spec.step_started(started)  # the last step's whole cycle ends here
@@ -176,8 +180,6 @@ class EngineCore:
             self.scheduler.finish_loads(xfer.poll())
         if encoder is not None:
             self.scheduler.finish_encodes(encoder.poll())
-        if self.grammar_wait.waiting:
-            self._admit_compiled()
         sched = self.scheduler.schedule()
         if xfer is not None:
             xfer.store(sched.kv_stores)  # before the forward, which may overwrite the evicted blocks
@@ -200,7 +202,7 @@ class EngineCore:
             if encoder is not None and encoder.num_in_flight:  # only encodes are in flight: sleep until one lands
                 self.scheduler.finish_encodes(encoder.poll(wait_s=0.01))
             if self.grammar_wait.waiting:  # only grammars are compiling: sleep until one is done
-                self._admit_compiled(wait_s=0.01)
+                return self._admit_compiled(wait_s=0.01)
             return []
         self.num_steps += 1
         if self.executor is not None and self.executor.max_in_flight > 1:
@@ -242,9 +244,12 @@ class EngineCore:
     def _executor(self):
         return self.executor if self.executor is not None else self.runner
 
-    def _admit_compiled(self, wait_s: float = 0.0) -> None:
-        for req in self.grammar_wait.ready(wait_s):
+    def _admit_compiled(self, wait_s: float = 0.0) -> list[EngineCoreOutput]:
+        """Requests whose grammar compiled join the scheduler; those whose grammar failed end, aborted."""
+        ok, failed = self.grammar_wait.ready(wait_s)
+        for req in ok:
             self.scheduler.add_request(req)
+        return [EngineCoreOutput(req.request_id, [], RequestStatus.FINISHED_ABORTED.value) for req in failed]
 
     def set_async_scheduling(self, on: bool) -> None:
         """The scheduler runs requests ahead and the runner leaves tokens on the device, or neither (between

@@ -27,20 +27,22 @@ class GrammarWait:
         self.waiting[req.request_id] = (req, self._pool.submit(self.compiler.compile, req.sampling_params
                                                                .structured_outputs))
 
-    def ready(self, wait_s: float = 0.0) -> list[Request]:
-        """The requests whose grammar has compiled, in arrival order; with `wait_s`, first wait that long for
-        one. A grammar that fails here (the front end compiled it already: nothing should) goes on with its
-        request, whose step then reports the error."""
+    def ready(self, wait_s: float = 0.0) -> tuple[list[Request], list[Request]]:
+        """(the requests whose grammar compiled, those whose grammar failed), in arrival order; with `wait_s`,
+        first wait that long for one. A failure here (the front end compiled the same grammar: nothing
+        should fail) ends only its own request: in the step, it would fail every request there."""
         if wait_s and self.waiting:
             cf.wait([f for _, f in self.waiting.values()], timeout=wait_s, return_when=cf.FIRST_COMPLETED)
         done = [rid for rid, (_, f) in self.waiting.items() if f.done()]
-        out = []
+        ok, failed = [], []
         for rid in done:
             req, future = self.waiting.pop(rid)
             if future.exception() is not None:
                 logger.error("request %s: its grammar failed to compile in the engine: %s", rid, future.exception())
-            out.append(req)
-        return out
+                failed.append(req)
+            else:
+                ok.append(req)
+        return ok, failed
 
     def abort(self, request_ids) -> list[str]:
         return [rid for rid in request_ids if self.waiting.pop(rid, None) is not None]

@@ -116,6 +116,8 @@ class OutputProcessor:
         if o.prompt_logprobs:
             st.prompt_logprobs.extend(self._logprob_dict(r) for r in o.prompt_logprobs)
         if not o.new_token_ids:
+            if o.finish_reason is not None:  # ended by the core without a token (a grammar that failed there)
+                c.finish_reason = o.finish_reason
             return None
         st.num_cached_tokens = max(st.num_cached_tokens, o.num_cached_tokens)
         if st.metrics.first_token_time is None:
