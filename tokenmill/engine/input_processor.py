@@ -9,6 +9,7 @@ from dataclasses import replace
 from tokenmill.engine.messages import EngineCoreRequest
 from tokenmill.engine.prompt_bound import max_bytes_per_token, utf8_length
 from tokenmill.sample.grammar import GrammarCompiler
+from tokenmill.tokenizer import load_tokenizer
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -33,12 +34,6 @@ def _with_parsed_calls(message: dict) -> dict:
                 raise ValueError(f"'messages': tool call {call.get('id')!r} has arguments that are not JSON") from None
         parsed.append(call)
     return {**message, "tool_calls": parsed}
-
-
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
 
 
 def eos_token_ids(model_path: str, tokenizer, hf_config) -> tuple[int, ...]:

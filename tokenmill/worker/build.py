@@ -15,6 +15,7 @@ from tokenmill.engine.variants import build_attention_backend
 from tokenmill.kv.manager import cdiv
 from tokenmill.models.loader import load_model
 from tokenmill.sample.grammar import GrammarCompiler
+from tokenmill.tokenizer import load_tokenizer
 from tokenmill.spec_decode.build import build_proposer, kv_bytes_per_block, load_draft
 from tokenmill.worker.encoder_runner import EncoderRunner
 from tokenmill.spec_decode.draft_model import DraftModelProposer
@@ -75,8 +76,6 @@ def build_runner(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, shar
 
 def _tokenizer(config: EngineConfig):
     """The tokenizer, for structured outputs' grammars: loaded by the first such request (None without one)."""
-    from tokenmill.engine.input_processor import load_tokenizer  # (engine/ imports this module)
-
     if config.skip_tokenizer_init:
         return None
     return load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
