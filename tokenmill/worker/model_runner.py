@@ -394,7 +394,7 @@ class ModelRunner:
             return
         rows = [SampleRow(st.sampling_params, st.prompt_token_ids, st.output_token_ids,
                           self.requests.generator(s.request_id)) for s, st in zip(seqs, states)]
-        if any(st.sampling_params.structured_outputs is not None for st in states):
+        if any(st.structured for st in states):
             self._grammar_masks(seqs, states, rows)
         if self._pending:
             self._pending_penalty_tokens(seqs, rows)

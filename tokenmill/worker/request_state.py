@@ -30,6 +30,7 @@ class RequestState:
 
     def __post_init__(self):
         self.argmax_only = self.sampling_params.argmax_only  # read every step: looked up once
+        self.structured = self.sampling_params.structured_outputs is not None
 
     def takes_argmax(self) -> bool:
         return self.argmax_only and len(self.output_token_ids) >= self.sampling_params.min_tokens

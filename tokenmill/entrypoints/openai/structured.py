@@ -8,7 +8,7 @@
     tool_choice "required"                                -> a JSON array of {"name", "parameters"}, one item
                                                              per call, each of a tool's own schema (as vLLM)
 
-"auto" would need a parser for each model family's tool-call format; it is refused (serving_chat.py)."""
+tool_choice "auto" is the model's own text, read by tool_parsers.py (serving_chat.py picks which)."""
 from __future__ import annotations
 
 import json
