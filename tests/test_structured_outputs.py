@@ -28,6 +28,8 @@ SPECS = {
     "grammar": StructuredOutputsParams(grammar='root ::= "(" item ("," item)* ")"\nitem ::= [a-c]+'),
 }
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
 
 def _matches(kind: str, text: str) -> bool:
     if kind == "json":
@@ -91,8 +93,7 @@ def test_a_request_alone_gets_the_tokens_it_gets_in_a_batch(llama_dir, reference
 
 
 @pytest.mark.parametrize("kw", [dict(async_scheduling=True, enforce_eager=True), dict(async_scheduling=True),
-                                dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                         "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
+                                dict(speculative_config=NGRAM),
                                 dict(num_kv_blocks=7, max_model_len=96, max_num_seqs=6),
                                 dict(max_num_batched_tokens=8)],
                          ids=["async-eager", "async", "ngram", "preemption", "chunked"])
@@ -105,6 +106,54 @@ def test_engine_variants_give_the_plain_engine_tokens(llama_dir, reference, kw):
         assert core.scheduler.num_run_ahead > 0
     if "num_kv_blocks" in kw:
         assert core.scheduler.num_preemptions > 0
+
+
+def test_drafts_for_structured_requests_are_accepted_and_change_no_token():
+    """With n-gram drafts from a prompt that holds text the grammars accept, structured requests take drafts
+    (cut where the grammar refuses one), verify them against one mask per row, and give the plain engine's
+    tokens, greedy and seeded."""
+    text = ('{"name":"ROMEO","lines":[1,2],"alive":true} {"name":"JULIET","lines":[],"alive":false} '
+            "(ab,ca) (a,bb,c) ")
+    sps = [SamplingParams(temperature=t, seed=5, max_tokens=60, structured_outputs=SPECS[kind])
+           for kind in ("json", "grammar") for t in (0.0, 0.8)]
+    outs = []
+    for kw in ({}, dict(speculative_config=NGRAM)):
+        llm = make_llm(str(SHIPPED), dtype="auto", **kw)
+        prompt = llm.get_tokenizer().encode(text)
+        outs.append(_generate(llm, [prompt] * len(sps), sps))
+    assert outs[1] == outs[0]
+    for (text, _, reason), kind in zip(outs[0], ("json", "json", "grammar", "grammar")):
+        assert reason == "length" or _matches(kind, text), (kind, text)
+    stats = llm.llm_engine.core.scheduler.spec.stats
+    assert stats.num_accepted_tokens >= 10 and stats.num_draft_tokens > stats.num_accepted_tokens, stats
+
+
+def test_draft_masks_are_the_masks_of_stepping_token_by_token(llama_dir):
+    """RequestGrammar.draft_bitmasks' row j is the mask after drafts[:j]; valid_drafts cuts at the first refused
+    draft; neither moves the matcher (the next plain mask is the same as before)."""
+    from tokenmill.sample.grammar import GrammarCompiler
+
+    tok = make_llm(llama_dir).get_tokenizer()
+    compiler = GrammarCompiler(tok, 512)
+    spec = SPECS["grammar"]
+    ids = tok.encode("(ab,ca,b)", add_special_tokens=False)
+    stop = [tok.eos_token_id]
+    for cut in range(len(ids)):
+        seen, drafts = ids[:cut], ids[cut:] + [stop[0]]
+        ref = compiler.matcher(spec, stop)
+        want = [ref.next_bitmask(seen + drafts[:j]).clone() for j in range(len(drafts))]
+        g = compiler.matcher(spec, stop)
+        before = g.next_bitmask(seen).clone()
+        rows = g.draft_bitmasks(seen, drafts)
+        assert len(rows) == len(drafts) + 1 and rows[-1] == (None, False)  # past the stop token: unconstrained
+        assert all(torch.equal(m, w) for (m, _), w in zip(rows, want))
+        assert [done for _, done in rows[:-1]] == [False] * (len(drafts) - 1) + [True]
+        assert g.valid_drafts(seen, drafts) == drafts
+        bad = drafts[:1] + [tok.encode("z", add_special_tokens=False)[0]] + drafts[1:]
+        assert g.valid_drafts(seen, bad) == drafts[:1]
+        rows = g.draft_bitmasks(seen, bad)
+        assert torch.equal(rows[1][0], want[1]) and all(m is None for m, _ in rows[2:])
+        assert torch.equal(g.next_bitmask(seen), before)
 
 
 def test_the_shipped_model_answers_in_json():

@@ -10,8 +10,10 @@ it, the matcher catches up with the tokens sampled since, then writes the allowe
 
 The matcher lives on the worker beside the request's other state (worker/request_state.py), so the scheduler
 and the step messages stay as they are; every rank that samples (the last pipeline stage, each of its TP ranks)
-walks the same tokens and makes the same masks. Such a request takes no drafts (sched/scheduler.py) and no
-argmax-only fast path (SamplingParams.argmax_only)."""
+walks the same tokens and makes the same masks. Such a request takes no argmax-only fast path
+(SamplingParams.argmax_only). With speculative decoding its drafts are cut at the first token the grammar
+refuses (`valid_drafts`), and a verification of k drafts gets k + 1 masks, row j's after drafts 1..j
+(`draft_bitmasks`): the matcher steps through the drafts, then rolls back, as vLLM's does."""
 from __future__ import annotations
 
 import functools
@@ -94,19 +96,19 @@ class RequestGrammar:
 
         stops = [t for t in stop_token_ids if 0 <= t < vocab_size]  # (an id past the vocabulary: never sampled)
         self._matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=stops or None)
+        self._vocab_size = vocab_size
         self._bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
         # every bit but the stop tokens': a mask with none of these set allows nothing but stopping
         self._not_stop = torch.full_like(self._bitmask[0], -1)
         for t in self._matcher.stop_token_ids:
             if t < vocab_size:  # (bit 31 is int32's sign bit: ~(1 << 31) would not fit)
                 self._not_stop[t // BITS] &= ~(1 << (t % BITS)) if t % BITS < BITS - 1 else 2**31 - 1
+        self._draft_buf = self._bitmask[:0]  # verifications' k + 1 rows (draft_bitmasks), grown on demand
         self.consumed = 0
         self.broken = False  # a token the grammar refused (none should reach it): masking stops, with a warning
 
-    def next_bitmask(self, output_token_ids: list[int]) -> torch.Tensor | None:
-        """The allowed next tokens after `output_token_ids` (int32 [words], on the host: the matcher's own buffer,
-        valid until its next call); None once the grammar is done with (it has taken a stop token: a request with
-        ignore_eos goes on unconstrained) or broken."""
+    def _catch_up(self, output_token_ids: list[int]) -> None:
+        """The matcher takes the output tokens sampled since its last call."""
         m = self._matcher
         for tok in output_token_ids[self.consumed:]:
             if self.broken or m.is_terminated():
@@ -116,10 +118,60 @@ class RequestGrammar:
                 logger.warning("a structured-output request sampled token %d, which its grammar refuses; "
                                "its remaining tokens are not constrained", tok)
         self.consumed = len(output_token_ids)
-        if self.broken or m.is_terminated():
+
+    @property
+    def _done(self) -> bool:
+        """Done with: it took a stop token (a request with ignore_eos goes on unconstrained), or broken."""
+        return self.broken or self._matcher.is_terminated()
+
+    def next_bitmask(self, output_token_ids: list[int]) -> torch.Tensor | None:
+        """The allowed next tokens after `output_token_ids` (int32 [words], on the host: the matcher's own buffer,
+        valid until its next call); None once the grammar is done with."""
+        self._catch_up(output_token_ids)
+        if self._done:
             return None
-        m.fill_next_token_bitmask(self._bitmask)
+        self._matcher.fill_next_token_bitmask(self._bitmask)
         return self._bitmask[0]
+
+    def draft_bitmasks(self, output_token_ids: list[int], drafts: list[int]
+                       ) -> list[tuple[torch.Tensor | None, bool]]:
+        """A verification's k + 1 rows: per row j, (the tokens allowed after `output_token_ids` + drafts[:j], or
+        None where unconstrained; whether it allows stop tokens only). The matcher walks the drafts, then rolls
+        back. Rows past a refused draft are never emitted from (the mask before it bans that draft): None."""
+        self._catch_up(output_token_ids)
+        m, n = self._matcher, len(drafts) + 1
+        if self._draft_buf.shape[0] < n:
+            import xgrammar
+            self._draft_buf = xgrammar.allocate_token_bitmask(n, self._vocab_size)
+        rows, taken = [], 0
+        for j in range(n):
+            if self.broken or m.is_terminated():
+                break
+            m.fill_next_token_bitmask(self._draft_buf, j)
+            mask = self._draft_buf[j]
+            rows.append((mask, self.only_stops(mask)))
+            if j == n - 1 or not m.accept_token(drafts[j]):
+                break
+            taken += 1
+        if taken:
+            m.rollback(taken)
+        return rows + [(None, False)] * (n - len(rows))
+
+    def valid_drafts(self, output_token_ids: list[int], drafts: list[int]) -> list[int]:
+        """`drafts` up to the first token the grammar refuses after `output_token_ids` (all of them once the
+        grammar is done with: the request goes on unconstrained); the matcher is left where it was."""
+        self._catch_up(output_token_ids)
+        m, taken, kept = self._matcher, 0, len(drafts)
+        for j, d in enumerate(drafts):
+            if self._done:
+                break
+            if not m.accept_token(d):
+                kept = j
+                break
+            taken += 1
+        if taken:
+            m.rollback(taken)
+        return list(drafts[:kept])
 
     def only_stops(self, bitmask: torch.Tensor) -> bool:
         """Whether `bitmask` allows stop tokens only (the grammar is complete): min_tokens then gives way, since

@@ -494,13 +494,11 @@ class Scheduler:
                 propose[rid] = 0
 
     def _plan_drafts(self, scheduled: dict[str, int]) -> dict[str, int]:
-        """Drafts each request that samples this step proposes for its next step (DraftPolicy). A request with
-        structured outputs proposes none: its grammar's mask is made one token at a time (sample/grammar.py)."""
+        """Drafts each request that samples this step proposes for its next step (DraftPolicy). (A request with
+        structured outputs drafts too: the runner cuts its drafts where its grammar refuses one.)"""
         if self.spec is None:
             return {}
-        requests = self.requests
-        plan = self.spec.plan([rid for rid, n in scheduled.items() if self._samples(requests[rid], n)
-                               and requests[rid].sampling_params.structured_outputs is None])
+        plan = self.spec.plan([rid for rid, n in scheduled.items() if self._samples(self.requests[rid], n)])
         if self.spec_lookahead:
             # a draft model runs its drafts at positions P+1 .. P+k-1, P the request's last position once this
             # step's accepted drafts are in: up to num_tokens + its drafts this step. None may reach max_model_len

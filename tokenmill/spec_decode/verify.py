@@ -38,11 +38,15 @@ class DraftCheck:
     row: SampleRow  # history before this step
     drafts: list[int]
     draft_probs: torch.Tensor | None = None  # [k, V] the proposer's distributions; None: one-hot (n-gram)
+    # structured outputs: per row, (the grammar's packed mask after drafts[:j] or None, whether only stops remain)
+    # (sample/grammar.py RequestGrammar.draft_bitmasks)
+    grammar_rows: list[tuple[torch.Tensor | None, bool]] | None = None
 
 
 def expanded_rows(check: DraftCheck) -> list[SampleRow]:
-    r = check.row
-    return [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids + check.drafts[:j], r.generator)
+    r, g = check.row, check.grammar_rows
+    return [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids + check.drafts[:j], r.generator,
+                      token_bitmask=g[j][0] if g else None, grammar_complete=g[j][1] if g else False)
             for j in range(len(check.drafts) + 1)]
 
 

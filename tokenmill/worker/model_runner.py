@@ -414,20 +414,24 @@ class ModelRunner:
         sampled since its last step. Under async scheduling the last of them may still be on the device: it is
         read there (the one wait such a request costs a step; requests without a grammar never pay it)."""
         for s, st, row in zip(seqs, states, rows):
-            spec = st.sampling_params.structured_outputs
-            if spec is None:
+            if not st.structured:
                 continue
-            if st.grammar is None:
-                if self.grammars is None:
-                    raise RuntimeError("this model runner was built without a grammar compiler (worker/build.py)")
-                st.grammar = self.grammars.matcher(spec, st.sampling_params.stop_ids)
             tokens = st.output_token_ids
             pending = self._pending.get(s.request_id)
             if pending is not None and pending[2] < len(tokens):
                 step, src, slot = pending
                 tokens = tokens[:slot] + [int(step.tokens[src])] + tokens[slot + 1:]
-            row.token_bitmask = mask = st.grammar.next_bitmask(tokens)
-            row.grammar_complete = mask is not None and st.grammar.only_stops(mask)
+            grammar = self._grammar(st)
+            row.token_bitmask = mask = grammar.next_bitmask(tokens)
+            row.grammar_complete = mask is not None and grammar.only_stops(mask)
+
+    def _grammar(self, st: RequestState):
+        """The request's matcher (sample/grammar.py), made at its first step that samples."""
+        if st.grammar is None:
+            if self.grammars is None:
+                raise RuntimeError("this model runner was built without a grammar compiler (worker/build.py)")
+            st.grammar = self.grammars.matcher(st.sampling_params.structured_outputs, st.sampling_params.stop_ids)
+        return st.grammar
 
     def _pending_penalty_tokens(self, seqs: list[ScheduledRequest], rows: list[SampleRow]) -> None:
         """Async scheduling: a penalized request that ran ahead samples while its last token is a placeholder
@@ -474,6 +478,9 @@ class ModelRunner:
                                        self.requests.generator(s.request_id)),
                              [] if s.draft_placeholders else s.draft_token_ids)
                   for s, st in zip(seqs, states)]
+        for c, st in zip(checks, states):
+            if st.structured:  # a mask per row, each after the drafts before it
+                c.grammar_rows = self._grammar(st).draft_bitmasks(st.output_token_ids, c.drafts)
         logits = self.model.compute_logits(hidden)
         if any(s.draft_placeholders for s in seqs):
             keep, row = [], 0
@@ -494,7 +501,12 @@ class ModelRunner:
                  if s.propose_k and s.request_id in out.sampled_token_ids]
         if items:
             t0 = time.perf_counter()
-            out.draft_token_ids.update(self.proposer.propose_batch(self, items))
+            drafts = self.proposer.propose_batch(self, items)
+            for rid, d in drafts.items():
+                st = self.requests[rid]
+                if st.structured:  # cut at the first token its grammar refuses: it could never be accepted
+                    drafts[rid] = self._grammar(st).valid_drafts(st.output_token_ids, d)
+            out.draft_token_ids.update((rid, d) for rid, d in drafts.items() if d)
             out.propose_seconds = time.perf_counter() - t0
             out.catch_up_seconds = getattr(self.proposer, "catch_up_seconds", 0.0)
 
