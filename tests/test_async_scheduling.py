@@ -123,6 +123,8 @@ def test_config(llama_dir):
     with pytest.raises(ValueError, match="async_scheduling does not run with speculative decoding"):
         make_llm(llama_dir, async_scheduling=True,
                  speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="async_scheduling does not run with pipeline parallelism"):
+        make_llm(llama_dir, async_scheduling=True, pipeline_parallel_size=2, allow_cpu_oversubscription=True)
 
 
 def test_generate_leaves_no_step_in_flight(llama_dir):

@@ -97,6 +97,28 @@ def test_more_ranks_than_kv_heads_replicates_them(model_dirs, expected):
         close(llm)
 
 
+# penalties strong enough that a rank counting a stale placeholder instead of a token picks that token again
+PENALIZED = SamplingParams(temperature=0, max_tokens=24, repetition_penalty=3.0, presence_penalty=2.0, ignore_eos=True)
+
+
+def test_async_scheduling_with_tensor_parallelism_gives_the_single_process_tokens(model_dirs, expected):
+    """Every rank leaves its step's tokens on its device and collects them after the next step: a worker that did
+    not would count placeholder tokens in its penalties (and its grammar) and sample apart from rank 0."""
+    path = model_dirs["llama"][0]
+    prompts = [{"prompt_token_ids": p} for p in DISTINCT[:3]]
+    plain = make_llm(path, **ENGINE)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, PENALIZED, use_tqdm=False)]
+    close(plain)
+    llm = make_llm(path, tensor_parallel_size=2, async_scheduling=True, **ENGINE)
+    try:
+        assert llm.llm_engine.core.config.async_scheduling
+        assert run(llm) == expected["llama"]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, PENALIZED, use_tqdm=False)] == want
+        assert llm.llm_engine.core.scheduler.num_run_ahead > 0
+    finally:
+        close(llm)
+
+
 def _worker_pids(llm) -> list[int]:
     return [p.pid for _, p in llm.llm_engine.core.executor.procs]
 

@@ -230,7 +230,7 @@ class EngineConfig:
     async_scheduling: bool | None = option(
         None, "overlap the host with the device: step N+1 is scheduled and its inputs prepared while step N runs, "
         "its decode inputs filled in on the device from step N's tokens (vLLM's async scheduling). Default: on "
-        "with CUDA where it applies (one rank, no speculation); on a CPU "
+        "with CUDA where it applies (no speculation, no pipeline parallelism); on a CPU "
         "the model runs on the host's own thread, so there is nothing to overlap")
     skip_tokenizer_init: bool = option(False, "load no tokenizer (token-id prompts only)")
     revision: str | None = option(None, "accepted for vLLM compatibility; models load from local directories")
@@ -336,7 +336,7 @@ class EngineConfig:
 
     def _resolve_async_scheduling(self, model_config: ModelConfig) -> None:
         blockers = [why for why, on in (
-            ("tensor or pipeline parallelism", self.world_size > 1),
+            ("pipeline parallelism", self.pipeline_parallel_size > 1),
             ("speculative decoding", bool(self.speculative_config)),
             # 0 (automatic) just stays off (core.py); a GPU ignores bursts (the CPU's one-call step runs them)
             ("num_scheduler_steps > 1", self.num_scheduler_steps > 1 and self.device != "cuda")) if on]

@@ -3,7 +3,7 @@
 worker idles on a socket read between steps instead of on a collective with a timeout, and a dead peer is
 an EOF at once.
 
-    driver -> worker:  Step(SchedulerOutput) | Release(request ids) | Shutdown
+    driver -> worker:  Step(SchedulerOutput, defer_tokens) | Release(request ids) | Shutdown
     worker -> driver:  Hello(rank, versions) once; then, from the rank that samples on the last stage
                        (pipeline parallelism), one ModelRunnerOutput per Step; WorkerError before it exits
 """
@@ -29,6 +29,9 @@ class Hello:
 @dataclass
 class Step:
     sched: SchedulerOutput
+    # async scheduling (tensor parallelism): the step leaves its tokens on the device, as rank 0's does; the
+    # worker collects them after it has run the next step, as the engine does (engine/core.py)
+    defer_tokens: bool = False
 
 
 @dataclass

@@ -192,7 +192,7 @@ class MultiprocExecutor:
     def submit(self, sched) -> None:
         """Send the step to every worker and run rank 0's share (its sends queued, for pipeline stage 0)."""
         self._check()
-        self._broadcast(control.Step(sched))
+        self._broadcast(control.Step(sched, self.runner.defer_tokens))
         try:
             self._last = self.runner.execute(sched)
         except Exception as e:

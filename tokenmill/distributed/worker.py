@@ -53,10 +53,15 @@ def run_worker(args: WorkerArgs) -> None:
                                    shm_slot_bytes(cfg, mc, cfg.torch_dtype(mc)))
         runner = build_runner(cfg, mc, cfg.torch_dtype(mc), shard, link, agree=agree_min)
         reports = layout.rank == layout.result_rank and layout.pp_size > 1
+        deferred = None  # async scheduling: the step before's output, its tokens still on the device
         while True:
             msg = pickle.loads(conn.recv_bytes())
             if isinstance(msg, control.Step):
+                runner.defer_tokens = msg.defer_tokens
                 out = runner.execute(msg.sched)
+                if deferred is not None:  # its tokens replace their placeholders in this rank's states
+                    runner.collect(deferred.deferred, deferred)
+                deferred = out if out is not None and out.deferred is not None else None
                 if reports:
                     conn.send(out)
             elif isinstance(msg, control.Release):
