@@ -1,6 +1,8 @@
 """Sampler: seeds, filters, the softmax law, penalties, logprobs, stop rules."""
 import math
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -313,6 +315,59 @@ def test_allowed_token_ids_limit_each_row_only():
     for bad in ([], [-1], "5"):
         with pytest.raises(ValueError, match="allowed_token_ids"):
             SamplingParams(allowed_token_ids=bad)
+
+
+def test_bad_words_ban_a_words_last_token_only_after_its_first_ones():
+    from tokenmill.sample.sampler import bad_word_bans
+
+    words = ((5,), (7, 8), (1, 2, 3))
+    assert bad_word_bans(words, []) == [5]
+    assert bad_word_bans(words, [9, 7]) == [5, 8]
+    assert bad_word_bans(words, [1, 2]) == [5, 3]
+    assert bad_word_bans(words, [2, 1]) == [5]
+    raw = torch.randn(2, 12, generator=torch.Generator().manual_seed(0))
+    sp = replace(SamplingParams(temperature=0), bad_words_token_ids=words)
+    rows = [SampleRow(sp, [1], [4, 7], None), SampleRow(SamplingParams(temperature=0), [1], [7], None)]
+    assert not sp.argmax_only and sp.reads_output
+    adjusted = Sampler.adjusted_logits(raw, rows)
+    assert torch.isinf(adjusted[0]).nonzero().view(-1).tolist() == [5, 8] and torch.equal(adjusted[1], raw[1])
+    for bad in ([""], [3], "  "):
+        with pytest.raises(ValueError, match="bad_words"):
+            SamplingParams(bad_words=bad)
+
+
+def test_bad_words_through_the_engine_with_async_scheduling_and_speculation():
+    """The shipped model's greedy answer holds a word of one token ("I") and one of two (" Messenger"); banned,
+    neither comes out, and the output keeps the plain answer up to the first one. The two-token word's second
+    token is banned only after its first: async scheduling (where that first token may still be on the device)
+    and n-gram speculation give the same tokens."""
+    from tokenmill import LLM
+
+    llm = LLM(dtype="float32")
+    ref = llm.generate(["ROMEO:"], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]
+    proc, ids = llm.llm_engine.input_processor, list(ref.token_ids)
+    words = proc.bad_words_token_ids(["Messenger", "I"])
+    two = [w for w in words if len(w) == 2 and any(ids[i:i + 2] == list(w) for i in range(len(ids)))]
+    assert two and any(len(w) == 1 and w[0] in ids for w in words), (words, ids)
+    sp = [SamplingParams(temperature=0, max_tokens=40, bad_words=["Messenger", "I"]),
+          SamplingParams(temperature=0, max_tokens=40, bad_words=["Messenger"]),
+          SamplingParams(temperature=0.8, seed=3, max_tokens=40, bad_words=["Messenger"], repetition_penalty=1.2)]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    runs = [[list(o.outputs[0].token_ids) for o in LLM(dtype="float32", **kw).generate(["ROMEO:"] * 3, sp,
+                                                                                      use_tqdm=False)]
+            for kw in (dict(), dict(async_scheduling=True), dict(speculative_config=ngram))]
+    assert runs[0] == runs[1] == runs[2]
+    messenger = proc.bad_words_token_ids(["Messenger"])
+    for toks, banned in zip(runs[0], (words, messenger, messenger)):
+        assert not any(toks[i:i + len(w)] == list(w) for w in banned for i in range(len(toks))), toks
+    # only the pair is banned: the answer is the plain one through the pair's first token, then differs
+    at = next(i for i in range(len(ids)) if ids[i:i + 2] == list(two[0]))
+    assert runs[0][1][:at + 1] == ids[:at + 1] and runs[0][1][at + 1] != ids[at + 1]
+    first = ref.text.index("I")
+    assert llm.get_tokenizer().decode(runs[0][0]).startswith(ref.text[:first])
+    with pytest.raises(ValueError, match="bad_words"):
+        LLM(dtype="float32", skip_tokenizer_init=True).generate([{"prompt_token_ids": [5, 6]}], sp[0],
+                                                                 use_tqdm=False)
 
 
 def test_allowed_token_ids_through_the_engine_with_async_scheduling_and_speculation(llama_dir):

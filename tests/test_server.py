@@ -81,6 +81,22 @@ def test_completion_greedy_matches_offline(client, offline):
     assert resp.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
 
 
+def test_bad_words_match_offline(client, offline):
+    from tokenmill import SamplingParams
+
+    plain = offline.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    tok, ids = offline.get_tokenizer(), plain[0].outputs[0].token_ids
+    banned = offline.llm_engine.input_processor.bad_words_token_ids
+    # (the random model's text: a word of it that comes back as one of its tokens)
+    words = [next(w for w in (tok.decode([t]).strip() for t in ids) if w and any((t,) in banned([w]) for t in ids))]
+    want = offline.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=12, bad_words=words),
+                            use_tqdm=False)
+    resp = client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=12, temperature=0,
+                                     extra_body={"bad_words": words})
+    assert [c.text for c in resp.choices] == [w.outputs[0].text for w in want]
+    assert want[0].outputs[0].token_ids != ids  # the word was there
+
+
 def test_streaming_equals_non_streaming_with_usage(client):
     kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
     full = client.completions.create(**kw)
@@ -313,6 +329,8 @@ GOOD = {"model": MODEL, "prompt": "To be", "max_tokens": 2}
     ({**GOOD, "structured_outputs": {"pattern": "a+"}}, "structured_outputs"),
     ({**GOOD, "allowed_token_ids": [10**6]}, "allowed_token_ids"),
     ({**GOOD, "allowed_token_ids": []}, "allowed_token_ids"),
+    ({**GOOD, "bad_words": [""]}, "bad_words"),
+    ({**GOOD, "bad_words": "x"}, "bad_words"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
 ])
 def test_bad_values_get_400(server, body, param):

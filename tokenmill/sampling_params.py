@@ -71,8 +71,11 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last N tokens
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must match (sample/grammar.py)
     allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these ids
+    bad_words: list[str] | None = None  # vLLM's: words (each one or more tokens) the output never contains
     # Filled in by the engine from generation_config.json; not a user knob.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    # Filled in by the engine's tokenizer from bad_words: each word's token ids, as written and after a space
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -131,6 +134,11 @@ class SamplingParams:
                 not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
                 or any(type(t) is not int or t < 0 for t in self.allowed_token_ids)):
             raise bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if self.bad_words is not None and (not isinstance(self.bad_words, list)
+                                           or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise bad("bad_words", "must be a list of non-empty strings")
         if isinstance(self.structured_outputs, dict):  # as vLLM's offline API also takes it
             try:
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
@@ -167,9 +175,16 @@ class SamplingParams:
     @property
     def argmax_only(self) -> bool:
         """Whether an argmax of the raw logits is the whole sampler (once min_tokens is reached): greedy,
-        no logprobs, no penalties, no logit bias, no grammar, no allowed-token list."""
+        no logprobs, no penalties, no logit bias, no grammar, no allowed-token list, no bad words."""
         return (self.greedy and self.logprobs is None and not self.needs_penalties and not self.logit_bias
-                and self.structured_outputs is None and self.allowed_token_ids is None)
+                and self.structured_outputs is None and self.allowed_token_ids is None
+                and not (self.bad_words or self.bad_words_token_ids))
+
+    @property
+    def reads_output(self) -> bool:
+        """Whether its sampler reads the output tokens: penalties count them; a bad word of several tokens
+        is banned only after its first ones."""
+        return self.needs_penalties or any(len(w) > 1 for w in self.bad_words_token_ids)
 
     @property
     def stop_ids(self) -> list[int]:

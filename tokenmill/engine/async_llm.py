@@ -207,7 +207,8 @@ class AsyncLLM:
             args = (prompts, params, priority, time.time(), strict_max_tokens)
             if params.structured_outputs is not None:
                 await self._check_grammar(params.structured_outputs)
-            if params.structured_outputs is not None or any(_needs_tokenizer(p) for _, p in prompts):
+            if (params.structured_outputs is not None or params.bad_words
+                    or any(_needs_tokenizer(p) for _, p in prompts)):
                 processed = await self.run_tokenizer(self._process, *args)
             else:
                 processed = self._process(*args)

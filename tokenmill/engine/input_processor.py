@@ -161,6 +161,21 @@ class InputProcessor:
         if not all(type(t) is int for t in token_ids) or min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             raise ValueError(f"'prompt' token ids must be integers in [0, {self.vocab_size})")
 
+    def bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's token ids as it stands and after a space (as vLLM: a word mid-sentence is usually
+        tokenized with its space), the same sequence once."""
+        if self.tokenizer is None:
+            raise ValueError("'bad_words' need a tokenizer (skip_tokenizer_init=True was set)")
+        out: list[tuple[int, ...]] = []
+        for w in words:
+            for text in (w.lstrip(), " " + w.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in out:
+                    out.append(ids)
+        if any(t >= self.vocab_size for ids in out for t in ids):
+            raise ValueError(f"'bad_words' tokenize to ids past the model's vocabulary ({self.vocab_size})")
+        return tuple(out)
+
     def process(self, request_id: str, prompt, params: SamplingParams, arrival_time: float,
                 priority: int = 0) -> tuple[str | None, EngineCoreRequest]:
         """Returns the prompt text (if any) and the request for the core. Raises ValueError on bad input."""
@@ -190,6 +205,8 @@ class InputProcessor:
             raise ValueError(f"'allowed_token_ids' must be in [0, {self.vocab_size})")
         if params.structured_outputs is not None:  # compiled here to refuse a bad grammar before it is queued
             self.grammars.compile(params.structured_outputs)
+        if params.bad_words:
+            params = replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         params = replace(params, eos_token_ids=self.eos_token_ids)
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         return text, EngineCoreRequest(request_id, child_ids, ids, params, arrival_time, priority, items)

@@ -134,6 +134,36 @@ def apply_allowed_tokens(logits: torch.Tensor, idx: list[int], rows: list[Sample
     logits.index_copy_(0, at, logits.index_select(0, at).masked_fill(~keep.view(len(idx), vocab), float("-inf")))
 
 
+def bad_word_bans(words: tuple[tuple[int, ...], ...], tokens: list[int]) -> list[int]:
+    """The last token of each bad word whose other tokens end `tokens` (a one-token word: always)."""
+    out = []
+    for w in words:
+        n = len(w) - 1
+        if n == 0 or (len(tokens) >= n and tuple(tokens[-n:]) == w[:-1]):
+            out.append(w[-1])
+    return out
+
+
+def apply_bad_words(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """In place: the tokens that would complete one of a row's bad words get -inf, for all rows in one write.
+    Under async scheduling a row's last token may still be on the device (`SampleRow.pending`): a row with a
+    word of several tokens reads it there (a wait, as a grammar's), the only way to know what it completes."""
+    at_rows, at_ids = [], []
+    for i, r in enumerate(rows):
+        words = r.params.bad_words_token_ids
+        if not words:
+            continue
+        tokens = r.output_token_ids
+        if r.pending is not None and r.params.reads_output:
+            tokens = tokens + [int(r.pending[0])]
+        banned = [t for t in bad_word_bans(words, tokens) if t < logits.shape[-1]]
+        at_rows += [i] * len(banned)
+        at_ids += banned
+    if at_rows:
+        at = device_tensor([at_rows, at_ids], torch.int64, logits.device)
+        logits.index_put_((at[0], at[1]), logits.new_full((), float("-inf")))
+
+
 def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     """Stop ids get -inf until a row has its min_tokens, for all rows in one masked write."""
     at_rows, at_ids = [], []
@@ -222,17 +252,20 @@ class Sampler:
 
     @staticmethod
     def adjusted_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """Penalties, logit bias and min_tokens applied (to a copy: the caller's logits stay raw, and logprobs
-        are of them, as vLLM's default)."""
+        """Allowed tokens, bad words, logit bias, penalties, min_tokens and grammar masks applied (to a copy: the
+        caller's logits stay raw, and logprobs are of them, as vLLM's default)."""
         penalties = any(r.params.needs_penalties for r in rows)
         bias = any(r.params.logit_bias for r in rows)
         min_tokens = any(r.num_output_tokens < r.params.min_tokens for r in rows)
         masked = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
         allowed = [i for i, r in enumerate(rows) if r.params.allowed_token_ids]
-        if penalties or bias or min_tokens or masked or allowed:
+        bad_words = any(r.params.bad_words_token_ids for r in rows)
+        if penalties or bias or min_tokens or masked or allowed or bad_words:
             logits = logits.clone()
             if allowed:
                 apply_allowed_tokens(logits, allowed, rows)
+            if bad_words:
+                apply_bad_words(logits, rows)
             if bias:  # before the penalties, as vLLM (a repetition penalty scales the biased logit)
                 apply_logit_bias(logits, rows)
             apply_penalties(logits, rows)

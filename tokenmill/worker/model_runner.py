@@ -434,11 +434,12 @@ class ModelRunner:
         return st.grammar
 
     def _pending_penalty_tokens(self, seqs: list[ScheduledRequest], rows: list[SampleRow]) -> None:
-        """Async scheduling: a penalized request that ran ahead samples while its last token is a placeholder
-        (the step before has not sent it back): its row counts that token from the device instead."""
+        """Async scheduling: a request whose sampler reads its output (penalties, bad words of several tokens) and
+        that ran ahead samples while its last token is a placeholder (the step before has not sent it back): its
+        row takes that token from the device instead."""
         for s, row in zip(seqs, rows):
             pending = self._pending.get(s.request_id)
-            if pending is not None and row.params.needs_penalties:
+            if pending is not None and row.params.reads_output:
                 step, src, slot = pending
                 ids = row.output_token_ids
                 # the placeholder is the last token (a request runs ahead of one step only): anything else would

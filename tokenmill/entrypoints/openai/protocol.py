@@ -144,6 +144,7 @@ class _SamplingFields(OpenAIBase):
     # {"json_object": true}, and its older guided_* fields (one of them per request)
     structured_outputs: dict[str, Any] | None = None
     allowed_token_ids: list[TokenId] | None = None  # vLLM's: sample only among these
+    bad_words: Annotated[list[StrictStr], Field(max_length=256)] | None = None  # vLLM's: words never in the output
     guided_json: dict[str, Any] | StrictStr | None = None
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None

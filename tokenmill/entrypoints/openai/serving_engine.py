@@ -175,7 +175,8 @@ class ServingBase:
                   ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs,
                   prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
                   skip_special_tokens=req.skip_special_tokens,
-                  structured_outputs=requested_grammar(req, tool_grammar), allowed_token_ids=req.allowed_token_ids)
+                  structured_outputs=requested_grammar(req, tool_grammar), allowed_token_ids=req.allowed_token_ids,
+                  bad_words=req.bad_words)
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
             v = getattr(req, name)
