@@ -76,6 +76,16 @@ async def _scenario() -> None:
             await _read_all(engine, "fails-before-read")
         assert "fails-before-read" not in engine.streams
 
+        # a request the core cannot decode (a field of the wrong type got past validation) fails alone, with an
+        # internal error, and the engine serves on
+        broken = SamplingParams(temperature=0, max_tokens=4)
+        broken.ignore_eos = "yes"
+        engine.add_request("undecodable", "ROMEO:", broken)
+        with pytest.raises(RuntimeError, match="could not read the request"):
+            await _read_all(engine, "undecodable")
+        engine.add_request("after-undecodable", "ROMEO:", GREEDY)
+        assert await _read_all(engine, "after-undecodable") == expected
+
         # a sink gets the same outputs from the output loop, and the stream is dropped when it finishes
         engine.add_request("sink", "ROMEO:", GREEDY)
         engine.attach_sink("sink", sink := _Sink())

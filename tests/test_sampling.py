@@ -386,3 +386,32 @@ def test_allowed_token_ids_through_the_engine_with_async_scheduling_and_speculat
     assert set(runs[0][0]) <= set(allowed) and set(runs[0][2]) <= set(allowed[:2])
     with pytest.raises(ValueError, match="allowed_token_ids"):
         make_llm(llama_dir).generate(prompts[:1], SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_best_token():
+    raw = torch.randn(2, 40, generator=torch.Generator().manual_seed(1))
+    rows = [SampleRow(SamplingParams(temperature=1.0, top_p=1e-300, seed=s), [1], [], None) for s in (1, 2)]
+    for _ in range(3):
+        assert Sampler()(raw, rows).token_ids == raw.argmax(-1).tolist()
+
+
+def test_constraints_that_leave_no_token_end_the_request_with_a_stop_token(llama_dir):
+    """allowed_token_ids that bad words (or min_tokens) ban entirely: the row gets its stop tokens back instead of
+    sampling from all -inf (token 0, or NaN); without a stop token (ignore_eos) it is left alone. Through the
+    engine a grammar that the allowed list contradicts ends the request at once, never with a token outside
+    the list."""
+    raw = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
+    both = replace(SamplingParams(temperature=0, allowed_token_ids=[7], stop_token_ids=[9]),
+                   bad_words_token_ids=((7,),))
+    ok = SamplingParams(temperature=0.7, seed=1, allowed_token_ids=[7, 8], stop_token_ids=[9])
+    no_stop = replace(SamplingParams(temperature=0, allowed_token_ids=[7], ignore_eos=True),
+                      bad_words_token_ids=((7,),))
+    adjusted = Sampler.adjusted_logits(raw, [SampleRow(p, [1], [], None) for p in (both, ok, no_stop)])
+    assert torch.isfinite(adjusted[0]).nonzero().view(-1).tolist() == [9]
+    assert torch.isfinite(adjusted[1]).nonzero().view(-1).tolist() == [7, 8]
+    assert not torch.isfinite(adjusted[2]).any()
+    llm = make_llm(llama_dir)
+    eos = llm.llm_engine.input_processor.eos_token_ids[0]
+    sp = SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=[5, 6], structured_outputs={"regex": "abc"})
+    out = llm.generate([{"prompt_token_ids": [3, 4, 5]}], sp, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [eos] and out.finish_reason == "stop"

@@ -330,12 +330,25 @@ GOOD = {"model": MODEL, "prompt": "To be", "max_tokens": 2}
     ({**GOOD, "allowed_token_ids": [10**6]}, "allowed_token_ids"),
     ({**GOOD, "allowed_token_ids": []}, "allowed_token_ids"),
     ({**GOOD, "bad_words": [""]}, "bad_words"),
+    # wrong types inside structured_outputs once took the engine core down (its message decoder refused them)
+    ({**GOOD, "structured_outputs": {"regex": "a", "disable_any_whitespace": "x"}}, "structured_outputs"),
+    ({**GOOD, "structured_outputs": {"regex": "a", "disable_any_whitespace": 1}}, "structured_outputs"),
+    ({**GOOD, "structured_outputs": {"regex": "a", "json_object": 0}}, "structured_outputs"),
+    ({**GOOD, "structured_outputs": {"regex": "a", "grammar": 0}}, "structured_outputs"),
     ({**GOOD, "bad_words": "x"}, "bad_words"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
 ])
 def test_bad_values_get_400(server, body, param):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     _assert_error(post(server, path, body), 400, param)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("grammar", [{"json_object": True, "disable_any_whitespace": None},
+                                     {"regex": "ab+", "json_object": None, "disable_any_whitespace": False}])
+def test_structured_outputs_take_nulls_for_unset_fields(server, grammar):
+    r = post(server, "/v1/completions", {**GOOD, "max_tokens": 6, "structured_outputs": grammar})
+    assert r.status_code == 200, r.text
 
 
 def test_openai_edges_as_vllm_answers_them(server):

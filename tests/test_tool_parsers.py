@@ -132,3 +132,52 @@ def test_required_calls_take_pydantic_style_defs_and_lenient_json():
         ForcedToolCalls(clash, "required")
     calls = forced.calls('[{"name": "temp", "parameters": {"unit": "C\x10"}}]')
     assert calls and json.loads(calls[0]["function"]["arguments"]) == {"unit": "C\x10"}
+
+
+def test_schemas_with_definitions_and_malformed_tools_or_choices():
+    """"required" hoists `definitions` as it does `$defs` (#/definitions/A resolves at the root); a `$defs`
+    that is no object, a tool_choice whose name is no string, and a tool name that is no UTF-8 text are 400s,
+    not 500s."""
+    import xgrammar
+
+    from test_structured_outputs import SHIPPED
+    from tokenmill.entrypoints.openai.errors import APIError
+    from tokenmill.entrypoints.openai.structured import ForcedToolCalls
+    from tokenmill.sample.grammar import GrammarCompiler
+    from tokenmill.tokenizer import load_tokenizer
+
+    params = {"type": "object", "definitions": {"A": {"type": "string", "enum": ["x", "y"]}},
+              "required": ["a"], "properties": {"a": {"$ref": "#/definitions/A"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    compiled = GrammarCompiler(load_tokenizer(str(SHIPPED)), 4096).compile(ForcedToolCalls(tools, "required").grammar)
+    assert xgrammar.GrammarMatcher(compiled).accept_string('[{"name": "f", "parameters": {"a": "y"}}]')
+    assert not xgrammar.GrammarMatcher(compiled).accept_string('[{"name": "f", "parameters": {"a": "z"}}]')
+    for bad_tools, choice, field in (
+            ([{"type": "function", "function": {"name": "f", "parameters": {"$defs": "x"}}}], "required", "tools"),
+            ([{"type": "function", "function": {"name": "f", "parameters": {"$defs": [1]}}}], "required", "tools"),
+            (tools, {"type": "function", "function": {"name": ["f"]}}, "tool_choice"),
+            (tools, {"type": "function", "function": {"name": {"f": 1}}}, "tool_choice"),
+            ([{"type": "function", "function": {"name": "\ud83d"}}], "required", "tools")):
+        with pytest.raises(APIError) as e:
+            ForcedToolCalls(bad_tools, choice)
+        assert e.value.status == 400 and e.value.param == field
+
+
+def test_a_lone_surrogate_escape_in_a_call_still_gives_utf8_text():
+    """A model that writes half a surrogate pair as a JSON escape: the arguments keep it as an ASCII escape (the
+    response must be UTF-8); a name that holds one is no call, its text stays content."""
+    for parser, key in ((HermesParser(), "arguments"), (Llama3JsonParser(), "parameters")):
+        call = '{"name": "get", "%s": {"q": "\\ud83d ok \u00e9"}}' % key
+        text = f"<tool_call>{call}</tool_call>" if isinstance(parser, HermesParser) else call
+        content, calls = parser.extract(text)
+        args = calls[0]["function"]["arguments"]
+        args.encode("utf-8")
+        assert json.loads(args) == {"q": "\ud83d ok \u00e9"} and "\u00e9" in args
+        bad_name = text.replace('"get"', '"\\udc00"')
+        assert parser.extract(bad_name) == (bad_name, [])
+    from tokenmill.entrypoints.openai.structured import ForcedToolCalls
+
+    forced = ForcedToolCalls([{"type": "function", "function": {"name": "get"}}], "required")
+    assert json.loads(forced.calls('[{"name": "get", "parameters": {"q": "\\udc00"}}]')[0]["function"]["arguments"]) \
+        == {"q": "\udc00"}
+    assert forced.calls('[{"name": "\\udc00", "parameters": {}}]') is None

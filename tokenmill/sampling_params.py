@@ -23,7 +23,12 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False  # JSON: no whitespace but xgrammar's default separators
 
     def __post_init__(self) -> None:
-        set_ = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        for flag in ("json_object", "disable_any_whitespace"):  # (null, as clients send unset fields: false)
+            if getattr(self, flag) is None:
+                setattr(self, flag, False)
+            elif type(getattr(self, flag)) is not bool:
+                raise ValueError(f"invalid sampling parameter 'structured_outputs': '{flag}' must be true or false")
+        set_ = [k for k in _STRUCTURED_KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
         if len(set_) != 1:
             raise ValueError("invalid sampling parameter 'structured_outputs': set exactly one of "
                              f"{', '.join(_STRUCTURED_KINDS)} (got {', '.join(set_) or 'none'})")
@@ -44,7 +49,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) is not None and getattr(self, k) is not False)
 
 
 @dataclass

@@ -78,7 +78,25 @@ class CoreProc:
                 frame = self.inp.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._handle(self.dec.decode(frame.buffer))
+            try:
+                msg = self.dec.decode(frame.buffer)
+            except msgspec.ValidationError as e:  # a field of a type the API side let through: that request fails,
+                self._refuse_undecodable(frame.buffer, e)  # not the engine
+                continue
+            self._handle(msg)
+
+    def _refuse_undecodable(self, buf, error: Exception) -> None:
+        """A request the core cannot decode is refused under its ids (read from the untyped message), so its
+        caller gets an error instead of waiting forever; anything else undecodable is logged and dropped."""
+        logger.error("engine core: a message it cannot decode: %s", error)
+        try:
+            raw = msgspec.msgpack.decode(buf)
+            child_ids = [str(c) for c in raw["request"][1]] if raw.get("type") == "add" else []
+        except Exception:  # (the message is malformed beyond its types: nothing to answer)
+            return
+        if child_ids:
+            msg = f"{INTERNAL_ERROR_PREFIX}the engine could not read the request: {error}"
+            self._send(CoreOutputs([], self.core.stats(), errors={c: msg for c in child_ids}))
 
     def _handle(self, msg) -> None:
         core = self.core

@@ -180,6 +180,24 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
         logits.index_put_((at[0], at[1]), logits.new_full((), float("-inf")))  # made on the device: no copy
 
 
+def stop_where_nothing_is_left(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """In place: a row whose constraints leave no token (allowed_token_ids that a grammar, bad words or
+    min_tokens ban entirely) gets its stop tokens back, so the request ends there instead of sampling from an
+    all -inf row (token 0 for greedy, NaN for sampling). On the device, without reading it: the rows are picked
+    by a mask the host never sees. A row with no stop token (ignore_eos) is left as it is."""
+    at_rows, at_ids = [], []
+    for i, r in enumerate(rows):
+        stops = [t for t in r.params.stop_ids if t < logits.shape[-1]]
+        at_rows += [i] * len(stops)
+        at_ids += stops
+    if not at_rows:
+        return
+    at = device_tensor([at_rows, at_ids], torch.int64, logits.device)
+    dead = torch.isneginf(logits).all(dim=-1)
+    current = logits[at[0], at[1]]
+    logits.index_put_((at[0], at[1]), torch.where(dead[at[0]], torch.zeros_like(current), current))
+
+
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                   use_k: bool, use_p: bool, use_min_p: bool) -> torch.Tensor:
     """Mask excluded tokens with -inf. top_k 0 = off, top_p 1 = off, min_p 0 = off (per row)."""
@@ -194,7 +212,8 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
             probs = sorted_logits.softmax(dim=-1)
             # keep the smallest prefix whose mass reaches top_p (the first token always stays)
             mass_before = probs.cumsum(dim=-1) - probs
-            mask |= mass_before >= top_p.unsqueeze(1)
+            # (the first token stays: a top_p that rounds to 0 in float32, 1e-300, would mask every token)
+            mask[:, 1:] |= mass_before[:, 1:] >= top_p.unsqueeze(1)
         logits = logits.scatter(1, idx, sorted_logits.masked_fill(mask, float("-inf")))
     if use_min_p:
         probs = logits.softmax(dim=-1)
@@ -272,6 +291,8 @@ class Sampler:
             apply_min_tokens(logits, rows)
             if masked:
                 apply_token_masks(logits, masked, [rows[i].token_bitmask for i in masked])
+            if masked or allowed or bad_words or min_tokens:
+                stop_where_nothing_is_left(logits, rows)
         return logits
 
     @staticmethod

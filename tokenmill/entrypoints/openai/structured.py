@@ -60,7 +60,7 @@ def _functions(tools: list[dict]) -> dict[str, dict]:
     out = {}
     for tool in tools:
         fn = tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not _is_text(fn["name"]):
             raise APIError(400, "each tool must be {'type': 'function', 'function': {'name': ..., 'parameters': "
                                 "...}}", "tools")
         params = fn.get("parameters")
@@ -70,20 +70,36 @@ def _functions(tools: list[dict]) -> dict[str, dict]:
     return out
 
 
+def _is_text(name: str) -> bool:
+    """Non-empty and UTF-8 (no lone surrogate, which a JSON escape can make and no response could carry)."""
+    try:
+        return bool(name) and bool(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        return False
+
+
+_DEF_KEYS = ("$defs", "definitions")  # where schemas keep what "#/$defs/Name" and "#/definitions/Name" refer to
+
+
 def _hoist_defs(functions: dict[str, dict]) -> dict:
-    """The tools' `$defs` (pydantic's schemas refer to them as #/$defs/Name), moved to the root of the combined
-    schema, where those references resolve; two tools that define one name differently are a 400 (as vLLM)."""
-    defs: dict = {}
+    """The tools' `$defs` and `definitions` (pydantic's schemas refer to them as #/$defs/Name, older ones as
+    #/definitions/Name), moved to the root of the combined schema, where those references resolve; two tools
+    that define one name differently are a 400 (as vLLM)."""
+    hoisted: dict = {}
     for name, params in functions.items():
-        own = params.get("$defs")
-        if not own:
-            continue
-        functions[name] = {k: v for k, v in params.items() if k != "$defs"}
-        for key, value in own.items():
-            if defs.setdefault(key, value) != value:
-                raise APIError(400, f"tools define '$defs/{key}' differently; 'required' puts every tool's "
-                                    "definitions in one schema", "tools")
-    return defs
+        for where in _DEF_KEYS:
+            own = params.get(where)
+            if own is None:
+                continue
+            if not isinstance(own, dict):
+                raise APIError(400, f"tool {name!r}: '{where}' must be an object of schemas", "tools")
+            functions[name] = params = {k: v for k, v in params.items() if k != where}
+            defs = hoisted.setdefault(where, {})
+            for key, value in own.items():
+                if defs.setdefault(key, value) != value:
+                    raise APIError(400, f"tools define '{where}/{key}' differently; 'required' puts every tool's "
+                                        "definitions in one schema", "tools")
+    return hoisted
 
 
 class ForcedToolCalls:
@@ -98,11 +114,11 @@ class ForcedToolCalls:
             items = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
                       "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p}}
                      for n, p in functions.items()]
-            schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}, **({"$defs": defs} if defs else {})}
+            schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}, **defs}
         else:
             fn = tool_choice.get("function") if tool_choice.get("type") == "function" else None
             self.name = fn.get("name") if isinstance(fn, dict) else None
-            if self.name not in functions:
+            if not isinstance(self.name, str) or self.name not in functions:
                 raise APIError(400, f"tool_choice names function {self.name!r}, which is not in 'tools'", "tool_choice")
             schema = functions[self.name]
         # compact JSON, as OpenAI's arguments come (and no room for a model to pad a call with whitespace)

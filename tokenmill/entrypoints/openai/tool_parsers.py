@@ -14,10 +14,20 @@ import uuid
 
 
 def call_dict(name: str, arguments) -> dict:
-    # (allow_nan=False: a number past float range, 1e999, would come out as Infinity, which is not JSON)
-    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    """A call as OpenAI's message carries it. ValueError for a name that is not text (a lone surrogate: the
+    model wrote a half escape, "\\ud83d", which JSON decodes to a character UTF-8 cannot hold)."""
+    name.encode("utf-8")  # (UnicodeEncodeError is a ValueError)
+    args = arguments if isinstance(arguments, str) else _json_text(arguments)
     return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
             "function": {"name": name, "arguments": args}}
+
+
+def _json_text(value) -> str:
+    """JSON text that UTF-8 can carry: as written, but a lone surrogate (only ever inside a string) as its JSON
+    escape, which backslashreplace writes. (allow_nan=False: a number past float range, 1e999, would come out as
+    Infinity, which is not JSON: a ValueError.)"""
+    text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _call_from_json(text: str, args_key: str) -> dict | None:
@@ -32,7 +42,7 @@ def _call_from_obj(obj, args_key: str) -> dict | None:
         return None
     try:
         return call_dict(obj["name"], obj.get(args_key, obj.get("arguments", {})))
-    except ValueError:  # arguments that cannot be JSON again (1e999)
+    except ValueError:  # arguments that cannot be JSON again (1e999), a name that is not text
         return None
 
 
