@@ -415,3 +415,12 @@ def test_constraints_that_leave_no_token_end_the_request_with_a_stop_token(llama
     sp = SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=[5, 6], structured_outputs={"regex": "abc"})
     out = llm.generate([{"prompt_token_ids": [3, 4, 5]}], sp, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == [eos] and out.finish_reason == "stop"
+
+
+def test_extreme_repetition_penalties_keep_the_row_finite():
+    raw = torch.randn(1, 30, generator=torch.Generator().manual_seed(4))
+    for rp in (1e-40, 1e40):
+        row = SampleRow(SamplingParams(temperature=0.8, seed=1, repetition_penalty=rp), [1, 2], [3], None)
+        adjusted = Sampler.adjusted_logits(raw, [row])
+        assert torch.isfinite(adjusted).all()
+        assert Sampler.probs(adjusted, [row]).isfinite().all()

@@ -330,6 +330,7 @@ GOOD = {"model": MODEL, "prompt": "To be", "max_tokens": 2}
     ({**GOOD, "allowed_token_ids": [10**6]}, "allowed_token_ids"),
     ({**GOOD, "allowed_token_ids": []}, "allowed_token_ids"),
     ({**GOOD, "bad_words": [""]}, "bad_words"),
+    ({**GOOD, "logit_bias": {"1_0": 1}}, "logit_bias"),
     # wrong types inside structured_outputs once took the engine core down (its message decoder refused them)
     ({**GOOD, "structured_outputs": {"regex": "a", "disable_any_whitespace": "x"}}, "structured_outputs"),
     ({**GOOD, "structured_outputs": {"regex": "a", "disable_any_whitespace": 1}}, "structured_outputs"),

@@ -191,11 +191,11 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
         gc.collect()
         gc.freeze()
         proc.run()
-    except BaseException:
+    except BaseException as e:
         logger.error("engine core died:\n%s", traceback.format_exc())
         if proc is not None:
-            try:
-                proc._send(CoreDead(traceback.format_exc(limit=3)))
+            try:  # the reason without the traceback: clients see it (the log has the rest)
+                proc._send(CoreDead(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"))
                 time.sleep(0.1)
             except Exception:
                 pass

@@ -48,6 +48,8 @@ class SamplerOutput:
 # temperatures above this sample as this (already uniform over the unmasked tokens to a fraction of a percent);
 # past float32's (or bfloat16's) range it would be inf, and a masked -inf logit over inf is NaN
 MAX_TEMPERATURE = 1e4
+# a repetition penalty acts at most as this (or its inverse): a logit divided by 1e-40 would be inf, and the row NaN
+MAX_REPETITION_PENALTY = 1e3
 PENALTY_ROWS = 32  # rows penalized at once: bounds the [rows, vocab] temporaries (~15 bytes a logit)
 
 
@@ -78,8 +80,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
 
 def _penalize(logits: torch.Tensor, idx: list[int], sub: list[SampleRow]) -> None:
     n, vocab, dev = len(sub), logits.shape[-1], logits.device
-    floats = device_tensor([[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty]
-                            for r in sub], torch.float32, dev)
+    floats = device_tensor([[min(max(r.params.repetition_penalty, 1 / MAX_REPETITION_PENALTY), MAX_REPETITION_PENALTY),
+                             r.params.frequency_penalty, r.params.presence_penalty] for r in sub], torch.float32, dev)
     rep, freq, pres = floats.unsqueeze(2).unbind(1)  # [n, 1] each
     out = to_device(flat_token_positions([r.output_token_ids for r in sub], vocab), dev)
     counts = torch.zeros(n * vocab, dtype=torch.float32, device=dev)

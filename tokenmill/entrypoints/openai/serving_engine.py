@@ -167,6 +167,8 @@ class ServingBase:
         bias = None
         if req.logit_bias:  # OpenAI's: token ids as strings, biases clamped to [-100, 100] (as vLLM); the engine
             try:  # refuses ids outside the vocabulary
+                if not all(t.isascii() and t.isdigit() for t in req.logit_bias):  # ("1_0" and " 1" are int()s)
+                    raise ValueError
                 bias = {int(t): min(max(b, -100.0), 100.0) for t, b in req.logit_bias.items()}
             except ValueError:
                 raise APIError(400, "'logit_bias' keys must be token ids", "logit_bias") from None
