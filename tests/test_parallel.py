@@ -119,6 +119,25 @@ def test_async_scheduling_with_tensor_parallelism_gives_the_single_process_token
         close(llm)
 
 
+def test_other_ranks_compile_a_grammar_before_its_first_step(model_dirs, capfd):
+    """The engine compiles a structured request's grammar on a thread before the request is scheduled; the
+    worker ranks that sample are told to do the same when it arrives, instead of compiling in its first step."""
+    import logging
+
+    log = logging.getLogger("tokenmill")
+    level = log.level
+    log.setLevel(logging.DEBUG)  # the workers take the engine's level
+    try:
+        llm = make_llm(model_dirs["llama"][0], tensor_parallel_size=2, **ENGINE)
+    finally:
+        log.setLevel(level)
+    try:
+        llm.generate([{"prompt_token_ids": DISTINCT[0]}], REGEX, use_tqdm=False)
+        assert "rank 1: grammar compiled ahead of its request's steps" in capfd.readouterr().err
+    finally:
+        close(llm)
+
+
 def _worker_pids(llm) -> list[int]:
     return [p.pid for _, p in llm.llm_engine.core.executor.procs]
 

@@ -3,7 +3,7 @@
 worker idles on a socket read between steps instead of on a collective with a timeout, and a dead peer is
 an EOF at once.
 
-    driver -> worker:  Step(SchedulerOutput, defer_tokens) | Release(request ids) | Shutdown
+    driver -> worker:  Step(SchedulerOutput, defer_tokens) | Release(request ids) | Precompile(grammar) | Shutdown
     worker -> driver:  Hello(rank, versions) once; then, from the rank that samples on the last stage
                        (pipeline parallelism), one ModelRunnerOutput per Step; WorkerError before it exits
 """
@@ -37,6 +37,13 @@ class Step:
 @dataclass
 class Release:
     request_ids: list[str]
+
+
+@dataclass
+class Precompile:
+    """A structured-output request arrived: the ranks that sample compile its grammar now, on a thread, as
+    rank 0 does (engine/grammar_wait.py), rather than in the request's first step, which would stall it."""
+    spec: object  # sampling_params.StructuredOutputsParams
 
 
 @dataclass

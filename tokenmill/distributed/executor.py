@@ -213,6 +213,10 @@ class MultiprocExecutor:
             raise self._fail(None, f"worker rank {msg.rank} failed: {msg.message}")
         return msg
 
+    def precompile(self, spec) -> None:
+        """A structured-output request's grammar, compiled ahead by every other rank that samples."""
+        self._broadcast(control.Precompile(spec))
+
     def release_requests(self, request_ids) -> None:
         self.runner.release_requests(request_ids)
         if request_ids:

@@ -15,7 +15,9 @@ import pickle
 import struct
 import sys
 import threading
+import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tokenmill.distributed.layout import ParallelLayout
@@ -54,6 +56,7 @@ def run_worker(args: WorkerArgs) -> None:
         runner = build_runner(cfg, mc, cfg.torch_dtype(mc), shard, link, agree=agree_min)
         reports = layout.rank == layout.result_rank and layout.pp_size > 1
         deferred = None  # async scheduling: the step before's output, its tokens still on the device
+        precompiling = None  # structured outputs: the thread that compiles grammars ahead of their steps
         while True:
             msg = pickle.loads(conn.recv_bytes())
             if isinstance(msg, control.Step):
@@ -66,6 +69,10 @@ def run_worker(args: WorkerArgs) -> None:
                     conn.send(out)
             elif isinstance(msg, control.Release):
                 runner.release_requests(msg.request_ids)
+            elif isinstance(msg, control.Precompile) and layout.is_last_stage:
+                if precompiling is None:
+                    precompiling = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-grammar")
+                precompiling.submit(_precompile, runner.grammars, msg.spec, layout.rank)
             elif isinstance(msg, control.Shutdown):
                 break
     except EOFError:
@@ -80,6 +87,19 @@ def run_worker(args: WorkerArgs) -> None:
         os._exit(1)  # no torch.distributed teardown: the peers may be gone
     conn.close()
     os._exit(0)
+
+
+def _precompile(grammars, spec, rank: int) -> None:
+    """The grammar into this rank's compiler cache (its failure is the engine's to report: rank 0 compiles it
+    too, and refuses the request)."""
+    t0 = time.perf_counter()
+    try:
+        grammars.compile(spec)
+    except Exception as e:
+        logger.debug("rank %d: a grammar failed to compile ahead: %s", rank, e)
+        return
+    logger.debug("rank %d: grammar compiled ahead of its request's steps in %.0f ms", rank,
+                 (time.perf_counter() - t0) * 1e3)
 
 
 def _exit_when_parent_dies(stdin) -> None:
