@@ -8,7 +8,8 @@ import httpx
 import pytest
 
 from server_fixtures import ServerProcess, tiny_model_dir  # noqa: F401  (fixture)
-from tokenmill.entrypoints.openai.tool_parsers import AutoToolCalls, HermesParser, Llama3JsonParser
+from tokenmill.entrypoints.openai.tool_parsers import (AutoToolCalls, HermesParser, Llama3JsonParser, MistralParser,
+                                                      PythonicParser)
 
 HERMES = [
     ("Let me look.\n<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Verona\"}}\n</tool_call>",
@@ -29,7 +30,29 @@ LLAMA3 = [
     ("{\"name\": \"q\", \"parameters\": {\"sql\": \"a; b\"}};{\"name\": \"r\", \"parameters\": {}}", "",
      [("q", {"sql": "a; b"}), ("r", {})]),  # a ";" inside a string does not split
 ]
-CASES = [("hermes", *c) for c in HERMES] + [("llama3_json", *c) for c in LLAMA3]
+PYTHONIC = [
+    ("[get_weather(city='Padua', days=2), now()]", "", [("get_weather", {"city": "Padua", "days": 2}), ("now", {})]),
+    ("<|python_start|>[f(a=[1, 2], b={'x': None, 'y': True})]<|python_end|>", "",
+     [("f", {"a": [1, 2], "b": {"x": None, "y": True}})]),
+    ("[f(1)]", "[f(1)]", []),  # positional arguments: not a call we can name
+    ("[os.system('ls')]", "[os.system('ls')]", []),  # attributes are never calls (nothing is run either way)
+    ("[f(a={1, 2})]", "[f(a={1, 2})]", []),  # a set has no JSON
+    ("Here: [f()]", "Here: [f()]", []),
+    ("[1, 2, 3]", "[1, 2, 3]", []),
+]
+MISTRAL = [
+    ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]', "",
+     [("f", {"a": 1}), ("g", {})]),
+    ('Sure. [TOOL_CALLS]f[ARGS]{"a": "b"}[TOOL_CALLS]g[ARGS]{}', "Sure.", [("f", {"a": "b"}), ("g", {})]),
+    ('[{"name": "f", "arguments": {"a": 1}}]', "", [("f", {"a": 1})]),  # the tag skipped as a special token
+    ("[1, 2]", "[1, 2]", []),
+    ("[TOOL_CALLS]oops", "[TOOL_CALLS]oops", []),
+    ("No calls [here].", "No calls [here].", []),
+]
+PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "pythonic": PythonicParser,
+           "mistral": MistralParser}
+CASES = ([("hermes", *c) for c in HERMES] + [("llama3_json", *c) for c in LLAMA3]
+         + [("pythonic", *c) for c in PYTHONIC] + [("mistral", *c) for c in MISTRAL])
 
 
 def _calls(calls: list[dict]) -> list[tuple[str, dict]]:
@@ -38,7 +61,7 @@ def _calls(calls: list[dict]) -> list[tuple[str, dict]]:
 
 @pytest.mark.parametrize("parser, text, content, calls", CASES)
 def test_whole_text_splits_into_content_and_calls(parser, text, content, calls):
-    p = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}[parser]()
+    p = PARSERS[parser]()
     got_content, got_calls = p.extract(text)
     assert got_content == content and _calls(got_calls) == calls
     assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function" for c in got_calls)
@@ -181,3 +204,15 @@ def test_a_lone_surrogate_escape_in_a_call_still_gives_utf8_text():
     assert json.loads(forced.calls('[{"name": "get", "parameters": {"q": "\\udc00"}}]')[0]["function"]["arguments"]) \
         == {"q": "\udc00"}
     assert forced.calls('[{"name": "\\udc00", "parameters": {}}]') is None
+
+
+def test_the_cli_offers_every_parser():
+    import argparse
+
+    from tokenmill.entrypoints.openai.cli_args import add_server_args
+    from tokenmill.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    choices = next(a.choices for a in parser._actions if a.dest == "tool_call_parser")
+    assert sorted(choices) == sorted(TOOL_PARSERS)

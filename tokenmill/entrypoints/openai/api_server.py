@@ -186,7 +186,8 @@ async def serve(args) -> int:
     config = EngineConfig(**engine_kwargs(args))
     chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, pythonic or "
+                         "mistral)")
     # like vLLM, the model argument is the default name; the shipped model gets its short name
     default = os.path.basename(DEFAULT_MODEL) if os.path.abspath(args.model) == DEFAULT_MODEL else args.model
     names = args.served_model_name or [default]

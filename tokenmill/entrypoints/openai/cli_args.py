@@ -37,9 +37,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="serve tool_choice 'auto' (OpenAI's default with tools): the model's own tool-call text is "
                         "read by --tool-call-parser into tool_calls")
-    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "pythonic", "mistral"],
                    help="the model family's tool-call format: hermes (Qwen 2.5 / 3, Hermes: <tool_call>{...}"
-                        "</tool_call>) or llama3_json (Llama 3.1 / 3.2: a JSON object with name and parameters)")
+                        "</tool_call>), llama3_json (Llama 3.1 / 3.2: a JSON object with name and parameters), "
+                        "pythonic (Llama 3.2 / 4: [f(a=1), g()]) or mistral ([TOOL_CALLS] and JSON calls)")
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     p.add_argument("--uvicorn-log-level", default="info",

@@ -3,12 +3,16 @@
 
     hermes       ...content <tool_call>{"name": "f", "arguments": {...}}</tool_call> ... (Qwen 2.5 / 3, Hermes)
     llama3_json  [<|python_tag|>]{"name": "f", "parameters": {...}}[; {...}]               (Llama 3.1 / 3.2)
+    pythonic     [<|python_start|>][f(a=1, b="x"), g()][<|python_end|>]                    (Llama 3.2 / 4)
+    mistral      ...content [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]           (Mistral, tokenizers
+                 ...content [TOOL_CALLS]f[ARGS]{...}[TOOL_CALLS]g[ARGS]{...}               before / from v11)
 
 Streaming: content streams as it comes, except text that may be the start of a call, which is held back;
 a call goes out whole (id, name, arguments) once its text is complete. A call that never completes (cut by
 max_tokens) goes out as content when the choice finishes."""
 from __future__ import annotations
 
+import ast
 import json
 import uuid
 
@@ -81,8 +85,29 @@ class HermesParser:
         return (content if not calls else buffer[:start]) + more_content, calls + more_calls, rest
 
 
-class Llama3JsonParser:
+class _LeadingCallsParser:
+    """A format whose calls, when there are any, are the whole output: text that could begin them (`starts`)
+    is held back until the output ends, then read whole; other text streams as content at once."""
+    starts: tuple[str, ...] = ()
+
+    def __init__(self):
+        self.texting = False  # content has gone out: the rest is content too (calls must come first)
+
+    def stream(self, buffer: str, finished: bool) -> tuple[str, list[dict], str]:
+        lead = buffer.lstrip()
+        maybe_call = lead.startswith(self.starts) or any(s.startswith(lead) for s in self.starts if lead)
+        if self.texting or (not maybe_call and lead):
+            self.texting = True
+            return buffer, [], ""
+        if not finished:
+            return "", [], buffer
+        content, calls = self.extract(buffer)
+        return content, calls, ""
+
+
+class Llama3JsonParser(_LeadingCallsParser):
     TAG = "<|python_tag|>"
+    starts = ("{", TAG)
 
     def extract(self, text: str) -> tuple[str, list[dict]]:
         body = text.strip()
@@ -103,19 +128,107 @@ class Llama3JsonParser:
                 pos += 1
         return "", calls
 
+
+
+class PythonicParser(_LeadingCallsParser):
+    """A Python list of calls with keyword arguments of literals (vLLM's "pythonic"). Read with `ast` (parsed,
+    never run): anything but calls of plain names with literal keyword values is text."""
+    START, END = "<|python_start|>", "<|python_end|>"
+    starts = ("[", START)
+
+    def extract(self, text: str) -> tuple[str, list[dict]]:
+        body = text.strip()
+        body = body[len(self.START):] if body.startswith(self.START) else body
+        body = body[:-len(self.END)] if body.endswith(self.END) else body
+        calls = _python_calls(body.strip())
+        return ("", calls) if calls else (text, [])
+
+
+def _python_calls(body: str) -> list[dict]:
+    if not body.startswith("["):
+        return []
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return []
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return []
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return []
+        try:
+            args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+            if len(args) != len(node.keywords):  # **kwargs
+                return []
+            calls.append(call_dict(node.func.id, args))
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):  # (TypeError: a set, bytes)
+            return []
+    return calls
+
+
+class MistralParser:
+    """[TOOL_CALLS] then a JSON list of {"name", "arguments"} (or one object), or name[ARGS]{json} per call
+    (each after its own [TOOL_CALLS]). [TOOL_CALLS] is a special token, left out of the text by
+    skip_special_tokens: an output that is a bare JSON call list reads the same. Content may come first."""
+    TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
     def __init__(self):
-        self.texting = False  # content has gone out: the rest is content too (calls must come first)
+        self.texting = False  # content has gone out: a bare call list can no longer come
+
+    def extract(self, text: str) -> tuple[str, list[dict]]:
+        start = text.find(self.TAG)
+        if start < 0:
+            body = text.strip()
+            calls = _json_calls(body) if body.startswith("[") else []
+            return ("", calls) if calls else (text, [])
+        body = text[start + len(self.TAG):].strip()
+        calls = _json_calls(body) if body.startswith(("[", "{")) else self._args_calls(body)
+        return (text[:start].strip(), calls) if calls else (text, [])
+
+    def _args_calls(self, body: str) -> list[dict]:
+        calls = []
+        for part in body.split(self.TAG):
+            name, sep, args = part.partition(self.ARGS)
+            if not sep or not name.strip():
+                return []
+            try:
+                calls.append(call_dict(name.strip(), json.loads(args, strict=False)))
+            except ValueError:  # not JSON, 1e999, a name that is not text
+                return []
+        return calls
 
     def stream(self, buffer: str, finished: bool) -> tuple[str, list[dict], str]:
-        lead = buffer.lstrip()
-        maybe_call = lead.startswith(("{", self.TAG)) or (self.TAG.startswith(lead) and lead)
-        if self.texting or (not maybe_call and lead):
+        start = buffer.find(self.TAG)
+        if start >= 0:  # content before the calls goes out; the calls are read once the output ends
             self.texting = True
+            if not finished:
+                return buffer[:start], [], buffer[start:]
+            content, calls = self.extract(buffer)
+            return (buffer[:start], calls, "") if calls else (buffer, [], "")
+        lead = buffer.lstrip()
+        if not self.texting and (lead.startswith("[") or not lead):  # a bare call list, or the tag's first half
+            if not finished:
+                return "", [], buffer
+            content, calls = self.extract(buffer)
+            return content, calls, ""
+        self.texting = True
+        if finished:
             return buffer, [], ""
-        if not finished:
-            return "", [], buffer
-        content, calls = self.extract(buffer)
-        return content, calls, ""
+        keep = _partial_suffix(buffer, self.TAG)
+        return buffer[:len(buffer) - keep], [], buffer[len(buffer) - keep:]
+
+
+def _json_calls(body: str) -> list[dict]:
+    """A JSON list of call objects, or one call object, with nothing after it; [] where it is not one."""
+    try:
+        obj, end = json.JSONDecoder(strict=False).raw_decode(body)
+    except ValueError:
+        return []
+    if body[end:].strip():
+        return []
+    calls = [_call_from_obj(o, "arguments") for o in (obj if isinstance(obj, list) else [obj])]
+    return calls if calls and all(c is not None for c in calls) else []
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -126,7 +239,8 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-TOOL_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+TOOL_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "pythonic": PythonicParser,
+                "mistral": MistralParser}
 
 
 class AutoToolCalls:
