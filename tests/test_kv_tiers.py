@@ -167,6 +167,38 @@ def test_disk_faults_a_read_or_a_store_must_not_hang_on_or_keep_repeating(tmp_pa
     d.check_invariants()
 
 
+def test_a_stat_that_hangs_costs_a_lookup_a_short_wait_not_the_engine(tmp_path, monkeypatch):
+    """Lookups run on the scheduler's thread. A block another engine wrote (not in this one's index) is found by
+    a stat, which runs on the tier's own thread: one that hangs (a dead network mount) is waited for briefly,
+    then lookups of unindexed blocks miss until it returns; indexed blocks are still found."""
+    other = DiskTier(str(tmp_path), 1 << 20, FP, SHAPE, DT)
+    d = DiskTier(str(tmp_path), 1 << 20, FP, SHAPE, DT)
+    other.put(_key(1), _block(1))
+    other.put(_key(2), _block(2))
+    d.put(_key(3), _block(3))
+    assert d.exists(_key(1))  # another engine's block, found by a stat
+    gate, real_stat = threading.Event(), os.stat
+
+    def hanging_stat(path, *a, **kw):
+        if threading.current_thread().name == "tokenmill-disk-stat":
+            gate.wait(30)
+        return real_stat(path, *a, **kw)
+    monkeypatch.setattr(disk_mod.os, "stat", hanging_stat)
+    t0 = time.monotonic()
+    assert not d.exists(_key(2))  # a miss after the short wait, not a hang
+    assert d.exists(_key(3)) and not d.exists(_key(2))  # indexed blocks still hit; no second stat is started
+    assert time.monotonic() - t0 < 5
+    d._lookups_off_until = 0.0  # the pause is over, but the hung stat has not returned: still no new one
+    assert not d.exists(_key(2))
+    gate.set()
+    deadline = time.monotonic() + 10
+    while not d._stat_running.done():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    d._lookups_off_until = 0.0
+    assert d.exists(_key(2))  # the mount is back
+
+
 def test_a_disk_tier_that_cannot_make_its_directory_starts_empty(tmp_path, caplog):
     (tmp_path / "file").write_text("not a directory")
     d = DiskTier(str(tmp_path / "file"), 1 << 20, FP, SHAPE, DT)  # the engine starts; the tier misses

@@ -9,17 +9,23 @@ so together they may hold up to the sum of their caps). Every failure is a miss 
   - a file gone missing makes the tier check its whole index (at most every few seconds), so that the blocks
     of a deleted directory are stored again rather than found missing one request at a time;
   - a missing directory is recreated, at startup too (one that cannot be made leaves the tier empty);
-  - a full disk lowers the cap to what the disk holds, and the configured cap is tried again later.
+  - a full disk lowers the cap to what the disk holds, and the configured cap is tried again later;
+  - a lookup's stat runs on a thread of its own and is waited for briefly: a mount that hangs turns lookups of
+    blocks this engine did not index into misses, instead of stopping the scheduler.
 """
 from __future__ import annotations
 
 import errno
 import os
+import queue
 import shutil
 import stat
+import threading
 import time
 import uuid
 from collections import OrderedDict
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
@@ -46,6 +52,8 @@ class DiskTier(KVConnector):
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recently used first
         self._bytes = 0
         self._cap_lowered_at = 0.0  # when a full disk last lowered the cap
+        self._stats = None  # lookups' stats run there (_stat_size)
+        self._stat_running = None  # a stat that outlived its wait: no other is started until it returns
         self._revalidated_at = 0.0
         try:
             os.makedirs(self.dir, exist_ok=True)
@@ -87,15 +95,31 @@ class DiskTier(KVConnector):
                 return True
         if self._lookups_paused():  # a slow disk: only indexed blocks are looked up for a while
             return False
-        t0 = time.monotonic()
-        try:  # another engine on the same directory may have written it since we scanned
-            size = os.stat(self._path(key)).st_size
-        except OSError:
+        size = self._stat_size(self._path(key))  # another engine on the same directory may have written it
+        if size is None:
             return False
-        finally:
-            self._pause_if_slow(t0, _SLOW_STAT_S, _STAT_OFF_S, f"a stat in {self.dir}")
         self._add(key, size)
         return True
+
+    def _stat_size(self, path: str) -> int | None:
+        """The file's size (None: no file), from a stat on this tier's own thread: lookups run on the scheduler's
+        thread, and a stat on a mount that hangs would stop the engine. The scheduler waits _SLOW_STAT_S at most;
+        a stat that takes longer turns lookups of unindexed blocks off for _STAT_OFF_S, and until it returns."""
+        if self._stat_running is not None and not self._stat_running.done():
+            return None  # the last one still hangs
+        if self._stats is None:
+            self._stats = _StatThread()
+        t0 = time.monotonic()
+        future = self._stats.submit(path)
+        try:
+            return future.result(timeout=_SLOW_STAT_S).st_size
+        except FutureTimeout:
+            self._stat_running = future
+            return None
+        except OSError:
+            return None
+        finally:
+            self._pause_if_slow(t0, _SLOW_STAT_S, _STAT_OFF_S, f"a stat in {self.dir}")
 
     def get(self, key: bytes) -> torch.Tensor | None:
         t0 = time.perf_counter()
@@ -220,6 +244,27 @@ class DiskTier(KVConnector):
     def occupancy(self) -> tuple[int, int]:
         with self._lock:
             return len(self._index), self._bytes
+
+
+class _StatThread:
+    """A daemon thread that runs stats in turn (daemon: one hung on a dead mount must not hold up the exit)."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True, name="tokenmill-disk-stat").start()
+
+    def submit(self, path: str) -> Future:
+        future: Future = Future()
+        self._queue.put((path, future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            path, future = self._queue.get()
+            try:
+                future.set_result(os.stat(path))
+            except OSError as e:
+                future.set_exception(e)
 
 
 def _unlink(path: str) -> None:
