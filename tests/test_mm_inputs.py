@@ -235,6 +235,34 @@ def test_video_errors(source, kw, match):
         load_video(source, **{"num_frames": 4, "max_pixels": BIG, **kw})
 
 
+def test_clips_that_would_take_long_to_decode_are_refused_before_decoding():
+    """An animated image's frames decode one after another onto its canvas: many frames of a large canvas are
+    refused from the headers. A TIFF's pages each have their own size: each is checked before it is decoded."""
+    canvas = [Image.new("RGB", (400, 400), (255, 0, 0))] + [Image.new("RGB", (1, 1), (i, 0, 0)) for i in range(60)]
+    buf = io.BytesIO()
+    canvas[0].save(buf, format="GIF", save_all=True, append_images=canvas[1:], duration=10)
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="61 frames of 400x400"):
+        load_video(buf.getvalue(), num_frames=4, max_pixels=160_000)
+    assert time.perf_counter() - t0 < 1
+    assert len(load_video(buf.getvalue(), num_frames=4, max_pixels=1_000_000)) == 4  # within the budget
+    pages = [Image.new("1", (1, 1)), Image.new("1", (3000, 3000)), Image.new("1", (3000, 3000))]
+    tiff = io.BytesIO()
+    pages[0].save(tiff, format="TIFF", save_all=True, append_images=pages[1:], compression="group4")
+    with pytest.raises(ValueError, match="3000x3000 = 9000000 pixels exceeds the limit"):
+        load_video(tiff.getvalue(), num_frames=4, max_pixels=1_000_000)
+
+
+def test_an_image_whose_resize_would_be_huge_is_refused():
+    from tokenmill.multimodal.preprocess import ImageProcessor
+
+    proc = ImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    proc.max_resized_pixels = 1_000_000
+    assert proc([Image.new("RGB", (900, 30))]).shape == (1, 3, 32, 32)  # 960 x 32: fine
+    with pytest.raises(ValueError, match="aspect ratio"):
+        proc([Image.new("RGB", (40000, 1))])  # 1,280,000 x 32
+
+
 # ---------------------------------------------------------------- fetching
 
 PNG_BYTES = encode(noise(12, 8))

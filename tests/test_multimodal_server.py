@@ -7,8 +7,10 @@ import http.server
 import threading
 import time
 
+import httpx
 import openai
 import pytest
+from PIL import Image
 
 from tokenmill import SamplingParams
 from llava_fixtures import build_llava, random_image
@@ -127,9 +129,27 @@ def test_http_image_url_on_loopback(client, offline, image_host):
     (image_part("data:image/png;base64,@@@"), "bad data URI"),
 ])
 def test_bad_images_get_a_400_and_the_server_keeps_serving(client, part, message):
-    with pytest.raises(openai.BadRequestError, match=message):
+    with pytest.raises(openai.BadRequestError, match=message) as e:
         ask(client, part)
+    assert e.value.body["param"] == "messages"  # (not the first quoted word of the message: 'file', 'idna')
     assert ask(client, image_part(png_uri(random_image(4)))).choices[0].message.content
+
+
+def test_an_image_too_thin_to_resize_is_a_400(client):
+    """A 1 x N image resizes its short edge up to the model's and its long edge by as much: refused before the
+    resize, which for a 1 x 1,000,000 image took 9 s on the tokenizer thread (or ran out of memory)."""
+    with pytest.raises(openai.BadRequestError, match="aspect ratio") as e:
+        ask(client, image_part(png_uri(Image.new("RGB", (30000, 1)))))
+    assert e.value.body["param"] == "messages"
+
+
+def test_tokenize_counts_the_tokens_the_engine_runs_for_images(llava_server, client):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "To be"}, image_part(png_uri(random_image(1))),
+                                             image_part(png_uri(random_image(2)))]}]
+    count = httpx.post(llava_server[0].url + "/tokenize", json={"model": "tiny", "messages": messages},
+                       timeout=60).json()["count"]
+    usage = client.chat.completions.create(model="tiny", messages=messages, **GREEDY).usage
+    assert count == usage.prompt_tokens
 
 
 def test_too_many_images_a_timeout_and_a_404_are_400s(client, image_host):

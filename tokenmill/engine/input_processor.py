@@ -2,6 +2,8 @@
 AsyncLLM (API process), so both build identical requests (same child ids and seeds)."""
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 from dataclasses import replace
@@ -186,7 +188,8 @@ class InputProcessor:
             raise ValueError("this model takes no images or video ('multi_modal_data')")
         media = []
         if self.mm is not None:
-            prompt, media = self.mm.prepare(prompt, mm_data)
+            with _naming_the_prompt():
+                prompt, media = self.mm.prepare(prompt, mm_data)
         keep = params.truncate_prompt_tokens
         text, ids = self.tokenize_prompt(prompt, bounded=keep is None)
         if keep is not None and len(ids) > keep:
@@ -195,7 +198,8 @@ class InputProcessor:
             ids, text = ids[-keep:], None  # (the text is the tokens' again, for echo and the output)
         items = []
         if self.mm is not None:
-            ids, items = self.mm.expand(ids, media)
+            with _naming_the_prompt():
+                ids, items = self.mm.expand(ids, media)
         self.validate(ids)
         if params.stop and self.tokenizer is None:
             raise ValueError("'stop' strings need a tokenizer")
@@ -210,3 +214,15 @@ class InputProcessor:
         params = replace(params, eos_token_ids=self.eos_token_ids)
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         return text, EngineCoreRequest(request_id, child_ids, ids, params, arrival_time, priority, items)
+
+
+@contextlib.contextmanager
+def _naming_the_prompt():
+    """A refused image or video is the prompt's fault: its ValueError names 'prompt' (the server's 400 then names
+    the request's field, 'messages' for a chat), whatever other words its message quotes."""
+    try:
+        yield
+    except ValueError as e:
+        if "'prompt'" in str(e):
+            raise
+        raise ValueError(f"'prompt': {e}") from None

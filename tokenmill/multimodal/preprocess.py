@@ -35,6 +35,8 @@ class ImageProcessor:
         self.resample = Image.Resampling(resample)
         self.do_resize = do_resize
         self.do_center_crop = do_center_crop
+        # an image whose resized size (before the crop) passes this is refused (the processor sets the engine's)
+        self.max_resized_pixels = 1 << 26
         self.scale, self.offset = _scale_offset(do_rescale, rescale_factor, do_normalize, image_mean, image_std)
 
     @classmethod
@@ -79,6 +81,9 @@ class ImageProcessor:
         if self.do_resize:
             w, h = img.size
             oh, ow = resize_output_size(h, w, self.size)
+            if oh * ow > self.max_resized_pixels:  # (a thin image's long edge grows by the short edge's factor)
+                raise ValueError(f"image of {w}x{h} would resize to {ow}x{oh} = {ow * oh} pixels, past the limit of "
+                                 f"{self.max_resized_pixels} (--mm-max-image-pixels): its aspect ratio is too extreme")
             img = img.resize((ow, oh), resample=self.resample)
         if self.do_center_crop:
             w, h = img.size

@@ -46,6 +46,7 @@ class MultiModalProcessor:
         self.image_token_id, self.tokens_per_image = image_token_id, tokens_per_image
         self.limits, self.max_pixels, self.num_frames = limits, max_pixels, num_frames
         self.image_processor = ImageProcessor.from_model_dir(model_dir)
+        self.image_processor.max_resized_pixels = max_pixels  # a 1 x 1,000,000 image would resize to 32M pixels
         self.image_marker = tokenizer.convert_ids_to_tokens(image_token_id) if tokenizer is not None else "<image>"
         self.image_size = image_size
 
@@ -132,23 +133,29 @@ class MultiModalProcessor:
     def expand(self, ids: list[int], ordered) -> tuple[list[int], list[MultiModalItem]]:
         """Each image token becomes tokens_per_image of them (ids already expanded are accepted as they
         are); one item per image with its pixels and span. The count must match the media exactly."""
+        out, starts = self.expand_ids(ids, len(ordered))
+        pixels = self.image_processor([x for _, x in ordered]) if ordered else []
+        return out, [MultiModalItem.from_pixels(kind, px, start, self.tokens_per_image)
+                     for (kind, _), px, start in zip(ordered, pixels, starts)]
+
+    def expand_ids(self, ids: list[int], num_images: int) -> tuple[list[int], list[int]]:
+        """The ids the engine runs for `num_images` images (or video frames): each placeholder as
+        tokens_per_image tokens; and where each image's tokens start."""
         t, img = self.tokens_per_image, self.image_token_id
         places = [i for i, x in enumerate(ids) if x == img]
-        if not places and not ordered:
+        if not places and not num_images:
             return ids, []
-        expanded = len(places) == t * len(ordered) and all(
-            places[k * t + t - 1] - places[k * t] == t - 1 for k in range(len(ordered)))
-        if not expanded and len(places) != len(ordered):
-            raise ValueError(f"the prompt has {len(places)} image placeholder token(s) but {len(ordered)} image(s) "
+        expanded = len(places) == t * num_images and all(
+            places[k * t + t - 1] - places[k * t] == t - 1 for k in range(num_images))
+        if not expanded and len(places) != num_images:
+            raise ValueError(f"the prompt has {len(places)} image placeholder token(s) but {num_images} image(s) "
                              f"or video frame(s) were given")
-        pixels = self.image_processor([x for _, x in ordered]) if ordered else []
-        out, items, prev = [], [], 0
-        starts = places[::t] if expanded else places
-        for (kind, _), p, px in zip(ordered, starts, pixels):
+        out, starts, prev = [], [], 0
+        for p in places[::t] if expanded else places:
             out.extend(ids[prev:p])
-            items.append(MultiModalItem.from_pixels(kind, px, len(out), t))
+            starts.append(len(out))
             out.extend([img] * t)
             prev = p + (t if expanded else 1)
         out.extend(ids[prev:])
-        return out, items
+        return out, starts
 

@@ -129,8 +129,14 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
         field = "prompt" if body.messages is None else "messages"
         if body.messages is not None:
-            ids = (await render_chat(engine, body.messages, body.add_generation_prompt,
-                                     body.chat_template_kwargs, body.tools))["prompt_token_ids"]
+            rendered = await render_chat(engine, body.messages, body.add_generation_prompt,
+                                         body.chat_template_kwargs, body.tools)
+            ids = rendered["prompt_token_ids"]
+            if rendered.get("multi_modal_data"):  # each image as the tokens the engine runs for it
+                mm = engine.input_processor.mm
+                with engine_errors("messages", only_field=True):
+                    _, media = await engine.run_tokenizer(mm.prepare, rendered, rendered["multi_modal_data"])
+                    ids, _ = mm.expand_ids(ids, len(media))
         else:
             with engine_errors():  # a prompt that cannot fit is refused before it is tokenized
                 ids = await engine.run_tokenizer(engine.input_processor.encode, body.prompt, body.add_special_tokens)

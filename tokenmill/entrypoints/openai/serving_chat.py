@@ -50,7 +50,7 @@ def _render(engine: AsyncLLM, convo: list[dict], add_generation_prompt: bool, te
     400 naming 'messages')."""
     ip = engine.input_processor
     if ip.mm is not None:
-        with engine_errors():
+        with engine_errors("messages", only_field=True):
             try:
                 return ip.chat_prompt(convo, add_generation_prompt, tools=tools, template_kwargs=template_kwargs)
             except (TypeError, KeyError, AttributeError, jinja2.TemplateError) as e:  # e.g. a role it refuses

@@ -304,9 +304,10 @@ class ServingBase:
 
 
 @contextmanager
-def engine_errors(field: str = "prompt"):
+def engine_errors(field: str = "prompt", only_field: bool = False):
     """The engine's refusals as HTTP errors: bad input 400 (its field as `param`; the engine's 'prompt' called
-    `field`), queue full 429, no engine (dead, or the server is shutting down) 503."""
+    `field`; with `only_field`, every refusal names `field`: the images of 'messages', whose errors quote other
+    words), queue full 429, no engine (dead, or the server is shutting down) 503."""
     try:
         yield
     except QueueFullError as e:
@@ -314,7 +315,7 @@ def engine_errors(field: str = "prompt"):
     except EngineDeadError as e:
         raise APIError(503, str(e)) from None
     except ValueError as e:
-        if "'prompt'" in str(e):
+        if "'prompt'" in str(e) or only_field:
             raise bad_request(str(e).replace("'prompt'", f"'{field}'"), field) from None
         raise bad_request(e) from None
 
