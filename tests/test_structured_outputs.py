@@ -298,3 +298,16 @@ def test_a_grammar_that_fails_in_the_engine_ends_only_its_request(llama_dir, mon
     assert outs["regex"].outputs[0].finish_reason == "abort" and not outs["regex"].outputs[0].token_ids
     assert len(outs["plain"].outputs[0].token_ids) == 6
     engine.check_invariants()
+
+
+def test_a_grammar_its_own_stop_tokens_leave_nothing_to_start_ends_at_once():
+    """"{" as a stop token: a JSON object can never start, the mask allows nothing, and the request stops
+    (before, it sampled token 0 from an all -inf row, broke its matcher and went on unconstrained)."""
+    llm = make_llm(str(SHIPPED), dtype="auto")
+    tok = llm.get_tokenizer()
+    brace = tok.encode("{", add_special_tokens=False)
+    for t in (0.0, 0.8):
+        sp = SamplingParams(temperature=t, seed=1, max_tokens=12, stop_token_ids=brace,
+                            structured_outputs=StructuredOutputsParams(json_object=True))
+        (text, ids, reason), = _generate(llm, [tok.encode("ROMEO:")], sp)
+        assert reason == "stop" and len(ids) == 1 and ids[0] in brace + [tok.eos_token_id], (t, ids, text)
