@@ -311,3 +311,20 @@ def test_a_grammar_its_own_stop_tokens_leave_nothing_to_start_ends_at_once():
                             structured_outputs=StructuredOutputsParams(json_object=True))
         (text, ids, reason), = _generate(llm, [tok.encode("ROMEO:")], sp)
         assert reason == "stop" and len(ids) == 1 and ids[0] in brace + [tok.eos_token_id], (t, ids, text)
+
+
+def test_the_front_end_parses_a_grammar_and_only_the_engine_compiles_it(llama_dir, monkeypatch):
+    """Compiling against the vocabulary is the costly part: the front end only parses to refuse a bad grammar,
+    so a new schema is compiled once per request, in the engine, not twice."""
+    from tokenmill.sample.grammar import GrammarCompiler
+
+    llm = make_llm(llama_dir)
+    front, engine = llm.llm_engine.input_processor.grammars, llm.llm_engine.core.runner.grammars
+    compiled, real = [], GrammarCompiler.compile
+    monkeypatch.setattr(GrammarCompiler, "compile", lambda self, spec: (compiled.append(self), real(self, spec))[1])
+    (text, _, reason), = _generate(llm, PROMPTS[:1], [_params("regex")])
+    assert _matches("regex", text) and reason == "stop"
+    assert compiled and all(c is engine for c in compiled) and front is not engine
+    with pytest.raises(ValueError, match="invalid 'regex'"):
+        llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(structured_outputs={"regex": "(ab"}),
+                     use_tqdm=False)

@@ -230,15 +230,15 @@ class AsyncLLM:
             raise EngineDeadError(self.closing)
 
     async def _check_grammar(self, spec) -> None:
-        """Compile (to validate; a bad grammar's ValueError reaches the caller) on a thread of its own: a large
-        schema must not hold up other requests' tokenizing. The first one builds the tokenizer's info for
-        xgrammar, which reads the tokenizer: on the tokenizer thread (Hugging Face tokenizers are not safe to
-        share between threads)."""
+        """Parse (a bad grammar's ValueError reaches the caller; the engine compiles it) on a thread of its own:
+        a large schema must not hold up other requests' tokenizing. The first one builds the tokenizer's info
+        for xgrammar, which reads the tokenizer: on the tokenizer thread (Hugging Face tokenizers are not safe
+        to share between threads)."""
         grammars = self.input_processor.grammars
         if not grammars.made:
-            await self.run_tokenizer(grammars.compile, spec)
+            await self.run_tokenizer(grammars.validate, spec)
         else:
-            await asyncio.get_running_loop().run_in_executor(self._grammar_pool, grammars.compile, spec)
+            await asyncio.get_running_loop().run_in_executor(self._grammar_pool, grammars.validate, spec)
 
     def _process(self, prompts, params: SamplingParams, priority: int, arrival_time: float | None,
                  strict_max_tokens: bool) -> list[tuple[str | None, EngineCoreRequest]]:

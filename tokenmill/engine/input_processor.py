@@ -68,7 +68,7 @@ class InputProcessor:
         # a text longer than this many bytes cannot fit in max_model_len tokens (None: no safe bound)
         per_token = max_bytes_per_token(tokenizer) if tokenizer is not None else None
         self.max_prompt_bytes = None if per_token is None else int(max_model_len * per_token)
-        # structured outputs: compiled here only to refuse a bad grammar, so a small cache will do
+        # structured outputs: parsed here to refuse a bad grammar (the engine compiles it), so a small cache will do
         self.grammars = GrammarCompiler(tokenizer, vocab_size, cache_bytes=64 << 20)
 
     @classmethod
@@ -207,8 +207,8 @@ class InputProcessor:
             raise ValueError(f"'logit_bias' token ids must be in [0, {self.vocab_size})")
         if params.allowed_token_ids and max(params.allowed_token_ids) >= self.vocab_size:
             raise ValueError(f"'allowed_token_ids' must be in [0, {self.vocab_size})")
-        if params.structured_outputs is not None:  # compiled here to refuse a bad grammar before it is queued
-            self.grammars.compile(params.structured_outputs)
+        if params.structured_outputs is not None:  # parsed here to refuse a bad grammar before it is queued
+            self.grammars.validate(params.structured_outputs)
         if params.bad_words:
             params = replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         params = replace(params, eos_token_ids=self.eos_token_ids)

@@ -16,6 +16,7 @@ refuses (`valid_drafts`), and a verification of k drafts gets k + 1 masks, row j
 (`draft_bitmasks`): the matcher steps through the drafts, then rolls back, as vLLM's does."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -68,21 +69,20 @@ class GrammarCompiler:
     def compile(self, spec: StructuredOutputsParams):
         """The compiled grammar (cached by xgrammar); ValueError naming the field for a spec it cannot take."""
         c = self._compiler
-        try:
-            if spec.json is not None:
-                schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-                _check_depth(schema)
-                return c.compile_grammar(json_grammar(schema, not spec.disable_any_whitespace))
-            if spec.json_object:  # an object, as OpenAI's json_object mode (xgrammar's builtin takes any value)
-                return c.compile_grammar(json_grammar('{"type": "object"}', not spec.disable_any_whitespace))
-            if spec.regex is not None:
-                return c.compile_regex(spec.regex)
-            if spec.choice is not None:  # (non-ASCII as is: xgrammar reads \uXXXX surrogate pairs as two characters)
-                return c.compile_grammar("root ::= " + " | ".join(json.dumps(s, ensure_ascii=False)
-                                                                   for s in spec.choice))
-            return c.compile_grammar(spec.grammar)
-        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse errors are RuntimeErrors
-            raise ValueError(f"invalid '{spec.kind}' for structured outputs: {_first_line(e)}") from None
+        with _refusing(spec):
+            kind, text = _source(spec)
+            return c.compile_regex(text) if kind == "regex" else c.compile_grammar(text)
+
+    def validate(self, spec: StructuredOutputsParams) -> None:
+        """ValueError, as `compile`'s, for a spec xgrammar cannot parse, without compiling it against the
+        vocabulary (the costly part, which the engine does once): what the front end needs to refuse a request.
+        The tokenizer's check runs too, once."""
+        import xgrammar
+
+        self._compiler  # noqa: B018  (the tokenizer's info, and its check)
+        with _refusing(spec):
+            kind, text = _source(spec)
+            xgrammar.Grammar.from_regex(text) if kind == "regex" else xgrammar.Grammar.from_ebnf(text)
 
     def matcher(self, spec: StructuredOutputsParams, stop_token_ids: list[int]) -> "RequestGrammar":
         return RequestGrammar(self.compile(spec), stop_token_ids, self.vocab_size)
@@ -232,6 +232,29 @@ def _check_depth(schema: str) -> None:
             depth -= 1
     if deepest > MAX_SCHEMA_DEPTH:
         raise ValueError(f"the schema nests {deepest} brackets deep; at most {MAX_SCHEMA_DEPTH} are taken")
+
+
+def _source(spec: StructuredOutputsParams) -> tuple[str, str]:
+    """("regex", a regular expression) or ("ebnf", a grammar's text): what xgrammar parses for `spec`."""
+    if spec.json is not None:
+        schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+        _check_depth(schema)
+        return "ebnf", json_grammar(schema, not spec.disable_any_whitespace)
+    if spec.json_object:  # an object, as OpenAI's json_object mode (xgrammar's builtin takes any value)
+        return "ebnf", json_grammar('{"type": "object"}', not spec.disable_any_whitespace)
+    if spec.regex is not None:
+        return "regex", spec.regex
+    if spec.choice is not None:  # (non-ASCII as is: xgrammar reads \uXXXX surrogate pairs as two characters)
+        return "ebnf", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+    return "ebnf", spec.grammar
+
+
+@contextlib.contextmanager
+def _refusing(spec: StructuredOutputsParams):
+    try:
+        yield
+    except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse errors are RuntimeErrors
+        raise ValueError(f"invalid '{spec.kind}' for structured outputs: {_first_line(e)}") from None
 
 
 def _check_tokens_concatenate(tok, info) -> None:
