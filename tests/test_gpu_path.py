@@ -288,8 +288,15 @@ def test_worst_case_steps_exercise_the_whole_sampler(llama_dir, monkeypatch, wit
         return ModelRunner(r.model, r.backend, num_blocks, r.block_size, len(r.kv_caches), r.kv_cache.shape[-2],
                            r.kv_cache.shape[-1], r.dtype, "cpu", proposer=proposer)
 
+    proposed = []
+    if with_draft_model:  # the draft's catch-up over every whole prompt, then its steps: its largest forwards
+        from tokenmill.spec_decode.draft_model import DraftModelProposer
+        real = DraftModelProposer.propose_batch
+        monkeypatch.setattr(DraftModelProposer, "propose_batch", lambda self, runner, items: proposed.append(
+            [(s.num_new_tokens, s.propose_k) for s, _ in items]) or real(self, runner, items))
     # 8 sequences of 16 tokens: the verification's positions 16 .. 19 are in a block of their own
     WorstCase.for_limits(128, 8, 256, 16, num_drafts=3).run(make_runner)
+    assert proposed == ([[(16, 3)] * 8] if with_draft_model else [])
     # the prefill samples 8 rows; the verification 8 sequences x 4 rows
     assert seen["filter"] == [(8, True, True, True), (32, True, True, True)]
     assert seen["penalize"] == [8, 32]

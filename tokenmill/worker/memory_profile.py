@@ -39,7 +39,9 @@ class WorstCase:
     """The profile's steps, on a scratch cache of `scratch_blocks` blocks:
 
       prefill        `lengths` dummy prompts whole, each on its own blocks, each sampling with every sampler
-                     feature (WORST_CASE_SAMPLING), the longest also asking for prompt logprobs;
+                     feature (WORST_CASE_SAMPLING), the longest also asking for prompt logprobs; with speculative
+                     decoding each then proposes k drafts (a draft model's catch-up over every prompt whole,
+                     then its k - 1 steps: its largest forwards);
       verification   with speculative decoding (`num_drafts` = k), as many of those sequences as the token budget
                      lets verify k drafts each (k + 1 logits rows per sequence, against the prefill's one), as the
                      scheduler would: never past max_model_len, never past the budget."""
@@ -72,7 +74,7 @@ class WorstCase:
             params = replace(WORST_CASE_SAMPLING, prompt_logprobs=20 if i == longest else None)
             new = NewRequestData(f"profile-{i}", [0] * n, [], params, blocks)
             seqs.append(ScheduledRequest(new.request_id, 0, n, [], 1, wants_prompt_logprobs=i == longest,
-                                         new_request=new))
+                                         propose_k=self.num_drafts, new_request=new))
         return SchedulerOutput(seqs=seqs, num_scheduled_tokens=sum(self.lengths))
 
     def verification(self, prefill: SchedulerOutput) -> SchedulerOutput | None:
