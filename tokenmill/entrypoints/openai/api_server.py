@@ -204,6 +204,7 @@ async def serve(args) -> int:
         engine.input_processor.chat_template = chat_template
         state = ServerState(engine, names)
         state.chat.tool_parser = args.tool_call_parser if args.enable_auto_tool_choice else None
+        state.chat.reasoning_parser = args.reasoning_parser
         api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY") or None
         app = build_app(state, api_key, args.max_request_body_bytes)
         # our drain (lifecycle.py) ends requests past --shutdown-timeout itself; uvicorn's timeout, which

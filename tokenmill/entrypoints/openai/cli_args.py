@@ -41,6 +41,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="the model family's tool-call format: hermes (Qwen 2.5 / 3, Hermes: <tool_call>{...}"
                         "</tool_call>), llama3_json (Llama 3.1 / 3.2: a JSON object with name and parameters), "
                         "pythonic (Llama 3.2 / 4: [f(a=1), g()]) or mistral ([TOOL_CALLS] and JSON calls)")
+    p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="split a thinking model's <think>...</think> from its answer into the chat message's "
+                        "reasoning_content: deepseek_r1 (the output opens in reasoning) or qwen3 (reasoning only "
+                        "where the output opens with <think>)")
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     p.add_argument("--uvicorn-log-level", default="info",

@@ -12,6 +12,7 @@ from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.entrypoints.openai.serving_engine import ChunkEvents, ServingBase, engine_errors, usage
+from tokenmill.entrypoints.openai.reasoning_parsers import Reasoning
 from tokenmill.entrypoints.openai.structured import ForcedToolCalls
 from tokenmill.entrypoints.openai.tool_parsers import AutoToolCalls
 
@@ -65,6 +66,7 @@ def _render(engine: AsyncLLM, convo: list[dict], add_generation_prompt: bool, te
 
 class OpenAIServingChat(ServingBase):
     tool_parser: str | None = None  # --tool-call-parser, with --enable-auto-tool-choice (tool_parsers.py)
+    reasoning_parser: str | None = None  # --reasoning-parser (reasoning_parsers.py)
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
@@ -80,22 +82,28 @@ class OpenAIServingChat(ServingBase):
                                       forced.grammar if forced is not None else None)
         rid, subs = await self.submit([prompt], params, req.priority, "chatcmpl", "messages")
         created = int(time.time())
+        # an output held to a grammar has no reasoning section
+        reasoning = Reasoning(self.reasoning_parser) if self.reasoning_parser and not params.structured_outputs \
+            else None
         if req.stream:
             with self.aborted_on_error(subs):
-                return self.stream_response(subs, _ChatEvents(self, req, rid, subs, created, forced))
-        return await self.respond(raw, subs, lambda: self._full(req, rid, subs, created, forced))
+                return self.stream_response(subs, _ChatEvents(self, req, rid, subs, created, forced, reasoning))
+        return await self.respond(raw, subs, lambda: self._full(req, rid, subs, created, forced, reasoning))
 
     async def _full(self, req: ChatCompletionRequest, rid: str, subs, created: int,
-                    forced: ForcedToolCalls | AutoToolCalls | None) -> Response:
+                    forced: ForcedToolCalls | AutoToolCalls | None, reasoning: Reasoning | None) -> Response:
         choices, prompt_rows = await self.collect(subs, req.n)
         top_n = req.top_logprobs or 0
         out = []
         for ch in choices:
-            message = {"role": "assistant", "content": ch.text}
+            thought, text = reasoning.split(ch.text) if reasoning is not None else (None, ch.text)
+            message = {"role": "assistant", "content": text}
             finish = ch.finish_reason
             if forced is not None:
-                message = forced.message(ch.index, ch.text)
+                message = forced.message(ch.index, text or "")
                 finish = forced.finish_reason(ch.index, message, finish)
+            if reasoning is not None:
+                message["reasoning_content"] = thought
             out.append({"index": ch.index, "message": message,
                         "logprobs": self.chat_logprobs(ch.logprobs, top_n) if req.logprobs else None,
                         "finish_reason": finish, "stop_reason": ch.stop_reason})
@@ -131,10 +139,10 @@ class _ChatEvents(ChunkEvents):
     chunk measure a real TTFT."""
 
     def __init__(self, serving: OpenAIServingChat, req: ChatCompletionRequest, rid: str, subs, created: int,
-                 forced: ForcedToolCalls | AutoToolCalls | None = None):
+                 forced: ForcedToolCalls | AutoToolCalls | None = None, reasoning: Reasoning | None = None):
         super().__init__(serving, req, rid, "chat.completion.chunk", created, len(subs[0][2]))
         self.opened = False
-        self.forced = forced
+        self.forced, self.reasoning = forced, reasoning
 
     def on_output(self, k: int, out) -> bytes:
         req, encode = self.req, msgspec.json.encode
@@ -151,11 +159,15 @@ class _ChatEvents(ChunkEvents):
         for c in out.outputs:
             if not c.token_ids and c.finish_reason is None:
                 continue
-            finish = c.finish_reason
+            finish, text, thought = c.finish_reason, c.text, ""
+            if self.reasoning is not None:
+                thought, text = self.reasoning.stream(c.index, c.text, finish is not None)
             if self.forced is None:
-                delta = {"content": c.text} if c.text or finish is None else {}
+                delta = {"content": text} if text or (finish is None and not thought) else {}
             else:
-                delta, finish = self._tool_delta(c)
+                delta, finish = self._tool_delta(c, text)
+            if thought:
+                delta = {"reasoning_content": thought, **delta}
             lp = self.serving.chat_logprobs(c.logprobs, req.top_logprobs or 0) if req.logprobs else None
             if not delta and finish is None and lp is None and not self.continuous_usage:
                 self.num_completion += len(c.token_ids)  # required tool calls, held back until they are whole
@@ -171,6 +183,6 @@ class _ChatEvents(ChunkEvents):
             events.append(self.chunk(choices))
         return b"".join(events)
 
-    def _tool_delta(self, c) -> tuple[dict, str | None]:
-        delta = self.forced.stream_delta(c.index, c.text, c.finish_reason is not None)
+    def _tool_delta(self, c, text: str) -> tuple[dict, str | None]:
+        delta = self.forced.stream_delta(c.index, text, c.finish_reason is not None)
         return delta, self.forced.finish_reason(c.index, delta, c.finish_reason)
