@@ -37,8 +37,8 @@ def test_whole_and_every_streamed_chunking_split_alike(parser, text, reasoning, 
 
 
 def test_the_server_puts_reasoning_in_its_own_field(tiny_model_dir, tmp_path):  # noqa: F811
-    """The random model never writes </think>: with deepseek_r1 its whole answer is reasoning, streamed or not;
-    a request held to a grammar has no reasoning section."""
+    """The random model never writes </think>: with deepseek_r1 its whole answer is reasoning, streamed or not,
+    and a grammar (which starts after the reasoning) never starts."""
     srv = ServerProcess(tiny_model_dir, tmp_path / "server.log", "--reasoning-parser", "deepseek_r1")
     try:
         srv.wait_ready()
@@ -54,9 +54,10 @@ def test_the_server_puts_reasoning_in_its_own_field(tiny_model_dir, tmp_path):  
         deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
         assert "".join(d.get("reasoning_content", "") for d in deltas) == plain
         assert "".join(d.get("content") or "" for d in deltas) == ""
+        # a grammar waits for the end of the reasoning, which this model never writes: the answer is free
         held = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
-            **body, "ignore_eos": False, "structured_outputs": {"choice": ["It is 4."]}}).json()["choices"][0]["message"]
-        assert held["content"] == "It is 4." and "reasoning_content" not in held
+            **body, "structured_outputs": {"choice": ["It is 4."]}}).json()["choices"][0]["message"]
+        assert held["reasoning_content"] == plain and held["content"] is None
     finally:
         assert srv.terminate() == 0, srv.logs()
 
@@ -70,3 +71,24 @@ def test_the_cli_offers_every_parser():
     add_server_args(parser)
     choices = next(a.choices for a in parser._actions if a.dest == "reasoning_parser")
     assert sorted(choices) == sorted(REASONING_PARSERS)
+
+
+@pytest.mark.parametrize("parser, prompt, waits", [
+    ("deepseek_r1", "<|User|>2+2?<|Assistant|><think>\n", True),
+    ("qwen3", "<|im_start|>assistant\n", True),  # enable_thinking: the model opens <think> itself
+    ("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", False),  # enable_thinking off
+])
+def test_a_grammar_starts_after_the_reasoning_where_the_model_thinks_first(parser, prompt, waits):
+    from types import SimpleNamespace
+
+    from tokenmill import SamplingParams
+    from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
+
+    serving = OpenAIServingChat.__new__(OpenAIServingChat)
+    serving.reasoning_parser = parser
+    serving.engine = SimpleNamespace(tokenizer=SimpleNamespace(encode=lambda text, add_special_tokens: [7, 9]))
+    params = SamplingParams(structured_outputs={"regex": "a+"})
+    split = serving._reasoning(params, prompt)
+    assert (split is not None) == waits
+    assert params.structured_outputs.start_after == ((7, 9) if waits else ())
+    assert serving._reasoning(SamplingParams(), prompt) is not None  # no grammar: always split

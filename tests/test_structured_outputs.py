@@ -328,3 +328,53 @@ def test_the_front_end_parses_a_grammar_and_only_the_engine_compiles_it(llama_di
     with pytest.raises(ValueError, match="invalid 'regex'"):
         llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(structured_outputs={"regex": "(ab"}),
                      use_tqdm=False)
+
+
+def test_a_grammar_that_starts_after_a_thinking_models_end_tag(llama_dir):
+    """start_after: the output is free until it has those tokens (a thinking model's "</think>"), then held. Here
+    the tag is the first two tokens the model writes anyway: they come out as without a grammar, the rest
+    matches the regex, and async scheduling and n-gram drafts (which may run across the tag) give the same."""
+    plain = _generate(make_llm(llama_dir), PROMPTS[:1], [SamplingParams(temperature=0, max_tokens=8)])[0][1]
+    tag = tuple(plain[:2])
+    sp = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(
+              regex=r"(ab|cd)[0-9]{2,4}-[xyz]", start_after=tag)),
+          SamplingParams(temperature=0.9, seed=4, max_tokens=40, structured_outputs=StructuredOutputsParams(
+              choice=["to be", "not to be"], start_after=tag))]
+    runs = [_generate(make_llm(llama_dir, **kw), PROMPTS[:1] * 2, sp)
+            for kw in ({}, dict(async_scheduling=True), dict(speculative_config=NGRAM))]
+    assert runs[0] == runs[1] == runs[2]
+    tok = make_llm(llama_dir).get_tokenizer()
+    (_, ids, reason), (_, seeded_ids, seeded_reason) = runs[0]
+    assert tuple(ids[:2]) == tag and reason == "stop"
+    assert _matches("regex", tok.decode(ids[2:], skip_special_tokens=True))
+    if tuple(seeded_ids[:2]) == tag:  # (the seeded request may write the tag later, or never)
+        assert tok.decode(seeded_ids[2:], skip_special_tokens=True) in ("to be", "not to be")
+    with pytest.raises(ValueError, match="start_after"):
+        StructuredOutputsParams(regex="a", start_after=[-1])
+
+
+def test_draft_masks_across_the_start_of_a_grammar(llama_dir):
+    """A verification whose drafts complete the start_after tag: rows before it free, the row after it the
+    grammar's first mask; drafts are cut only past the tag, where the grammar refuses one."""
+    from tokenmill.sample.grammar import GrammarCompiler
+
+    tok = make_llm(llama_dir).get_tokenizer()
+    compiler = GrammarCompiler(tok, 512)
+    tag = tuple(tok.encode("</think>", add_special_tokens=False))
+    answer = tok.encode("(ab,c)", add_special_tokens=False)
+    spec = StructuredOutputsParams(grammar=SPECS["grammar"].grammar, start_after=tag)
+    stop = [tok.eos_token_id]
+    first = compiler.matcher(StructuredOutputsParams(grammar=SPECS["grammar"].grammar), stop).next_bitmask([]).clone()
+    free = tok.encode("so it is", add_special_tokens=False)
+    for split in range(len(tag)):  # the tag partly in the output, the rest in the drafts
+        g = compiler.matcher(spec, stop)
+        out, drafts = free + list(tag[:split]), list(tag[split:]) + answer
+        assert g.next_bitmask(out) is None and g.waiting
+        rows = g.draft_bitmasks(out, drafts)
+        at = len(tag) - split  # the row right after the tag
+        assert all(m is None for m, _ in rows[:at]) and torch.equal(rows[at][0], first)
+        assert all(m is not None for m, _ in rows[at:])
+        assert g.valid_drafts(out, drafts) == drafts
+        bad = list(tag[split:]) + tok.encode("z", add_special_tokens=False)
+        assert g.valid_drafts(out, bad) == list(tag[split:])
+        assert g.waiting and g.next_bitmask(out + list(tag[split:])) is not None and not g.waiting

@@ -21,8 +21,17 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = False  # JSON: no whitespace but xgrammar's default separators
+    # the grammar holds the output only after these tokens (a thinking model's "</think>": --reasoning-parser)
+    start_after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.start_after is None:
+            self.start_after = ()
+        if not isinstance(self.start_after, (list, tuple)) or any(type(t) is not int or t < 0
+                                                                  for t in self.start_after):
+            raise ValueError("invalid sampling parameter 'structured_outputs': 'start_after' must be a list of "
+                             "token ids")
+        self.start_after = tuple(self.start_after)
         for flag in ("json_object", "disable_any_whitespace"):  # (null, as clients send unset fields: false)
             if getattr(self, flag) is None:
                 setattr(self, flag, False)

@@ -85,13 +85,13 @@ class GrammarCompiler:
             xgrammar.Grammar.from_regex(text) if kind == "regex" else xgrammar.Grammar.from_ebnf(text)
 
     def matcher(self, spec: StructuredOutputsParams, stop_token_ids: list[int]) -> "RequestGrammar":
-        return RequestGrammar(self.compile(spec), stop_token_ids, self.vocab_size)
+        return RequestGrammar(self.compile(spec), stop_token_ids, self.vocab_size, spec.start_after)
 
 
 class RequestGrammar:
     """One request's matcher, and how many of its output tokens it has taken."""
 
-    def __init__(self, compiled, stop_token_ids: list[int], vocab_size: int):
+    def __init__(self, compiled, stop_token_ids: list[int], vocab_size: int, start_after: tuple[int, ...] = ()):
         import xgrammar
 
         stops = [t for t in stop_token_ids if 0 <= t < vocab_size]  # (an id past the vocabulary: never sampled)
@@ -106,9 +106,26 @@ class RequestGrammar:
         self._draft_buf = self._bitmask[:0]  # verifications' k + 1 rows (draft_bitmasks), grown on demand
         self.consumed = 0
         self.broken = False  # a token the grammar refused (none should reach it): masking stops, with a warning
+        # a thinking model's end tag: the output is free until it has these tokens, and held from there on
+        self._after, self.waiting = tuple(start_after), bool(start_after)
+
+    def _start_at(self, tokens: list[int], since: int) -> int | None:
+        """Where the grammar starts in `tokens` (the index after the first `start_after` run ending at or past
+        `since`), or None while the run has not come."""
+        n = len(self._after)
+        for end in range(max(since, n), len(tokens) + 1):
+            if tuple(tokens[end - n:end]) == self._after:
+                return end
+        return None
 
     def _catch_up(self, output_token_ids: list[int]) -> None:
-        """The matcher takes the output tokens sampled since its last call."""
+        """The matcher takes the output tokens sampled since its last call (those after the start, if it waits)."""
+        if self.waiting:
+            start = self._start_at(output_token_ids, self.consumed)
+            if start is None:
+                self.consumed = len(output_token_ids)
+                return
+            self.waiting, self.consumed = False, start
         m = self._matcher
         for tok in output_token_ids[self.consumed:]:
             if self.broken or m.is_terminated():
@@ -128,10 +145,20 @@ class RequestGrammar:
         """The allowed next tokens after `output_token_ids` (int32 [words], on the host: the matcher's own buffer,
         valid until its next call); None once the grammar is done with."""
         self._catch_up(output_token_ids)
-        if self._done:
+        if self.waiting or self._done:
             return None
         self._matcher.fill_next_token_bitmask(self._bitmask)
         return self._bitmask[0]
+
+    def _draft_start(self, output_token_ids: list[int], drafts: list[int]) -> int | None:
+        """The first j where output + drafts[:j] holds the grammar's start (0 when it has started); None: not within
+        these drafts."""
+        if not self.waiting:
+            return 0
+        keep = min(len(self._after) - 1, len(output_token_ids))  # a run that began before the drafts
+        tail = list(output_token_ids[len(output_token_ids) - keep:]) if keep else []
+        start = self._start_at(tail + list(drafts), keep)
+        return None if start is None else start - keep
 
     def draft_bitmasks(self, output_token_ids: list[int], drafts: list[int]
                        ) -> list[tuple[torch.Tensor | None, bool]]:
@@ -140,11 +167,14 @@ class RequestGrammar:
         back. Rows past a refused draft are never emitted from (the mask before it bans that draft): None."""
         self._catch_up(output_token_ids)
         m, n = self._matcher, len(drafts) + 1
+        first = self._draft_start(output_token_ids, drafts)
+        if first is None:
+            return [(None, False)] * n
         if self._draft_buf.shape[0] < n:
             import xgrammar
             self._draft_buf = xgrammar.allocate_token_bitmask(n, self._vocab_size)
-        rows, taken = [], 0
-        for j in range(n):
+        rows, taken = [(None, False)] * first, 0  # rows before the grammar starts are free
+        for j in range(first, n):
             if self.broken or m.is_terminated():
                 break
             m.fill_next_token_bitmask(self._draft_buf, j)
@@ -161,8 +191,11 @@ class RequestGrammar:
         """`drafts` up to the first token the grammar refuses after `output_token_ids` (all of them once the
         grammar is done with: the request goes on unconstrained); the matcher is left where it was."""
         self._catch_up(output_token_ids)
+        first = self._draft_start(output_token_ids, drafts)
+        if first is None:
+            return list(drafts)
         m, taken, kept = self._matcher, 0, len(drafts)
-        for j, d in enumerate(drafts):
+        for j, d in enumerate(drafts[first:], start=first):
             if self._done:
                 break
             if not m.accept_token(d):

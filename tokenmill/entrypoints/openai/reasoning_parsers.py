@@ -7,8 +7,9 @@ message's `reasoning_content` and `content`, whole or streamed.
                                                           (Qwen3 with enable_thinking); otherwise all content
 
 Streaming gives the same split as the whole text: text that may be the start of a tag is held back until it is
-clear. Requests whose output is held to a grammar (structured outputs, forced tool calls) have no reasoning
-section: the parser is not applied to them."""
+clear. A request whose output is held to a grammar (structured outputs, forced tool calls) gets it after the
+reasoning: the grammar starts once the output has the end tag's tokens (StructuredOutputsParams.start_after),
+except where the prompt shows the model will not think (Qwen3 with enable_thinking off)."""
 from __future__ import annotations
 
 from tokenmill.entrypoints.openai.tool_parsers import _partial_suffix
@@ -51,12 +52,23 @@ class ReasoningParser:
         return buffer[:len(buffer) - keep], "", buffer[len(buffer) - keep:]
 
 
+    @classmethod
+    def thinks_first(cls, prompt: str) -> bool:
+        """Whether the output to `prompt` opens with a reasoning section, which a grammar must wait out."""
+        return cls.opens_in_reasoning
+
+
 class DeepSeekR1Parser(ReasoningParser):
     opens_in_reasoning = True
 
 
 class Qwen3Parser(ReasoningParser):
     opens_in_reasoning = False
+
+    @classmethod
+    def thinks_first(cls, prompt: str) -> bool:
+        # with enable_thinking off, Qwen3's template closes an empty <think></think> in the prompt itself
+        return not prompt.rstrip().endswith(cls.END)
 
 
 REASONING_PARSERS = {"deepseek_r1": DeepSeekR1Parser, "qwen3": Qwen3Parser}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import jinja2
 import msgspec
@@ -12,9 +13,10 @@ from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.entrypoints.openai.serving_engine import ChunkEvents, ServingBase, engine_errors, usage
-from tokenmill.entrypoints.openai.reasoning_parsers import Reasoning
+from tokenmill.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, Reasoning, ReasoningParser
 from tokenmill.entrypoints.openai.structured import ForcedToolCalls
 from tokenmill.entrypoints.openai.tool_parsers import AutoToolCalls
+from tokenmill.sampling_params import SamplingParams
 
 
 async def render_chat(engine: AsyncLLM, messages: list[ChatMessage], add_generation_prompt: bool = True,
@@ -80,15 +82,28 @@ class OpenAIServingChat(ServingBase):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs,
                                       forced.grammar if forced is not None else None)
+        reasoning = self._reasoning(params, prompt["prompt"])
         rid, subs = await self.submit([prompt], params, req.priority, "chatcmpl", "messages")
         created = int(time.time())
-        # an output held to a grammar has no reasoning section
-        reasoning = Reasoning(self.reasoning_parser) if self.reasoning_parser and not params.structured_outputs \
-            else None
         if req.stream:
             with self.aborted_on_error(subs):
                 return self.stream_response(subs, _ChatEvents(self, req, rid, subs, created, forced, reasoning))
         return await self.respond(raw, subs, lambda: self._full(req, rid, subs, created, forced, reasoning))
+
+    def _reasoning(self, params: SamplingParams, prompt: str) -> Reasoning | None:
+        """With --reasoning-parser: the split of each answer, and a grammar held back until the reasoning ends
+        (where the model will think first; else the grammar holds the whole output, which then has no
+        reasoning)."""
+        if self.reasoning_parser is None:
+            return None
+        so = params.structured_outputs
+        if so is None:
+            return Reasoning(self.reasoning_parser)
+        if not REASONING_PARSERS[self.reasoning_parser].thinks_first(prompt):
+            return None
+        end = self.engine.tokenizer.encode(ReasoningParser.END, add_special_tokens=False)
+        params.structured_outputs = replace(so, start_after=tuple(end))
+        return Reasoning(self.reasoning_parser)
 
     async def _full(self, req: ChatCompletionRequest, rid: str, subs, created: int,
                     forced: ForcedToolCalls | AutoToolCalls | None, reasoning: Reasoning | None) -> Response:
