@@ -288,6 +288,28 @@ def _greedy_tokens(path: str, prompts, sp=None, **kw) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs], info
 
 
+def _shipped_constrained(**kw) -> list[list[int]]:
+    """The shipped model (it has a tokenizer) with requests whose masks the sampler makes on the device: JSON and
+    regex grammars (greedy and seeded), bad words, allowed tokens; their tokens, to compare across variants."""
+    from tokenmill import LLM, SamplingParams
+    llm = LLM(dtype="float32", max_model_len=512, **kw)
+    tok = llm.get_tokenizer()
+    text = '{"name": "ROMEO", "line": "But soft"} {"name": "JULIET", "line": "O Romeo"} ROMEO:'
+    schema = {"type": "object", "required": ["name", "line"], "properties": {
+        "name": {"enum": ["ROMEO", "JULIET"]}, "line": {"type": "string", "maxLength": 30}}}
+    sps = [SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": schema}),
+           SamplingParams(temperature=0.8, seed=3, max_tokens=40,
+                          structured_outputs={"regex": "[A-Z]{3,8}: [a-z ]+\\."}),
+           SamplingParams(temperature=0, max_tokens=24, bad_words=["Messenger", "I"]),
+           SamplingParams(temperature=0.7, seed=5, max_tokens=24, allowed_token_ids=list(range(40, 90)))]
+    outs = llm.generate([{"prompt_token_ids": tok.encode(text)}] * len(sps), sps, use_tqdm=False)
+    llm.llm_engine.check_invariants()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return [o.outputs[0].token_ids for o in outs]
+
+
 def _tier_round_trip(path: str, prompts) -> dict:
     """KV tiers on the GPU (host RAM and disk): each prompt alone, twice, in a pool too small to keep them all
     (20 blocks) and a host tier of a few blocks, so the second pass loads evicted prefix blocks back from both
@@ -380,6 +402,12 @@ def engine_greedy() -> dict:
     res["w8a8_odd_shape_exact"] = torch.equal(int_matmul(a.cuda(), b.cuda(), False).cpu(),
                                               (a.int() @ b.int().t()).float())
     save_partial("engine_greedy", res)
+    # grammar masks, bad words and allowed tokens on the device: async (the default) and n-gram drafts (grammar
+    # masks per verification row) against the synchronous engine
+    constrained_sync = _shipped_constrained(async_scheduling=False)
+    check("constrained_async_vs_sync", _shipped_constrained(), constrained_sync)
+    check("constrained_ngram_vs_sync", _shipped_constrained(speculative_config={**ngram, "prompt_lookup_min": 1}),
+          constrained_sync)
     try:  # last and on its own: a failure here must not cost the checks above
         tiers = _tier_round_trip(path, prompts)
     except Exception as e:
