@@ -199,6 +199,22 @@ def test_a_stat_that_hangs_costs_a_lookup_a_short_wait_not_the_engine(tmp_path, 
     assert d.exists(_key(2))  # the mount is back
 
 
+def test_a_dropped_disk_tier_ends_its_stat_thread(tmp_path):
+    import gc
+
+    def stat_threads():
+        return sum(t.name == "tokenmill-disk-stat" for t in threading.enumerate())
+    before = stat_threads()
+    d = DiskTier(str(tmp_path), 1 << 20, FP, SHAPE, DT)
+    assert not d.exists(_key(9)) and stat_threads() == before + 1
+    del d
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while stat_threads() > before:
+        assert time.monotonic() < deadline, "the stat thread outlived its tier"
+        time.sleep(0.01)
+
+
 def test_a_disk_tier_that_cannot_make_its_directory_starts_empty(tmp_path, caplog):
     (tmp_path / "file").write_text("not a directory")
     d = DiskTier(str(tmp_path / "file"), 1 << 20, FP, SHAPE, DT)  # the engine starts; the tier misses

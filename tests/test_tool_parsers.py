@@ -216,3 +216,11 @@ def test_the_cli_offers_every_parser():
     add_server_args(parser)
     choices = next(a.choices for a in parser._actions if a.dest == "tool_call_parser")
     assert sorted(choices) == sorted(TOOL_PARSERS)
+
+
+def test_the_mistral_parser_keeps_the_special_tokens_it_reads():
+    """[TOOL_CALLS] and [ARGS] are special tokens in Mistral's tokenizers: with skip_special_tokens they would
+    vanish from the text, and 'f{...}' is no call. The server keeps them for this parser only."""
+    assert AutoToolCalls("mistral").keeps_special_tokens
+    assert not any(AutoToolCalls(p).keeps_special_tokens for p in ("hermes", "llama3_json", "pythonic"))
+    assert MistralParser().extract('f{"a": 1}') == ('f{"a": 1}', [])  # what stripped tags would leave

@@ -141,7 +141,8 @@ class EngineCore:
     # -- requests ------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         if req.sampling_params.structured_outputs is not None:
-            if self.executor is not None:  # the other ranks that sample compile it meanwhile
+            if self.executor is not None and req.prefix_leader is None:  # the other sampling ranks compile it
+                # meanwhile (once per request: n > 1's children share it)
                 self.executor.precompile(req.sampling_params.structured_outputs)
             self.grammar_wait.add(req)  # joins the scheduler once its grammar compiled, off the step's thread
         else:

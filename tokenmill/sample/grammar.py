@@ -76,13 +76,11 @@ class GrammarCompiler:
     def validate(self, spec: StructuredOutputsParams) -> None:
         """ValueError, as `compile`'s, for a spec xgrammar cannot parse, without compiling it against the
         vocabulary (the costly part, which the engine does once): what the front end needs to refuse a request.
-        The tokenizer's check runs too, once."""
-        import xgrammar
-
+        The tokenizer's check runs too, once. Parses are cached: the server checks a request's grammar twice
+        (before its prompts are processed, and with each), and a wide schema takes tens of ms to parse."""
         self._compiler  # noqa: B018  (the tokenizer's info, and its check)
         with _refusing(spec):
-            kind, text = _source(spec)
-            xgrammar.Grammar.from_regex(text) if kind == "regex" else xgrammar.Grammar.from_ebnf(text)
+            _parse(*_source(spec))
 
     def matcher(self, spec: StructuredOutputsParams, stop_token_ids: list[int]) -> "RequestGrammar":
         return RequestGrammar(self.compile(spec), stop_token_ids, self.vocab_size, spec.start_after)
@@ -280,6 +278,14 @@ def _source(spec: StructuredOutputsParams) -> tuple[str, str]:
     if spec.choice is not None:  # (non-ASCII as is: xgrammar reads \uXXXX surrogate pairs as two characters)
         return "ebnf", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
     return "ebnf", spec.grammar
+
+
+@functools.lru_cache(maxsize=64)
+def _parse(kind: str, text: str) -> None:
+    """xgrammar's parse of a grammar's text (raises for one it refuses; refusals are not cached)."""
+    import xgrammar
+
+    xgrammar.Grammar.from_regex(text) if kind == "regex" else xgrammar.Grammar.from_ebnf(text)
 
 
 @contextlib.contextmanager

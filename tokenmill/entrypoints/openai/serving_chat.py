@@ -82,6 +82,8 @@ class OpenAIServingChat(ServingBase):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs,
                                       forced.grammar if forced is not None else None)
+        if getattr(forced, "keeps_special_tokens", False):  # the tool-call parser reads special tokens
+            params.skip_special_tokens = False
         reasoning = self._reasoning(params, prompt["prompt"])
         rid, subs = await self.submit([prompt], params, req.priority, "chatcmpl", "messages")
         created = int(time.time())

@@ -5,7 +5,8 @@
     llama3_json  [<|python_tag|>]{"name": "f", "parameters": {...}}[; {...}]               (Llama 3.1 / 3.2)
     pythonic     [<|python_start|>][f(a=1, b="x"), g()][<|python_end|>]                    (Llama 3.2 / 4)
     mistral      ...content [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]           (Mistral, tokenizers
-                 ...content [TOOL_CALLS]f[ARGS]{...}[TOOL_CALLS]g[ARGS]{...}               before / from v11)
+                 ...content [TOOL_CALLS]f[ARGS]{...}[TOOL_CALLS]g[ARGS]{...}               before / from v11;
+                                                                 special tokens: the text keeps them for it)
 
 Streaming: content streams as it comes, except text that may be the start of a call, which is held back;
 a call goes out whole (id, name, arguments) once its text is complete. A call that never completes (cut by
@@ -172,6 +173,7 @@ class MistralParser:
     (each after its own [TOOL_CALLS]). [TOOL_CALLS] is a special token, left out of the text by
     skip_special_tokens: an output that is a bare JSON call list reads the same. Content may come first."""
     TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    keeps_special_tokens = True  # [TOOL_CALLS] and [ARGS] are special tokens: the output's text must keep them
 
     def __init__(self):
         self.texting = False  # content has gone out: a bare call list can no longer come
@@ -250,6 +252,8 @@ class AutoToolCalls:
 
     def __init__(self, parser_name: str):
         self.make_parser = TOOL_PARSERS[parser_name]
+        # (as vLLM: the request's text then keeps the special tokens the parser reads)
+        self.keeps_special_tokens = getattr(self.make_parser, "keeps_special_tokens", False)
         self.parser = self.make_parser()
         self.streams: dict[int, object] = {}  # per choice: its parser while streaming (they keep state)
         self.pending: dict[int, str] = {}  # per choice: streamed text not sent yet

@@ -23,6 +23,7 @@ import stat
 import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -109,14 +110,14 @@ class DiskTier(KVConnector):
             return None  # the last one still hangs
         if self._stats is None:
             self._stats = _StatThread()
+            weakref.finalize(self, self._stats.stop)  # (the thread holds its queue, not the tier)
         t0 = time.monotonic()
         future = self._stats.submit(path)
-        try:
-            return future.result(timeout=_SLOW_STAT_S).st_size
+        try:  # (exception(), not result(): a re-raised error's traceback would hold this frame, and the tier)
+            error = future.exception(timeout=_SLOW_STAT_S)
+            return None if error is not None else future.result().st_size
         except FutureTimeout:
             self._stat_running = future
-            return None
-        except OSError:
             return None
         finally:
             self._pause_if_slow(t0, _SLOW_STAT_S, _STAT_OFF_S, f"a stat in {self.dir}")
@@ -258,9 +259,16 @@ class _StatThread:
         self._queue.put((path, future))
         return future
 
+    def stop(self) -> None:
+        """The thread ends once the stats queued before have run (one that hangs keeps it, as a daemon)."""
+        self._queue.put(None)
+
     def _run(self) -> None:
         while True:
-            path, future = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return
+            path, future = item
             try:
                 future.set_result(os.stat(path))
             except OSError as e:
