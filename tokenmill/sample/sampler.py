@@ -182,22 +182,26 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
         logits.index_put_((at[0], at[1]), logits.new_full((), float("-inf")))  # made on the device: no copy
 
 
-def stop_where_nothing_is_left(logits: torch.Tensor, rows: list[SampleRow]) -> None:
-    """In place: a row whose constraints leave no token (allowed_token_ids that a grammar, bad words or
-    min_tokens ban entirely) gets its stop tokens back, so the request ends there instead of sampling from an
-    all -inf row (token 0 for greedy, NaN for sampling). On the device, without reading it: the rows are picked
-    by a mask the host never sees. A row with no stop token (ignore_eos) is left as it is."""
-    at_rows, at_ids = [], []
-    for i, r in enumerate(rows):
-        stops = [t for t in r.params.stop_ids if t < logits.shape[-1]]
-        at_rows += [i] * len(stops)
+def stop_where_nothing_is_left(logits: torch.Tensor, rows: list[SampleRow], constrained: list[int]) -> None:
+    """In place: a row whose constraints leave no token (a grammar, allowed_token_ids or bad words that, with
+    min_tokens, ban every token) gets its stop tokens back, so the request ends there instead of sampling from an
+    all -inf row (token 0 for greedy, NaN for sampling). Only the `constrained` rows can be so, and only they are
+    read, on the device, without a host read: the rows are picked by a mask the host never sees. A row with no
+    stop token (ignore_eos) is left as it is."""
+    at_rows, at_ids = [], []  # (j: the row's place among the constrained ones)
+    for j, i in enumerate(constrained):
+        stops = [t for t in rows[i].params.stop_ids if t < logits.shape[-1]]
+        at_rows += [j] * len(stops)
         at_ids += stops
     if not at_rows:
         return
-    at = device_tensor([at_rows, at_ids], torch.int64, logits.device)
-    dead = torch.isneginf(logits).all(dim=-1)
-    current = logits[at[0], at[1]]
-    logits.index_put_((at[0], at[1]), torch.where(dead[at[0]], torch.zeros_like(current), current))
+    dev = logits.device
+    where = device_tensor(constrained, torch.int64, dev)
+    at = device_tensor([at_rows, at_ids], torch.int64, dev)
+    dead = torch.isneginf(logits.index_select(0, where)).all(dim=-1)
+    rows_at = where[at[0]]
+    current = logits[rows_at, at[1]]
+    logits.index_put_((rows_at, at[1]), torch.where(dead[at[0]], torch.zeros_like(current), current))
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
@@ -293,8 +297,10 @@ class Sampler:
             apply_min_tokens(logits, rows)
             if masked:
                 apply_token_masks(logits, masked, [rows[i].token_bitmask for i in masked])
-            if masked or allowed or bad_words or min_tokens:
-                stop_where_nothing_is_left(logits, rows)
+            if masked or allowed or bad_words:
+                constrained = [i for i, r in enumerate(rows) if r.token_bitmask is not None
+                               or r.params.allowed_token_ids or r.params.bad_words_token_ids]
+                stop_where_nothing_is_left(logits, rows, constrained)
         return logits
 
     @staticmethod
