@@ -58,6 +58,16 @@ def test_the_server_puts_reasoning_in_its_own_field(tiny_model_dir, tmp_path):  
         held = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
             **body, "structured_outputs": {"choice": ["It is 4."]}}).json()["choices"][0]["message"]
         assert held["reasoning_content"] == plain and held["content"] is None
+        # a named tool call cut off in the reasoning: no call (an empty one would not be JSON), content null
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        named = {**body, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}}
+        message = httpx.post(srv.url + "/v1/chat/completions", json=named, timeout=60).json()["choices"][0]["message"]
+        assert message["reasoning_content"] == plain and message["content"] is None and not message.get("tool_calls")
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json={**named, "stream": True}, timeout=60) as s:
+            deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in s.iter_lines()
+                      if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+        assert not any(d.get("tool_calls") for d in deltas)
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == plain
     finally:
         assert srv.terminate() == 0, srv.logs()
 

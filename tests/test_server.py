@@ -336,6 +336,8 @@ GOOD = {"model": MODEL, "prompt": "To be", "max_tokens": 2}
     ({**GOOD, "structured_outputs": {"regex": "a", "disable_any_whitespace": 1}}, "structured_outputs"),
     ({**GOOD, "structured_outputs": {"regex": "a", "json_object": 0}}, "structured_outputs"),
     ({**GOOD, "structured_outputs": {"regex": "a", "grammar": 0}}, "structured_outputs"),
+    ({**GOOD, "structured_outputs": {"regex": "a", "start_after": [2**70]}}, "structured_outputs"),
+    ({**GOOD, "structured_outputs": {"regex": "a", "start_after": [10**6]}}, "structured_outputs"),
     ({**GOOD, "bad_words": "x"}, "bad_words"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
 ])

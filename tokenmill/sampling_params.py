@@ -27,7 +27,7 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         if self.start_after is None:
             self.start_after = ()
-        if not isinstance(self.start_after, (list, tuple)) or any(type(t) is not int or t < 0
+        if not isinstance(self.start_after, (list, tuple)) or any(type(t) is not int or not 0 <= t < 2**31
                                                                   for t in self.start_after):
             raise ValueError("invalid sampling parameter 'structured_outputs': 'start_after' must be a list of "
                              "token ids")

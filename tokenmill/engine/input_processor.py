@@ -207,6 +207,9 @@ class InputProcessor:
             raise ValueError(f"'logit_bias' token ids must be in [0, {self.vocab_size})")
         if params.allowed_token_ids and max(params.allowed_token_ids) >= self.vocab_size:
             raise ValueError(f"'allowed_token_ids' must be in [0, {self.vocab_size})")
+        if params.structured_outputs is not None and any(t >= self.vocab_size
+                                                          for t in params.structured_outputs.start_after):
+            raise ValueError(f"'structured_outputs' start_after token ids must be in [0, {self.vocab_size})")
         if params.structured_outputs is not None:  # parsed here to refuse a bad grammar before it is queued
             self.grammars.validate(params.structured_outputs)
         if params.bad_words:

@@ -121,6 +121,8 @@ class OpenAIServingChat(ServingBase):
                 finish = forced.finish_reason(ch.index, message, finish)
             if reasoning is not None:
                 message["reasoning_content"] = thought
+                if text is None and not message.get("tool_calls"):  # cut off before the answer
+                    message["content"] = None
             out.append({"index": ch.index, "message": message,
                         "logprobs": self.chat_logprobs(ch.logprobs, top_n) if req.logprobs else None,
                         "finish_reason": finish, "stop_reason": ch.stop_reason})

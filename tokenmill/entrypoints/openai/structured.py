@@ -135,8 +135,8 @@ class ForcedToolCalls:
     def calls(self, text: str) -> list[dict] | None:
         """The tool calls a choice's whole text makes; None where the text is not a whole call list (it was cut
         by max_tokens or a stop string: the text is then the content)."""
-        if self.name is not None:
-            return [call_dict(self.name, text)]
+        if self.name is not None:  # (no text: a reasoning model cut off before its answer)
+            return [call_dict(self.name, text)] if text else None
         try:  # (strict=False: a raw control character in a string, which some grammars let through, is kept)
             parsed = json.loads(text, strict=False)
             return [call_dict(c["name"], c["parameters"]) for c in parsed]
@@ -153,6 +153,8 @@ class ForcedToolCalls:
         """A streamed chunk's delta. A named function streams its arguments as they come (the first chunk
         carries the call's id and name); required calls go out whole with the last chunk, since their JSON
         must be complete to split."""
+        if self.name is not None and index not in self.texts and not text:
+            return {}  # the call opens with its first text (a reasoning model may think first, and be cut off)
         first = index not in self.texts
         whole = self.texts[index] = self.texts.get(index, "") + text
         if self.name is not None:
