@@ -202,17 +202,14 @@ def test_a_stat_that_hangs_costs_a_lookup_a_short_wait_not_the_engine(tmp_path, 
 def test_a_dropped_disk_tier_ends_its_stat_thread(tmp_path):
     import gc
 
-    def stat_threads():
-        return sum(t.name == "tokenmill-disk-stat" for t in threading.enumerate())
-    before = stat_threads()
     d = DiskTier(str(tmp_path), 1 << 20, FP, SHAPE, DT)
-    assert not d.exists(_key(9)) and stat_threads() == before + 1
+    assert not d.exists(_key(9))
+    thread = d._stats.thread
+    assert thread.is_alive()
     del d
     gc.collect()
-    deadline = time.monotonic() + 5
-    while stat_threads() > before:
-        assert time.monotonic() < deadline, "the stat thread outlived its tier"
-        time.sleep(0.01)
+    thread.join(5)
+    assert not thread.is_alive(), "the stat thread outlived its tier"
 
 
 def test_a_disk_tier_that_cannot_make_its_directory_starts_empty(tmp_path, caplog):

@@ -252,7 +252,8 @@ class _StatThread:
 
     def __init__(self):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, daemon=True, name="tokenmill-disk-stat").start()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="tokenmill-disk-stat")
+        self.thread.start()
 
     def submit(self, path: str) -> Future:
         future: Future = Future()
