@@ -127,6 +127,22 @@ def test_config(llama_dir):
         make_llm(llama_dir, async_scheduling=True, pipeline_parallel_size=2, allow_cpu_oversubscription=True)
 
 
+@pytest.mark.parametrize("tp, spec, asked, want", [
+    (1, None, None, True),  # the CUDA default, measured on an H200
+    (2, None, None, False),  # tensor parallelism: checked on CPU ranks only, so asked for, not the default
+    (2, None, True, True),
+    (1, '{"method": "ngram", "num_speculative_tokens": 2}', None, False),
+])
+def test_the_cuda_default(tp, spec, asked, want):
+    from tokenmill.config import EngineConfig
+
+    c = EngineConfig.__new__(EngineConfig)  # (resolving a CUDA config whole needs a GPU)
+    c.__dict__.update(device="cuda", pipeline_parallel_size=1, tensor_parallel_size=tp, speculative_config=spec,
+                      num_scheduler_steps=1, async_scheduling=asked)
+    c._resolve_async_scheduling(None)
+    assert c.async_scheduling is want
+
+
 def test_generate_leaves_no_step_in_flight(llama_dir):
     """A request that stops on a token leaves a step sampled past it in flight; generate collects it, so the
     idle engine holds no block and no deferred step."""

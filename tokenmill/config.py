@@ -230,7 +230,8 @@ class EngineConfig:
     async_scheduling: bool | None = option(
         None, "overlap the host with the device: step N+1 is scheduled and its inputs prepared while step N runs, "
         "its decode inputs filled in on the device from step N's tokens (vLLM's async scheduling). Default: on "
-        "with CUDA where it applies (no speculation, no pipeline parallelism); on a CPU "
+        "with CUDA on one rank where it applies (no speculation); with tensor parallelism it runs when asked for; "
+        "not with pipeline parallelism; on a CPU "
         "the model runs on the host's own thread, so there is nothing to overlap")
     skip_tokenizer_init: bool = option(False, "load no tokenizer (token-id prompts only)")
     revision: str | None = option(None, "accepted for vLLM compatibility; models load from local directories")
@@ -341,7 +342,9 @@ class EngineConfig:
             # 0 (automatic) just stays off (core.py); a GPU ignores bursts (the CPU's one-call step runs them)
             ("num_scheduler_steps > 1", self.num_scheduler_steps > 1 and self.device != "cuda")) if on]
         if self.async_scheduling is None:
-            self.async_scheduling = self.device == "cuda" and not blockers
+            # with tensor parallelism it is tested on CPU ranks only: on by default once a multi-GPU run has checked
+            # it (gpu_check.py runs one GPU), asked for meanwhile (--async-scheduling)
+            self.async_scheduling = self.device == "cuda" and not blockers and self.tensor_parallel_size == 1
         elif self.async_scheduling and blockers:
             raise ValueError(f"async_scheduling does not run with {', '.join(blockers)} yet")
 
