@@ -79,19 +79,29 @@ def test_missing_weights_file(llama_dir, tmp_path):
     assert len(out.outputs[0].token_ids) == 3
 
 
-def test_a_request_the_core_refuses_halfway_leaves_nothing_behind(llama_dir):
+@pytest.mark.parametrize("structured", [False, True])
+def test_a_request_the_core_refuses_halfway_leaves_nothing_behind(llama_dir, structured):
     """n = 2 whose second child id is taken (by an earlier request named like it): the first child must not
-    stay in the core, running with no one to read it."""
+    stay in the core, running with no one to read it. Structured requests wait for their grammar outside the
+    scheduler: the core must refuse the taken id there too (it replaced the waiting request)."""
+    from tokenmill.sampling_params import StructuredOutputsParams
+
     llm = make_llm(llama_dir)
     engine = llm.llm_engine
-    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    kw = dict(temperature=0, max_tokens=2, ignore_eos=True)
+    if structured:
+        kw["structured_outputs"] = StructuredOutputsParams(regex="[ab]+")
     prompt = {"prompt_token_ids": random_prompts([4])[0]}
-    engine.add_request("x#1", prompt, sp)
+    engine.add_request("x#1", prompt, SamplingParams(**kw))
     with pytest.raises(ValueError, match="already in use"):
-        engine.add_request("x", prompt, SamplingParams(n=2, temperature=0, max_tokens=2, ignore_eos=True))
-    assert set(engine.core.scheduler.requests) == {"x#1"}
+        engine.add_request("x", prompt, SamplingParams(n=2, **kw))
+    core = engine.core
+    assert set(core.scheduler.requests) | set(core.grammar_wait.waiting) == {"x#1"}
+    outs = []
     while engine.has_unfinished_requests():
-        engine.step()
+        outs += engine.step()
+    assert [o.request_id for o in outs if o.finished] == ["x#1"]
+    assert len(outs[-1].outputs[0].token_ids) == 2
     llm.llm_engine.check_invariants()
 
 

@@ -140,6 +140,11 @@ class EngineCore:
 
     # -- requests ------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
+        rid = req.request_id
+        if rid in self.scheduler.requests or rid in self.grammar_wait.waiting:
+            # checked here, not only by the scheduler: a structured request would otherwise replace the one
+            # waiting for its grammar, or fail later inside a step (every request in it with it)
+            raise ValueError(f"request_id {rid!r} is already in use")
         if req.sampling_params.structured_outputs is not None:
             if self.executor is not None and req.prefix_leader is None:  # the other sampling ranks compile it
                 # meanwhile (once per request: n > 1's children share it)
