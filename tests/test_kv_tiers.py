@@ -129,6 +129,34 @@ def test_a_header_that_agrees_with_itself_but_not_with_its_shape_is_corrupt():
         decode_block(header + payload, FP, _key(1), SHAPE, DT)
 
 
+def test_a_block_stored_again_while_the_index_is_checked_stays_indexed(tmp_path, monkeypatch):
+    """_revalidate stats the index's files off the lock. A block evicted and stored again (another thread)
+    after its stat said "gone" must stay indexed: dropping it would leave its new file on disk, outside the
+    index and the cap."""
+    per = len(encode_block(FP, _key(0), _block(0)))
+    d = DiskTier(str(tmp_path), 8 * per, FP, SHAPE, DT)
+    for i in range(3):
+        d.put(_key(i), _block(i))
+    os.unlink(d._path(_key(2)))  # really gone: still dropped
+    target = d._path(_key(1))
+    real_exists = os.path.exists
+
+    def exists(path):
+        if path != target:
+            return real_exists(path)
+        d._forget(_key(1))  # the store thread: evicted and written again, just after this stat
+        os.unlink(target)
+        d.put(_key(1), _block(1))
+        return False
+    monkeypatch.setattr(disk_mod.os.path, "exists", exists)
+    d._revalidate()
+    monkeypatch.setattr(disk_mod.os.path, "exists", real_exists)
+    assert d.occupancy() == (2, 2 * per)  # each file on disk is counted (before any lookup stats it again)
+    assert d.exists(_key(1)) and not d.exists(_key(2)) and d.exists(_key(0))
+    assert torch.equal(d.get(_key(1)), _block(1))
+    d.check_invariants()
+
+
 def test_disk_faults_a_read_or_a_store_must_not_hang_on_or_keep_repeating(tmp_path, monkeypatch):
     """Anything but a regular file of a block's size is corrupt (a FIFO would block the load thread in
     read()); a deleted directory is noticed for the whole index at the first miss (its blocks are stored again

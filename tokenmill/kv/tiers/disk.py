@@ -56,6 +56,7 @@ class DiskTier(KVConnector):
         self._stats = None  # lookups' stats run there (_stat_size)
         self._stat_running = None  # a stat that outlived its wait: no other is started until it returns
         self._revalidated_at = 0.0
+        self._added_while_revalidating: set[bytes] | None = None  # None: no revalidation running
         try:
             os.makedirs(self.dir, exist_ok=True)
             self._scan()
@@ -201,6 +202,8 @@ class DiskTier(KVConnector):
                 return
             self._index[key] = size
             self._bytes += size
+            if self._added_while_revalidating is not None:
+                self._added_while_revalidating.add(key)
         self._trim()
 
     def _forget(self, key: bytes) -> bool:
@@ -217,13 +220,18 @@ class DiskTier(KVConnector):
         those blocks skipped as already there."""
         now = time.monotonic()
         with self._lock:
-            if now - self._revalidated_at < _REVALIDATE_S:
+            if now - self._revalidated_at < _REVALIDATE_S or self._added_while_revalidating is not None:
                 return
             self._revalidated_at = now
+            self._added_while_revalidating = set()
             keys = list(self._index)
-        gone = [k for k in keys if not os.path.exists(self._path(k))]
-        for k in gone:
-            self._forget(k)
+        gone = [k for k in keys if not os.path.exists(self._path(k))]  # (off the lock: stats can be slow)
+        with self._lock:
+            # a key evicted and stored again while we looked has a new file that our stat may have missed
+            fresh, self._added_while_revalidating = self._added_while_revalidating, None
+            for k in gone:
+                if k not in fresh:
+                    self._bytes -= self._index.pop(k, 0)
 
     def _trim(self) -> None:
         victims = []
