@@ -703,6 +703,53 @@ def test_a_slow_redis_costs_a_lookup_now_and_then_and_a_refused_write_one_block(
     tier.close()
 
 
+def test_a_redis_timeout_stops_only_its_own_side(redis_server):
+    """A store that times out (a large pipeline on a busy link) drops stores for retry_after_s, but lookups and
+    loads of the blocks already there go on (one breaker for both lost every hit); a read timeout leaves stores
+    on. A connection error means the server is gone: both sides stop."""
+    import redis
+
+    from tokenmill.kv.tiers.redis_tier import RedisTier
+    tier = RedisTier(redis_server.url, FP, SHAPE, DT, retry_after_s=30.0)
+    keys = [_key(i) for i in range(2)]
+    tier.batched_put(keys, [_block(i) for i in range(2)])
+    real = tier.client.pipeline
+    failure = [None]
+
+    def failing_pipeline(*a, **k):
+        pipe = real(*a, **k)
+        execute = pipe.execute
+
+        def run(*ea, **ek):
+            if failure[0] is not None and any(cmd[0][0] == failure[0][0] for cmd in pipe.command_stack):
+                raise failure[0][1]
+            return execute(*ea, **ek)
+        pipe.execute = run
+        return pipe
+    tier.client.pipeline = failing_pipeline
+    failure[0] = ("SET", redis.TimeoutError("Timeout writing to socket"))
+    tier.batched_put([_key(5)], [_block(5)])  # times out: stores off
+    failure[0] = None
+    tier.batched_put([_key(6)], [_block(6)])  # dropped without a call
+    assert tier.batched_exists(keys) == 2 and torch.equal(tier.get(_key(1)), _block(1))  # reads go on
+    assert tier.batched_exists([_key(6)]) == 0 and tier.stats.blocks_stored == 2
+    tier._down_until["write"] = 0.0
+    failure[0] = ("EXISTS", redis.TimeoutError("Timeout reading from socket"))
+    assert tier.batched_exists(keys) == 0  # times out: reads off
+    failure[0] = None
+    assert tier.batched_exists(keys) == 0 and tier.get(_key(1)) is None
+    tier.batched_put([_key(6)], [_block(6)])  # stores go on
+    assert tier.stats.blocks_stored == 3
+    tier._down_until["read"] = 0.0
+    assert tier.batched_exists([_key(6)]) == 1
+    failure[0] = ("EXISTS", redis.ConnectionError("Connection refused"))
+    assert tier.batched_exists(keys) == 0
+    failure[0] = None
+    tier.batched_put([_key(7)], [_block(7)])  # the server is down for both sides
+    assert tier.stats.blocks_stored == 3
+    tier.close()
+
+
 def test_greedy_identical_with_redis_hits_shared_by_two_engines(llama_dir, redis_server, plain_outputs):
     rounds = _workload()
     a = make_llm(llama_dir, **POOL, kv_remote_cache_url=redis_server.url)
@@ -725,7 +772,7 @@ def test_redis_killed_mid_run_and_restarted(llama_dir, redis_server, plain_outpu
     stored_before = remote.stats.blocks_stored
     redis_server.kill()
     assert _run(llm, rounds[3:6]) == plain_outputs[3:6]  # misses and dropped stores, no errors
-    assert "unreachable" in caplog.text
+    assert "reads and writes off" in caplog.text  # a dead server: both sides
     redis_server.start()  # empty again: stores resume, then hits
     time.sleep(0.3)
     assert _run(llm, rounds[6:]) == plain_outputs[6:]

@@ -4,7 +4,9 @@
 Redis bounds itself: run it with `maxmemory` and `maxmemory-policy allkeys-lru` and it evicts the least
 recently used blocks. A dead or slow server must not stall the step: every call has a short socket
 timeout, and after a failure the tier reports misses and drops stores for `retry_after_s` before it
-tries the server again (redis-py reconnects by itself). Lookups run on the scheduler's thread, once per
+tries the server again (redis-py reconnects by itself). A timeout stops only its own side for that long:
+a store too large to land in time drops stores, not the lookups and loads of blocks already there (and a
+slow read does not stop stores); a connection error stops both. Lookups run on the scheduler's thread, once per
 waiting request and step, so a server that answers but slowly (over `slow_lookup_s` a lookup) has its
 lookups skipped, as misses, for `retry_after_s` too; reads and writes run on the transfer threads. A
 write the server refuses (out of memory under `noeviction`) drops that block only.
@@ -30,12 +32,13 @@ class RedisTier(KVConnector):
         except ImportError as e:
             raise ValueError("kv_remote_cache_url needs the redis package: pip install redis") from e
         self._errors = (redis.RedisError, OSError)
+        self._timeouts = (redis.TimeoutError, TimeoutError)  # (socket.timeout is TimeoutError)
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.url = url
         self.fingerprint, self.block_shape, self.dtype = fingerprint, tuple(block_shape), dtype
         self._prefix = f"tokenmill:kv:{fingerprint.hex()}:".encode()
         self.retry_after_s = retry_after_s
-        self._down_until = 0.0
+        self._down_until = {"read": 0.0, "write": 0.0}  # each side's breaker (monotonic time)
         self.slow_lookup_s = slow_lookup_s
         self._keys_written = 0
         self._bytes_written = 0
@@ -43,15 +46,20 @@ class RedisTier(KVConnector):
     def _key(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
 
-    def _call(self, fn, default):
-        """Run one Redis call; on failure mark the server down for a while and return `default`."""
-        if time.monotonic() < self._down_until:
+    def _call(self, fn, default, side: str):
+        """Run one Redis call on `side` ("read": lookups and loads, "write": stores); on failure return `default`
+        and stop that side for retry_after_s (both sides unless the call timed out: the server is down)."""
+        if time.monotonic() < self._down_until[side]:
             return default
         try:
             return fn()
         except self._errors as e:
-            self._down_until = time.monotonic() + self.retry_after_s
-            self._warn("%s unreachable (%s); misses for %.0f s", self.url, e, self.retry_after_s)
+            until = time.monotonic() + self.retry_after_s
+            sides = (side,) if isinstance(e, self._timeouts) else tuple(self._down_until)
+            for s in sides:
+                self._down_until[s] = until
+            what = "reads" if sides == ("read",) else "writes" if sides == ("write",) else "reads and writes"
+            self._warn("%s failed (%s); %s off for %.0f s", self.url, e, what, self.retry_after_s)
             return default
 
     def exists(self, key: bytes) -> bool:
@@ -68,7 +76,7 @@ class RedisTier(KVConnector):
             return pipe.execute()
 
         t0 = time.monotonic()
-        answers = self._call(run, [])
+        answers = self._call(run, [], "read")
         self._pause_if_slow(t0, self.slow_lookup_s, self.retry_after_s, self.url)
         n = 0
         for present in answers:
@@ -83,7 +91,7 @@ class RedisTier(KVConnector):
 
     def batched_get(self, keys: list[bytes]) -> list[torch.Tensor]:
         t0 = time.perf_counter()
-        values = self._call(lambda: self.client.mget([self._key(k) for k in keys]), [])
+        values = self._call(lambda: self.client.mget([self._key(k) for k in keys]), [], "read")
         out = []
         for k, data in zip(keys, values):
             if data is None:
@@ -92,7 +100,7 @@ class RedisTier(KVConnector):
                 out.append(decode_block(data, self.fingerprint, k, self.block_shape, self.dtype))
             except CorruptBlock as e:
                 self._warn("block %s: %s; treating it as a miss", k.hex(), e)
-                self._call(lambda: self.client.delete(self._key(k)), None)
+                self._call(lambda: self.client.delete(self._key(k)), None, "write")
                 break
         for b in out:
             self._count_load(b.nbytes, t0)
@@ -112,7 +120,7 @@ class RedisTier(KVConnector):
                 pipe.set(self._key(k), v)
             return pipe.execute(raise_on_error=False)  # a refused SET is that block's, not the server's fault
 
-        results = self._call(run, None)
+        results = self._call(run, None, "write")
         if results is None:
             return
         for b, v, res in zip(blocks, values, results):
