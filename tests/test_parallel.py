@@ -313,6 +313,40 @@ def test_server_with_tensor_parallelism_answers_and_exits_when_a_worker_dies(tin
             server.terminate()
 
 
+def test_stopped_engine_processes_exit_when_their_parent_is_killed(tiny_model_dir, tmp_path):
+    """A stopped child (SIGSTOP, a debugger) cannot run the thread that watches for its parent's death, so it
+    stayed stopped forever, holding its memory. Each child has a process group of its own: when its parent
+    dies, the kernel sends the orphaned, stopped group SIGHUP and SIGCONT. Here the API server is killed with
+    its engine core and the core's worker both stopped: the core ends, and then the worker."""
+    server = ServerProcess(tiny_model_dir, tmp_path / "serve.log", "--tensor-parallel-size", "2",
+                           "--allow-cpu-oversubscription")
+    stopped = []
+    try:
+        server.wait_ready()
+        core = core_pid(server)
+        worker = int(open(f"/proc/{core}/task/{core}/children").read().split()[0])
+        stopped = [core, worker]
+        assert os.getpgid(core) == core and os.getpgid(worker) == worker  # groups of their own
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        deadline = time.time() + 10
+        while time.time() < deadline and {_state(p) for p in stopped} != {"T"}:
+            time.sleep(0.05)
+        assert {_state(p) for p in stopped} == {"T"}
+        server.proc.kill()
+        server.proc.wait(timeout=10)
+        deadline = time.time() + 20
+        while time.time() < deadline and any(_state(p) not in ("gone", "Z") for p in stopped):
+            time.sleep(0.1)
+        assert [_state(p) in ("gone", "Z") for p in stopped] == [True, True], [_state(p) for p in stopped]
+    finally:
+        for pid in stopped:
+            if _state(pid) not in ("gone", "Z"):
+                os.kill(pid, signal.SIGKILL)
+        if server.proc.poll() is None:
+            server.terminate()
+
+
 def test_bench_comm_measures_every_op_and_size(tmp_path):
     import json
 

@@ -17,13 +17,12 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import struct
 import subprocess
-import sys
 import threading
 import time
 from multiprocessing.connection import Connection, Listener, wait
 
+from tokenmill.child_process import spawn_child
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.distributed import control
 from tokenmill.distributed.layout import ParallelLayout, threads_per_rank
@@ -48,11 +47,7 @@ def start_local_workers(config: EngineConfig, rdzv: Rendezvous, skip_rank: int |
     procs = []
     for rank in ranks:
         args = WorkerArgs(config, layout.for_rank(rank), rdzv, threads, logging.getLogger("tokenmill").level)
-        p = subprocess.Popen([sys.executable, "-m", "tokenmill.distributed.worker"], stdin=subprocess.PIPE)
-        blob = pickle.dumps(args)
-        p.stdin.write(struct.pack("<Q", len(blob)) + blob)
-        p.stdin.flush()  # stays open: its EOF tells the worker that we died
-        procs.append((rank, p))
+        procs.append((rank, spawn_child("tokenmill.distributed.worker", args)))
     return procs
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import struct
 import sys
 import threading
 import time
@@ -20,6 +19,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from tokenmill.child_process import read_payload
 from tokenmill.distributed.layout import ParallelLayout
 
 logger = logging.getLogger("tokenmill")
@@ -109,11 +109,9 @@ def _exit_when_parent_dies(stdin) -> None:
 
 
 def main() -> None:
-    stdin = sys.stdin.buffer
-    (size,) = struct.unpack("<Q", stdin.read(8))
-    args: WorkerArgs = pickle.loads(stdin.read(size))
+    args: WorkerArgs = read_payload()
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(levelname)s [rank {args.layout.rank}] %(message)s")
-    threading.Thread(target=_exit_when_parent_dies, args=(stdin,), daemon=True).start()
+    threading.Thread(target=_exit_when_parent_dies, args=(sys.stdin.buffer,), daemon=True).start()
     run_worker(args)
 
 

@@ -7,17 +7,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import pickle
 import shutil
-import struct
 import subprocess
-import sys
 import tempfile
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from tokenmill.child_process import spawn_child
 from tokenmill.config import EngineConfig
 from tokenmill.engine.messages import CoreDead, CoreMessage, Ready, Shutdown
 
@@ -43,11 +41,7 @@ class CoreClient:
         self._output.bind(out_addr)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(CoreMessage)
-        # stdin carries the config, then stays open: its EOF tells the core that we died
-        self.proc = subprocess.Popen([sys.executable, "-m", "tokenmill.engine.core_proc"], stdin=subprocess.PIPE)
-        blob = pickle.dumps((config, in_addr, out_addr, log_level))
-        self.proc.stdin.write(struct.pack("<Q", len(blob)) + blob)
-        self.proc.stdin.flush()
+        self.proc = spawn_child("tokenmill.engine.core_proc", (config, in_addr, out_addr, log_level))
         self.closed = False
 
     async def wait_ready(self, timeout: float = 600.0) -> Ready:

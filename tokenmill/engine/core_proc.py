@@ -179,8 +179,9 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
     """`parent_alive_fd` is the read end of a pipe whose write end only the parent holds: it becomes
     readable (EOF) when the parent dies."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(message)s")
-    # The API process owns shutdown: a signal to the whole process group (Ctrl-C, `kill -TERM -pgid`) must not
-    # kill in-flight requests; the core exits on the API's Shutdown message or when the API process is gone.
+    # The API process owns shutdown: a signal sent to all its processes (systemd's control-group stop, `pkill`)
+    # must not kill in-flight requests; the core exits on the API's Shutdown message or when the API is gone.
+    # (Terminal signals do not reach it: child_process.py gives it a process group of its own.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     proc = None
@@ -209,12 +210,9 @@ def main() -> None:
     """`python -m tokenmill.engine.core_proc`: the parent writes one pickled (config, input_addr,
     output_addr, log_level) to our stdin and keeps it open; stdin's EOF means the parent died.
     (A subprocess, not multiprocessing: spawn would re-run the parent's __main__, e.g. `python -m tokenmill`.)"""
-    import pickle
-    import struct
+    from tokenmill.child_process import read_payload
 
-    stdin = sys.stdin.buffer
-    (size,) = struct.unpack("<Q", stdin.read(8))
-    config, input_addr, output_addr, log_level = pickle.loads(stdin.read(size))
+    config, input_addr, output_addr, log_level = read_payload()
     run_engine_core(config, input_addr, output_addr, sys.stdin.fileno(), log_level)
 
 
