@@ -241,16 +241,19 @@ def test_stop_ids_outside_the_vocabulary_do_not_fail_the_step(llama_dir):
 
 def test_a_slow_grammar_compiles_off_the_engines_steps(llama_dir, monkeypatch):
     """While a grammar compiles (on a thread) its request waits outside the scheduler; the other requests keep
-    stepping, and it joins once compiled. An abort while it waits drops it."""
+    stepping, and it joins once compiled. An abort while it waits drops it, and its compile, queued behind
+    the slow one, never runs."""
     import threading
 
     llm = make_llm(llama_dir)
     engine = llm.llm_engine
     gate, compiler = threading.Event(), engine.core.runner.grammars  # the engine's (the front end has its own)
-    real = compiler.compile
+    real, compiles = compiler.compile, []
 
     def slow(spec):
-        gate.wait(30)
+        if threading.current_thread().name.startswith("tokenmill-grammar"):  # GrammarWait's (not the matcher's)
+            compiles.append(spec)
+            gate.wait(30)
         return real(spec)
     monkeypatch.setattr(compiler, "compile", slow)
     engine.add_request("plain", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=6))
@@ -265,7 +268,7 @@ def test_a_slow_grammar_compiles_off_the_engines_steps(llama_dir, monkeypatch):
     outs = {}
     while engine.has_unfinished_requests():
         outs.update((o.request_id, o) for o in engine.step() if o.finished)
-    assert set(outs) == {"regex"}
+    assert set(outs) == {"regex"} and len(compiles) == 1
     assert _matches("regex", llm.get_tokenizer().decode(outs["regex"].outputs[0].token_ids, skip_special_tokens=True))
     engine.check_invariants()
 

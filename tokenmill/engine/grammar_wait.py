@@ -45,7 +45,14 @@ class GrammarWait:
         return ok, failed
 
     def abort(self, request_ids) -> list[str]:
-        return [rid for rid in request_ids if self.waiting.pop(rid, None) is not None]
+        """Drop these requests; a compile still queued is cancelled (one running cannot be: xgrammar's C++)."""
+        aborted = []
+        for rid in request_ids:
+            entry = self.waiting.pop(rid, None)
+            if entry is not None:
+                entry[1].cancel()
+                aborted.append(rid)
+        return aborted
 
     def close(self) -> None:
         if self._pool is not None:
