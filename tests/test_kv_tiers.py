@@ -223,8 +223,44 @@ def test_a_stat_that_hangs_costs_a_lookup_a_short_wait_not_the_engine(tmp_path, 
     while not d._stat_running.done():
         assert time.monotonic() < deadline
         time.sleep(0.01)
+    assert not d.exists(_key(2)) and d._lookups_paused()  # it returned, slowly: a slow mount pauses lookups
     d._lookups_off_until = 0.0
     assert d.exists(_key(2))  # the mount is back
+
+
+def test_a_slow_hand_off_to_the_stat_thread_costs_one_lookup_not_a_pause(tmp_path, monkeypatch):
+    """On an overloaded host the stat thread may start a stat late. That lookup misses (the scheduler does not
+    wait), but the stat itself was fast: lookups must not pause for _STAT_OFF_S (10 s of misses)."""
+    other = DiskTier(str(tmp_path), 1 << 20, FP, SHAPE, DT)
+    d = DiskTier(str(tmp_path), 1 << 20, FP, SHAPE, DT)
+    other.put(_key(1), _block(1))
+    other.put(_key(2), _block(2))
+    assert d.exists(_key(1))  # (the thread exists)
+    submit = d._stats.submit
+    t0 = time.monotonic()
+    monkeypatch.setattr(d._stats, "submit", lambda path: _late(submit, path))
+    assert not d.exists(_key(2))  # missed: the stat came back after the wait
+    assert time.monotonic() - t0 < 1
+    deadline = time.monotonic() + 10
+    while not d._stat_running.done():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    monkeypatch.setattr(d._stats, "submit", submit)
+    assert d.exists(_key(2)) and not d._lookups_paused()
+
+
+def _late(submit, path):
+    """A Future for `submit(path)`, handed to the thread 3x the scheduler's wait from now (not waited for)."""
+    from concurrent.futures import Future
+
+    outer: Future = Future()
+
+    def hand_off():
+        inner = submit(path)
+        inner.add_done_callback(lambda f: (setattr(outer, "took", getattr(f, "took", 0.0)), outer.set_result(f.result())
+                                           if f.exception() is None else outer.set_exception(f.exception())))
+    threading.Timer(3 * disk_mod._SLOW_STAT_S, hand_off).start()
+    return outer
 
 
 def test_a_dropped_disk_tier_ends_its_stat_thread(tmp_path):

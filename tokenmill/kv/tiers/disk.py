@@ -11,7 +11,8 @@ so together they may hold up to the sum of their caps). Every failure is a miss 
   - a missing directory is recreated, at startup too (one that cannot be made leaves the tier empty);
   - a full disk lowers the cap to what the disk holds, and the configured cap is tried again later;
   - a lookup's stat runs on a thread of its own and is waited for briefly: a mount that hangs turns lookups of
-    blocks this engine did not index into misses, instead of stopping the scheduler.
+    blocks this engine did not index into misses, instead of stopping the scheduler (a slow hand-off to the
+    thread costs that one lookup; a slow stat pauses such lookups for a while).
 """
 from __future__ import annotations
 
@@ -105,14 +106,21 @@ class DiskTier(KVConnector):
 
     def _stat_size(self, path: str) -> int | None:
         """The file's size (None: no file), from a stat on this tier's own thread: lookups run on the scheduler's
-        thread, and a stat on a mount that hangs would stop the engine. The scheduler waits _SLOW_STAT_S at most;
-        a stat that takes longer turns lookups of unindexed blocks off for _STAT_OFF_S, and until it returns."""
-        if self._stat_running is not None and not self._stat_running.done():
-            return None  # the last one still hangs
+        thread, and a stat on a mount that hangs would stop the engine. The scheduler waits _SLOW_STAT_S at most
+        (a miss then), and starts no other stat until that one returns; if the stat itself took longer (not the
+        hand-off to the thread, which an overloaded host can delay), lookups of unindexed blocks stay off for
+        _STAT_OFF_S more."""
+        late = self._stat_running
+        if late is not None:
+            if not late.done():
+                return None  # it still hangs
+            self._stat_running = None
+            if late.took > _SLOW_STAT_S:  # a slow mount, not a slow hand-off
+                self._pause_if_slow(time.monotonic() - late.took, _SLOW_STAT_S, _STAT_OFF_S, f"a stat in {self.dir}")
+                return None
         if self._stats is None:
             self._stats = _StatThread()
             weakref.finalize(self, self._stats.stop)  # (the thread holds its queue, not the tier)
-        t0 = time.monotonic()
         future = self._stats.submit(path)
         try:  # (exception(), not result(): a re-raised error's traceback would hold this frame, and the tier)
             error = future.exception(timeout=_SLOW_STAT_S)
@@ -120,8 +128,6 @@ class DiskTier(KVConnector):
         except FutureTimeout:
             self._stat_running = future
             return None
-        finally:
-            self._pause_if_slow(t0, _SLOW_STAT_S, _STAT_OFF_S, f"a stat in {self.dir}")
 
     def get(self, key: bytes) -> torch.Tensor | None:
         t0 = time.perf_counter()
@@ -278,10 +284,15 @@ class _StatThread:
             if item is None:
                 return
             path, future = item
+            t0 = time.monotonic()
             try:
-                future.set_result(os.stat(path))
+                st = os.stat(path)
             except OSError as e:
+                future.took = time.monotonic() - t0  # (set before the result: a waiter may read it at once)
                 future.set_exception(e)
+            else:
+                future.took = time.monotonic() - t0
+                future.set_result(st)
 
 
 def _unlink(path: str) -> None:
