@@ -13,12 +13,16 @@ from tokenmill.entrypoints.openai.tool_parsers import (AutoToolCalls, HermesPars
 
 HERMES = [
     ("Let me look.\n<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Verona\"}}\n</tool_call>",
-     "Let me look.", [("weather", {"city": "Verona"})]),
+     "Let me look.\n", [("weather", {"city": "Verona"})]),
     ("<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call>\n<tool_call>{\"name\": \"b\", \"arguments\": "
-     "{\"x\": [1, 2]}}</tool_call>", "", [("a", {}), ("b", {"x": [1, 2]})]),
+     "{\"x\": [1, 2]}}</tool_call>", "\n", [("a", {}), ("b", {"x": [1, 2]})]),
     ("no calls here, only < and <tool", "no calls here, only < and <tool", []),
     ("<tool_call>{not json}</tool_call> then text", "<tool_call>{not json}</tool_call> then text", []),
     ("cut off <tool_call>{\"name\": \"a\", \"argu", "cut off <tool_call>{\"name\": \"a\", \"argu", []),
+    ("\n\n<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call>\n", "\n\n\n", [("a", {})]),  # no content
+    ("  <tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call>\n Done. ", "  \n Done. ", [("a", {})]),
+    ("  \n only whitespace first ", "  \n only whitespace first ", []),
+    ("\n \n", "\n \n", []),
 ]
 LLAMA3 = [
     ("{\"name\": \"weather\", \"parameters\": {\"city\": \"Mantua\"}}", "", [("weather", {"city": "Mantua"})]),
@@ -43,7 +47,7 @@ PYTHONIC = [
 MISTRAL = [
     ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]', "",
      [("f", {"a": 1}), ("g", {})]),
-    ('Sure. [TOOL_CALLS]f[ARGS]{"a": "b"}[TOOL_CALLS]g[ARGS]{}', "Sure.", [("f", {"a": "b"}), ("g", {})]),
+    ('Sure. [TOOL_CALLS]f[ARGS]{"a": "b"}[TOOL_CALLS]g[ARGS]{}', "Sure. ", [("f", {"a": "b"}), ("g", {})]),
     ('[{"name": "f", "arguments": {"a": 1}}]', "", [("f", {"a": 1})]),  # the tag skipped as a special token
     ("[1, 2]", "[1, 2]", []),
     ("[TOOL_CALLS]oops", "[TOOL_CALLS]oops", []),
@@ -70,7 +74,8 @@ def test_whole_text_splits_into_content_and_calls(parser, text, content, calls):
 @pytest.mark.parametrize("parser, text, content, calls", CASES)
 def test_any_chunking_of_a_stream_gives_the_whole_texts_calls(parser, text, content, calls):
     """Every split into three chunks: the calls are the whole text's, each sent once, and the content sent is
-    the text outside them (held-back tag prefixes included, once it is clear they are text)."""
+    the whole text's, exactly (held-back tag prefixes included, once it is clear they are text; whitespace
+    around calls only where there is other content)."""
     for i in range(len(text) + 1):
         for j in range(i, len(text) + 1, 3):
             tools = AutoToolCalls(parser)
@@ -79,14 +84,16 @@ def test_any_chunking_of_a_stream_gives_the_whole_texts_calls(parser, text, cont
             assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in sent_calls] == calls
             assert [c["index"] for c in sent_calls] == list(range(len(calls)))
             sent = "".join(d.get("content", "") for d in deltas)
-            assert (sent.strip() if calls else sent) == content, (i, j, deltas)
+            assert sent == (content if content.strip() or not calls else ""), (i, j, deltas)
+            message = tools.message(0, text)
+            assert message["content"] == (content if content.strip() or not calls else None)
             finish = tools.finish_reason(0, deltas[-1], "stop")
             assert finish == ("tool_calls" if calls else "stop")
 
 
 def test_message_carries_calls_and_content():
     m = AutoToolCalls("hermes").message(0, HERMES[0][0])
-    assert m["content"] == "Let me look." and _calls(m["tool_calls"]) == HERMES[0][2]
+    assert m["content"] == "Let me look.\n" and _calls(m["tool_calls"]) == HERMES[0][2]
     m = AutoToolCalls("hermes").message(0, HERMES[1][0])
     assert m["content"] is None  # only calls: null content, as OpenAI
     assert AutoToolCalls("hermes").message(0, "plain") == {"role": "assistant", "content": "plain"}

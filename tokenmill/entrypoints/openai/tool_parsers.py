@@ -8,9 +8,11 @@
                  ...content [TOOL_CALLS]f[ARGS]{...}[TOOL_CALLS]g[ARGS]{...}               before / from v11;
                                                                  special tokens: the text keeps them for it)
 
-Streaming: content streams as it comes, except text that may be the start of a call, which is held back;
-a call goes out whole (id, name, arguments) once its text is complete. A call that never completes (cut by
-max_tokens) goes out as content when the choice finishes."""
+Content is the text outside the calls, as written; when there are calls, content that is only whitespace
+(the newlines between them) is no content (null). Streaming: content streams as it comes, except text that may
+be the start of a call, and whitespace before any other content, which are held back; a call goes out whole
+(id, name, arguments) once its text is complete. A call that never completes (cut by max_tokens) goes out as
+content when the choice finishes. Whole or streamed in any chunks, the content and calls are the same."""
 from __future__ import annotations
 
 import ast
@@ -68,7 +70,7 @@ class HermesParser:
             if call is not None:
                 calls.append(call)
             pos = end + len(self.CLOSE)
-        return "".join(content).strip() if calls else "".join(content), calls
+        return "".join(content), calls
 
     def stream(self, buffer: str, finished: bool) -> tuple[str, list[dict], str]:
         """(content to send, calls to send, text to keep) from the unsent `buffer`."""
@@ -186,7 +188,7 @@ class MistralParser:
             return ("", calls) if calls else (text, [])
         body = text[start + len(self.TAG):].strip()
         calls = _json_calls(body) if body.startswith(("[", "{")) else self._args_calls(body)
-        return (text[:start].strip(), calls) if calls else (text, [])
+        return (text[:start], calls) if calls else (text, [])
 
     def _args_calls(self, body: str) -> list[dict]:
         calls = []
@@ -258,10 +260,12 @@ class AutoToolCalls:
         self.streams: dict[int, object] = {}  # per choice: its parser while streaming (they keep state)
         self.pending: dict[int, str] = {}  # per choice: streamed text not sent yet
         self.num_calls: dict[int, int] = {}
+        self.held: dict[int, str] = {}  # per choice: whitespace streamed before any other content, not sent yet
+        self.texted: set[int] = set()  # choices that sent content other than whitespace
 
     def message(self, index: int, text: str) -> dict:
         content, calls = self.parser.extract(text)
-        message = {"role": "assistant", "content": content or None if calls else content}
+        message = {"role": "assistant", "content": content if content.strip() or not calls else None}
         if calls:
             message["tool_calls"] = calls
         return message
@@ -273,6 +277,12 @@ class AutoToolCalls:
     def stream_delta(self, index: int, text: str, finished: bool) -> dict:
         parser = self.streams.get(index) or self.streams.setdefault(index, self.make_parser())
         content, calls, self.pending[index] = parser.stream(self.pending.get(index, "") + text, finished)
+        if index not in self.texted:  # whitespace waits for text (sent with it) or the end (sent if no calls)
+            content = self.held.pop(index, "") + content
+            if content.strip():
+                self.texted.add(index)
+            elif not finished or calls or self.num_calls.get(index):
+                self.held[index], content = ("", "") if finished else (content, "")
         delta = {}
         if content:
             delta["content"] = content
