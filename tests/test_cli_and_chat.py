@@ -47,6 +47,22 @@ def test_chat_applies_template(llama_dir):
     assert out.outputs[0].token_ids == direct.outputs[0].token_ids
 
 
+def test_chat_continues_the_final_message(llama_dir):
+    """continue_final_message (vLLM's): the prompt ends inside the last message, with no end of turn, and the
+    model continues it; it cannot be combined with add_generation_prompt (a new turn)."""
+    llm = make_llm(llama_dir)
+    msgs = [{"role": "user", "content": "To be"}, {"role": "assistant", "content": "or not"}]
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    out = llm.chat(msgs, sp, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt == "<|user|>\nTo be\n<|assistant|>\nor not"
+    closed = llm.chat(msgs, sp, use_tqdm=False, add_generation_prompt=False)[0]
+    assert closed.prompt == out.prompt + "\n"  # the turn's end
+    direct = llm.generate({"prompt_token_ids": out.prompt_token_ids}, sp, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == direct.outputs[0].token_ids
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        llm.chat(msgs, sp, use_tqdm=False, continue_final_message=True)
+
+
 def test_chat_passes_tools_and_template_kwargs_to_the_template(llama_dir, tmp_path):
     """vLLM's LLM.chat(tools=..., chat_template_kwargs=...): both reach the template; `tokenmill serve
     --chat-template` takes a file or the template itself and refuses one that does not compile."""

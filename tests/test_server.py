@@ -276,6 +276,32 @@ def test_chat_matches_offline(client, offline):
     assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].choices == []
 
 
+def test_chat_continues_the_final_message_and_echoes_it(server, client, offline):
+    """vLLM's continue_final_message (the answer continues the assistant's given start, no new turn) with echo
+    (the content starts with that start), whole and streamed; /tokenize renders the same prompt; with
+    add_generation_prompt left on it is a 400 naming the field."""
+    from tokenmill import SamplingParams
+
+    msgs = [{"role": "user", "content": "Who art thou?"}, {"role": "assistant", "content": "I am"}]
+    want = offline.chat(msgs, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False,
+                        add_generation_prompt=False, continue_final_message=True)[0]
+    assert want.prompt.endswith("<|assistant|>\nI am")
+    extra = {"ignore_eos": True, "add_generation_prompt": False, "continue_final_message": True}
+    kw = dict(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+    r = client.chat.completions.create(**kw, extra_body={**extra, "echo": True})
+    assert r.choices[0].message.content == "I am" + want.outputs[0].text
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    plain = client.chat.completions.create(**kw, extra_body=extra)
+    assert plain.choices[0].message.content == want.outputs[0].text  # without echo: the continuation only
+    chunks = list(client.chat.completions.create(**kw, stream=True, extra_body={**extra, "echo": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "I am" + want.outputs[0].text
+    ids = post(server, "/tokenize", {"messages": msgs, "add_generation_prompt": False,
+                                     "continue_final_message": True}).json()["tokens"]
+    assert ids == want.prompt_token_ids
+    _assert_error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": msgs,
+                                                        "continue_final_message": True}), 400, "continue_final_message")
+
+
 def test_chat_n_seed(client):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Speak"}], max_tokens=6, n=2, seed=7,
               temperature=0.9)

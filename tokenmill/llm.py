@@ -44,12 +44,14 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them. `tools` and `chat_template_kwargs`
-        go to the chat template, as in vLLM."""
+        go to the chat template, as in vLLM. `continue_final_message` (with add_generation_prompt=False): the
+        model continues the last message (e.g. an assistant answer's given start) instead of starting a new one."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.llm_engine.input_processor.chat_prompt(conv, add_generation_prompt, chat_template, tools,
-                                                               chat_template_kwargs) for conv in convs]
+                                                               chat_template_kwargs, continue_final_message)
+                   for conv in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

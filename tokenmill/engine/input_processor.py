@@ -17,7 +17,8 @@ from tokenmill.sampling_params import SamplingParams
 
 # chat_template_kwargs may set any template variable (add_generation_prompt and tools included, as vLLM lets them)
 # but these, which are not the template's
-_RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize", "conversation", "return_dict", "return_tensors"})
+_RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize", "conversation", "return_dict", "return_tensors",
+                                       "continue_final_message"})  # (a field of its own, checked)
 
 
 def _with_parsed_calls(message: dict) -> dict:
@@ -102,7 +103,7 @@ class InputProcessor:
 
     def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True,
                     chat_template: str | None = None, tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None) -> dict:
+                    template_kwargs: dict | None = None, continue_final_message: bool = False) -> dict:
         """A conversation as {"prompt": text, "prompt_token_ids": ids} through the model's chat template."""
         mm_data = None
         if self.mm is not None:  # image / video content parts -> {"type": "image"} parts + the media in order
@@ -111,7 +112,8 @@ class InputProcessor:
             resolve_image, resolve_video, limits = self.chat_media
             conversation, mm_data = parse_chat_messages(conversation, resolve_image=resolve_image,
                                                         resolve_video=resolve_video, limits=limits)
-        text = self.chat_text(conversation, add_generation_prompt, chat_template, tools, template_kwargs)
+        text = self.chat_text(conversation, add_generation_prompt, chat_template, tools, template_kwargs,
+                              continue_final_message)
         prompt = {"prompt": text, "prompt_token_ids": self.encode_chat(text)}
         if mm_data and mm_data.get("items"):
             prompt["multi_modal_data"] = mm_data
@@ -119,12 +121,18 @@ class InputProcessor:
 
     def chat_text(self, conversation: list[dict], add_generation_prompt: bool = True,
                   chat_template: str | None = None, tools: list[dict] | None = None,
-                  template_kwargs: dict | None = None) -> str:
+                  template_kwargs: dict | None = None, continue_final_message: bool = False) -> str:
         """`tools` (function schemas) and `template_kwargs` (e.g. a model's enable_thinking) go to the template,
-        as vLLM passes them; a template that does not read them ignores them."""
+        as vLLM passes them; a template that does not read them ignores them. `continue_final_message`: the text
+        ends inside the last message (no end of turn after it), which the model then continues (an answer's
+        given start, as vLLM's)."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("'continue_final_message' continues the last message, 'add_generation_prompt' opens "
+                             "a new one: set add_generation_prompt to false")
         if any(m.get("tool_calls") for m in conversation):
             conversation = [_with_parsed_calls(m) for m in conversation]
-        kw = {"tools": tools, "add_generation_prompt": add_generation_prompt}
+        kw = {"tools": tools, "add_generation_prompt": add_generation_prompt,
+              "continue_final_message": continue_final_message}
         kw.update((k, v) for k, v in (template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS)
         return self.tokenizer.apply_chat_template(conversation, tokenize=False,
                                                   chat_template=chat_template or self.chat_template, **kw)

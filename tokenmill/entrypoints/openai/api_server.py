@@ -130,7 +130,7 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
         field = "prompt" if body.messages is None else "messages"
         if body.messages is not None:
             rendered = await render_chat(engine, body.messages, body.add_generation_prompt,
-                                         body.chat_template_kwargs, body.tools)
+                                         body.chat_template_kwargs, body.tools, body.continue_final_message)
             ids = rendered["prompt_token_ids"]
             if rendered.get("multi_modal_data"):  # each image as the tokens the engine runs for it
                 mm = engine.input_processor.mm

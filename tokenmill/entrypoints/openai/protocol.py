@@ -214,6 +214,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the answer continues the last message (add_generation_prompt off)
+    echo: bool = False  # vLLM's: the answer's content starts with the last message's, when that is the assistant's
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the template
 
 
@@ -223,6 +225,7 @@ class TokenizeRequest(OpenAIBase):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
 

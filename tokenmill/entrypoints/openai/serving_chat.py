@@ -20,12 +20,16 @@ from tokenmill.sampling_params import SamplingParams
 
 
 async def render_chat(engine: AsyncLLM, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                      template_kwargs: dict | None = None, tools: list[dict] | None = None) -> dict:
+                      template_kwargs: dict | None = None, tools: list[dict] | None = None,
+                      continue_final_message: bool = False) -> dict:
     """The prompt as {"prompt": text, "prompt_token_ids": ids}, exactly as LLM.chat builds it, rendered and
     tokenized on the tokenizer thread."""
     if engine.tokenizer is None or not engine.input_processor.has_chat_template:
         raise APIError(400, "this model has no chat template; start the server with --chat-template, or use "
                             "/v1/completions", "messages")
+    if continue_final_message and add_generation_prompt:
+        raise APIError(400, "'continue_final_message' continues the last message and 'add_generation_prompt' "
+                            "opens a new one: set 'add_generation_prompt' to false", "continue_final_message")
     multimodal = engine.input_processor.mm is not None
     convo = []
     for m in messages:
@@ -44,22 +48,25 @@ async def render_chat(engine: AsyncLLM, messages: list[ChatMessage], add_generat
         if m.tool_calls is not None:
             message["tool_calls"] = m.tool_calls
         convo.append(message)
-    return await engine.run_tokenizer(_render, engine, convo, add_generation_prompt, template_kwargs, tools)
+    return await engine.run_tokenizer(_render, engine, convo, add_generation_prompt, template_kwargs, tools,
+                                      continue_final_message)
 
 
 def _render(engine: AsyncLLM, convo: list[dict], add_generation_prompt: bool, template_kwargs: dict | None,
-            tools: list[dict] | None = None) -> dict:
+            tools: list[dict] | None = None, continue_final_message: bool = False) -> dict:
     """Template + tokenize; for a multimodal model also fetch, decode and check the images (a bad one is a
     400 naming 'messages')."""
     ip = engine.input_processor
     if ip.mm is not None:
         with engine_errors("messages", only_field=True):
             try:
-                return ip.chat_prompt(convo, add_generation_prompt, tools=tools, template_kwargs=template_kwargs)
+                return ip.chat_prompt(convo, add_generation_prompt, tools=tools, template_kwargs=template_kwargs,
+                                      continue_final_message=continue_final_message)
             except (TypeError, KeyError, AttributeError, jinja2.TemplateError) as e:  # e.g. a role it refuses
                 raise APIError(400, f"chat template failed: {e}", "messages") from None
     try:
-        text = ip.chat_text(convo, add_generation_prompt, tools=tools, template_kwargs=template_kwargs)
+        text = ip.chat_text(convo, add_generation_prompt, tools=tools, template_kwargs=template_kwargs,
+                            continue_final_message=continue_final_message)
     except Exception as e:  # jinja errors from the template (e.g. role order it rejects)
         raise APIError(400, f"chat template failed: {e}", "messages") from None
     with engine_errors("messages"):  # a rendered prompt too long for the context: 400 naming 'messages'
@@ -77,7 +84,7 @@ class OpenAIServingChat(ServingBase):
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         prompt = await render_chat(self.engine, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
-                                   req.tools)
+                                   req.tools, req.continue_final_message)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs,
@@ -110,7 +117,7 @@ class OpenAIServingChat(ServingBase):
     async def _full(self, req: ChatCompletionRequest, rid: str, subs, created: int,
                     forced: ForcedToolCalls | AutoToolCalls | None, reasoning: Reasoning | None) -> Response:
         choices, prompt_rows = await self.collect(subs, req.n)
-        top_n = req.top_logprobs or 0
+        top_n, echo = req.top_logprobs or 0, _echo(req)
         out = []
         for ch in choices:
             thought, text = reasoning.split(ch.text) if reasoning is not None else (None, ch.text)
@@ -123,6 +130,8 @@ class OpenAIServingChat(ServingBase):
                 message["reasoning_content"] = thought
                 if text is None and not message.get("tool_calls"):  # cut off before the answer
                     message["content"] = None
+            if echo:
+                message["content"] = echo + (message["content"] or "")
             out.append({"index": ch.index, "message": message,
                         "logprobs": self.chat_logprobs(ch.logprobs, top_n) if req.logprobs else None,
                         "finish_reason": finish, "stop_reason": ch.stop_reason})
@@ -131,6 +140,15 @@ class OpenAIServingChat(ServingBase):
         if req.prompt_logprobs is not None:  # vLLM's place for them in chat: the response
             body["prompt_logprobs"] = self.prompt_logprobs(prompt_rows[0], subs[0][2], req.prompt_logprobs)
         return Response(msgspec.json.encode(body), media_type="application/json")
+
+
+def _echo(req: ChatCompletionRequest) -> str:
+    """With `echo` (vLLM's), the text each answer's content starts with: the last message's, where that is the
+    assistant's (an answer's given start, continued with continue_final_message)."""
+    last = req.messages[-1]
+    if not req.echo or last.role != "assistant" or last.content is None:
+        return ""
+    return last.content if isinstance(last.content, str) else "".join(p.text for p in last.content if p.type == "text")
 
 
 def _tool_calls(req: ChatCompletionRequest, parser: str | None) -> ForcedToolCalls | AutoToolCalls | None:
@@ -168,7 +186,8 @@ class _ChatEvents(ChunkEvents):
         events = []
         if not self.opened:
             self.opened = True
-            roles = [encode({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            echo = _echo(req)  # (the opening chunk carries it: the content's start)
+            roles = [encode({"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
                              "finish_reason": None}) for i in range(req.n)]
             if self.continuous_usage:
                 events += [self.choice_chunk(i, role, self.num_prompt, 0) for i, role in enumerate(roles)]
