@@ -122,6 +122,11 @@ def test_the_server_serves_auto_tool_choice_behind_the_flags(tiny_model_dir, tmp
         deltas = [e["choices"][0] for e in events if e["choices"]]
         calls = [c for d in deltas for c in d["delta"].get("tool_calls") or []]
         assert _calls(calls) == [("weather", {"city": "Verona"})] and deltas[-1]["finish_reason"] == "tool_calls"
+        two = CALL_TEXT + "\n" + CALL_TEXT.replace("Verona", "Padua")
+        single = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            **body, "max_tokens": 160, "parallel_tool_calls": False,
+            "structured_outputs": {"regex": two.replace("{", "\\{").replace("}", "\\}")}}).json()["choices"][0]
+        assert _calls(single["message"]["tool_calls"]) == [("weather", {"city": "Verona"})], single
         plain = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
             **body, "structured_outputs": {"choice": ["It is sunny."]}}).json()["choices"][0]
         assert plain["message"] == {"role": "assistant", "content": "It is sunny."}
@@ -162,6 +167,34 @@ def test_required_calls_take_pydantic_style_defs_and_lenient_json():
         ForcedToolCalls(clash, "required")
     calls = forced.calls('[{"name": "temp", "parameters": {"unit": "C\x10"}}]')
     assert calls and json.loads(calls[0]["function"]["arguments"]) == {"unit": "C\x10"}
+
+
+def test_parallel_tool_calls_false_allows_one_call():
+    """OpenAI's parallel_tool_calls false: "required" calls are held to one by the grammar (nothing generated
+    past it); "auto" answers keep their first call only, whole and streamed in any chunking (as vLLM)."""
+    import xgrammar
+
+    from test_structured_outputs import SHIPPED
+    from tokenmill.entrypoints.openai.structured import ForcedToolCalls
+    from tokenmill.sample.grammar import GrammarCompiler
+    from tokenmill.tokenizer import load_tokenizer
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    compiler = GrammarCompiler(load_tokenizer(str(SHIPPED)), 4096)
+    two = '[{"name": "f", "parameters": {}}, {"name": "f", "parameters": {}}]'
+    for parallel in (True, False):
+        compiled = compiler.compile(ForcedToolCalls(tools, "required", parallel).grammar)
+        assert xgrammar.GrammarMatcher(compiled).accept_string('[{"name": "f", "parameters": {}}]')
+        assert xgrammar.GrammarMatcher(compiled).accept_string(two) == parallel
+    text = HERMES[1][0]  # two calls, a and b
+    assert _calls(AutoToolCalls("hermes", parallel=False).message(0, text)["tool_calls"]) == [("a", {})]
+    assert len(AutoToolCalls("hermes").message(0, text)["tool_calls"]) == 2
+    for i in range(0, len(text) + 1, 5):
+        tools_ = AutoToolCalls("hermes", parallel=False)
+        deltas = [tools_.stream_delta(0, text[:i], False), tools_.stream_delta(0, text[i:], True)]
+        sent = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert [(c["index"], c["function"]["name"]) for c in sent] == [(0, "a")]
+        assert tools_.finish_reason(0, deltas[-1], "stop") == "tool_calls"
 
 
 def test_schemas_with_definitions_and_malformed_tools_or_choices():

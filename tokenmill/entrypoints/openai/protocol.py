@@ -213,6 +213,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True  # OpenAI's: false allows one call at most
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the answer continues the last message (add_generation_prompt off)
     echo: bool = False  # vLLM's: the answer's content starts with the last message's, when that is the assistant's

@@ -166,8 +166,8 @@ def _tool_calls(req: ChatCompletionRequest, parser: str | None) -> ForcedToolCal
             raise APIError(400, "tool_choice 'auto' needs the server started with --enable-auto-tool-choice and "
                                 "--tool-call-parser; send 'required', a named function, or 'none' for a text "
                                 "answer", "tool_choice")
-        return AutoToolCalls(parser)
-    return ForcedToolCalls(req.tools, req.tool_choice)
+        return AutoToolCalls(parser, req.parallel_tool_calls)
+    return ForcedToolCalls(req.tools, req.tool_choice, req.parallel_tool_calls)
 
 
 class _ChatEvents(ChunkEvents):

@@ -106,7 +106,7 @@ class ForcedToolCalls:
     """tool_choice "required" or a named function: the grammar that forces the call(s), and the message fields
     the output text turns into."""
 
-    def __init__(self, tools: list[dict], tool_choice):
+    def __init__(self, tools: list[dict], tool_choice, parallel: bool = True):
         functions = _functions(tools)
         if tool_choice == "required":
             self.name = None
@@ -114,7 +114,9 @@ class ForcedToolCalls:
             items = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
                       "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p}}
                      for n, p in functions.items()]
-            schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}, **defs}
+            # parallel_tool_calls false: the grammar allows one call (nothing generated past it, unlike vLLM)
+            schema = {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}),
+                      "items": {"anyOf": items}, **defs}
         else:
             fn = tool_choice.get("function") if tool_choice.get("type") == "function" else None
             self.name = fn.get("name") if isinstance(fn, dict) else None

@@ -252,8 +252,9 @@ class AutoToolCalls:
 
     grammar = None  # the model writes freely
 
-    def __init__(self, parser_name: str):
+    def __init__(self, parser_name: str, parallel: bool = True):
         self.make_parser = TOOL_PARSERS[parser_name]
+        self.max_calls = None if parallel else 1  # parallel_tool_calls false: calls past the first are dropped
         # (as vLLM: the request's text then keeps the special tokens the parser reads)
         self.keeps_special_tokens = getattr(self.make_parser, "keeps_special_tokens", False)
         self.parser = self.make_parser()
@@ -265,6 +266,7 @@ class AutoToolCalls:
 
     def message(self, index: int, text: str) -> dict:
         content, calls = self.parser.extract(text)
+        calls = calls[:self.max_calls]
         message = {"role": "assistant", "content": content if content.strip() or not calls else None}
         if calls:
             message["tool_calls"] = calls
@@ -286,6 +288,8 @@ class AutoToolCalls:
         delta = {}
         if content:
             delta["content"] = content
+        if calls and self.max_calls is not None:
+            calls = calls[:max(0, self.max_calls - self.num_calls.get(index, 0))]
         if calls:
             first = self.num_calls.get(index, 0)
             self.num_calls[index] = first + len(calls)
