@@ -3,7 +3,7 @@ that scheduler, runner and sampler bookkeeping shows: batch-1 greedy decode of 4
 tokens, 3 repetitions in one process. For an A/B of two commits, run it from each checkout in turn
 (alternating, as the machine drifts) and compare the JSON files:
 
-    PYTHONPATH=/path/to/checkout python benchmarks/bench_step_overhead.py [--stop] --out results/step_a.json
+    PYTHONPATH=/path/to/checkout python benchmarks/bench_step_overhead.py [--stop] [--sampled] --out results/step_a.json
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--stop", action="store_true",
                     help="give every request a stop string (one that never matches), as chat clients do")
+    ap.add_argument("--sampled", action="store_true",
+                    help="sample (temperature 0.8, top_p 0.95, top_k 50), as chat traffic does, instead of greedy")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     import tokenmill
@@ -26,10 +28,11 @@ def main() -> None:
 
     llm = LLM(dtype="float32", max_model_len=512)
     stop = ["<<no such text>>"] if args.stop else None
-    one = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True, stop=stop)
-    many = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, stop=stop)
+    sampling = dict(temperature=0.8, top_p=0.95, top_k=50) if args.sampled else dict(temperature=0)
+    one = SamplingParams(max_tokens=480, ignore_eos=True, stop=stop, **sampling)
+    many = SamplingParams(max_tokens=128, ignore_eos=True, stop=stop, **sampling)
     llm.generate(["ROMEO:"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
-    res = {"tree": os.path.dirname(tokenmill.__file__), "stop": args.stop, "batch1_tok_s": [], "batch32_tok_s": []}
+    res = {"tree": os.path.dirname(tokenmill.__file__), "stop": args.stop, "sampled": args.sampled, "batch1_tok_s": [], "batch32_tok_s": []}
     for _ in range(args.reps):
         t = time.perf_counter()
         llm.generate(["ROMEO:"], one, use_tqdm=False)

@@ -302,6 +302,14 @@ def test_chat_continues_the_final_message_and_echoes_it(server, client, offline)
                                                         "continue_final_message": True}), 400, "continue_final_message")
 
 
+def test_a_request_chat_template_needs_the_servers_trust(server):
+    """vLLM's rule: a request's own chat_template is refused unless the server runs with
+    --trust-request-chat-template (tests/test_tool_parsers.py runs one that does)."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "chat_template": "{{ messages[0].content }}"}
+    _assert_error(post(server, "/v1/chat/completions", {"model": MODEL, **body}), 400, "chat_template")
+    _assert_error(post(server, "/tokenize", body), 400, "chat_template")
+
+
 def test_chat_n_seed(client):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Speak"}], max_tokens=6, n=2, seed=7,
               temperature=0.9)

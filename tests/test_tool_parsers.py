@@ -107,9 +107,18 @@ CALL_TEXT = '<tool_call>\n{"name": "weather", "arguments": {"city": "Verona"}}\n
 
 def test_the_server_serves_auto_tool_choice_behind_the_flags(tiny_model_dir, tmp_path):  # noqa: F811
     srv = ServerProcess(tiny_model_dir, tmp_path / "server.log", "--enable-auto-tool-choice",
-                        "--tool-call-parser", "hermes")
+                        "--tool-call-parser", "hermes", "--trust-request-chat-template")
     try:
         srv.wait_ready()
+        # (this server also trusts requests' own chat templates: one renders the prompt, in chat and /tokenize)
+        own = {"messages": [{"role": "user", "content": "Weather?"}], "chat_template": "{{ messages[0].content }}!"}
+        ids = httpx.post(srv.url + "/tokenize", json=own, timeout=60).json()["tokens"]
+        assert ids == httpx.post(srv.url + "/tokenize", json={"prompt": "Weather?!", "add_special_tokens": False},
+                                 timeout=60).json()["tokens"]
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**own, "max_tokens": 2}, timeout=60).json()
+        assert r["usage"]["prompt_tokens"] == len(ids)
+        bad = httpx.post(srv.url + "/v1/chat/completions", json={**own, "chat_template": "{% for %}"}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template"
         body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS, "max_tokens": 80,
                 "temperature": 0, "structured_outputs": {"regex": CALL_TEXT.replace("{", "\\{").replace("}", "\\}")}}
         r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60).json()

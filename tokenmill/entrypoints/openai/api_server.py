@@ -29,7 +29,7 @@ from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCo
                                                    CompletionResponse, DetokenizeRequest, DetokenizeResponse,
                                                    ErrorResponse, ModelCard, ModelList, TokenizeRequest,
                                                    TokenizeResponse, UNION_TAGS, VersionResponse)
-from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
+from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat, request_chat_template
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenmill.entrypoints.openai.serving_engine import engine_errors
 
@@ -129,8 +129,9 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
         field = "prompt" if body.messages is None else "messages"
         if body.messages is not None:
+            template = request_chat_template(body.chat_template, state.chat.trust_request_chat_template)
             rendered = await render_chat(engine, body.messages, body.add_generation_prompt,
-                                         body.chat_template_kwargs, body.tools, body.continue_final_message)
+                                         body.chat_template_kwargs, body.tools, body.continue_final_message, template)
             ids = rendered["prompt_token_ids"]
             if rendered.get("multi_modal_data"):  # each image as the tokens the engine runs for it
                 mm = engine.input_processor.mm
@@ -205,6 +206,7 @@ async def serve(args) -> int:
         state = ServerState(engine, names)
         state.chat.tool_parser = args.tool_call_parser if args.enable_auto_tool_choice else None
         state.chat.reasoning_parser = args.reasoning_parser
+        state.chat.trust_request_chat_template = args.trust_request_chat_template
         api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY") or None
         app = build_app(state, api_key, args.max_request_body_bytes)
         # our drain (lifecycle.py) ends requests past --shutdown-timeout itself; uvicorn's timeout, which

@@ -34,6 +34,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template itself) used in place of the tokenizer's, "
                         "for /v1/chat/completions and /tokenize")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests bring their own chat template (the `chat_template` field; refused with a "
+                        "400 otherwise, as in vLLM): a template is code the server runs")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="serve tool_choice 'auto' (OpenAI's default with tools): the model's own tool-call text is "
                         "read by --tool-call-parser into tool_calls")

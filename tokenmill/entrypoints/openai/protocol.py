@@ -216,6 +216,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True  # OpenAI's: false allows one call at most
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the answer continues the last message (add_generation_prompt off)
+    chat_template: StrictStr | None = None  # vLLM's: this request's template (--trust-request-chat-template)
     echo: bool = False  # vLLM's: the answer's content starts with the last message's, when that is the assistant's
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the template
 
@@ -227,6 +228,7 @@ class TokenizeRequest(OpenAIBase):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: StrictStr | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
 

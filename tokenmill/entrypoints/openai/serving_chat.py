@@ -19,12 +19,28 @@ from tokenmill.entrypoints.openai.tool_parsers import AutoToolCalls
 from tokenmill.sampling_params import SamplingParams
 
 
+def request_chat_template(template: str | None, trusted: bool) -> str | None:
+    """A request's own `chat_template` (vLLM's field), which only a server started with
+    --trust-request-chat-template takes: a template is code the server runs for every request that sends it
+    (sandboxed by transformers, but its loops are not bounded)."""
+    if template is None:
+        return None
+    if not trusted:
+        raise APIError(400, "this server takes no chat template from requests; start it with "
+                            "--trust-request-chat-template to allow them", "chat_template")
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise APIError(400, f"chat_template does not compile: {e}", "chat_template") from None
+    return template
+
+
 async def render_chat(engine: AsyncLLM, messages: list[ChatMessage], add_generation_prompt: bool = True,
                       template_kwargs: dict | None = None, tools: list[dict] | None = None,
-                      continue_final_message: bool = False) -> dict:
+                      continue_final_message: bool = False, chat_template: str | None = None) -> dict:
     """The prompt as {"prompt": text, "prompt_token_ids": ids}, exactly as LLM.chat builds it, rendered and
-    tokenized on the tokenizer thread."""
-    if engine.tokenizer is None or not engine.input_processor.has_chat_template:
+    tokenized on the tokenizer thread. `chat_template`: a request's own, checked by request_chat_template."""
+    if engine.tokenizer is None or not (chat_template or engine.input_processor.has_chat_template):
         raise APIError(400, "this model has no chat template; start the server with --chat-template, or use "
                             "/v1/completions", "messages")
     if continue_final_message and add_generation_prompt:
@@ -49,24 +65,25 @@ async def render_chat(engine: AsyncLLM, messages: list[ChatMessage], add_generat
             message["tool_calls"] = m.tool_calls
         convo.append(message)
     return await engine.run_tokenizer(_render, engine, convo, add_generation_prompt, template_kwargs, tools,
-                                      continue_final_message)
+                                      continue_final_message, chat_template)
 
 
 def _render(engine: AsyncLLM, convo: list[dict], add_generation_prompt: bool, template_kwargs: dict | None,
-            tools: list[dict] | None = None, continue_final_message: bool = False) -> dict:
+            tools: list[dict] | None = None, continue_final_message: bool = False,
+            chat_template: str | None = None) -> dict:
     """Template + tokenize; for a multimodal model also fetch, decode and check the images (a bad one is a
     400 naming 'messages')."""
     ip = engine.input_processor
     if ip.mm is not None:
         with engine_errors("messages", only_field=True):
             try:
-                return ip.chat_prompt(convo, add_generation_prompt, tools=tools, template_kwargs=template_kwargs,
-                                      continue_final_message=continue_final_message)
+                return ip.chat_prompt(convo, add_generation_prompt, chat_template, tools, template_kwargs,
+                                      continue_final_message)
             except (TypeError, KeyError, AttributeError, jinja2.TemplateError) as e:  # e.g. a role it refuses
                 raise APIError(400, f"chat template failed: {e}", "messages") from None
     try:
-        text = ip.chat_text(convo, add_generation_prompt, tools=tools, template_kwargs=template_kwargs,
-                            continue_final_message=continue_final_message)
+        text = ip.chat_text(convo, add_generation_prompt, chat_template, tools, template_kwargs,
+                            continue_final_message)
     except Exception as e:  # jinja errors from the template (e.g. role order it rejects)
         raise APIError(400, f"chat template failed: {e}", "messages") from None
     with engine_errors("messages"):  # a rendered prompt too long for the context: 400 naming 'messages'
@@ -76,6 +93,7 @@ def _render(engine: AsyncLLM, convo: list[dict], add_generation_prompt: bool, te
 class OpenAIServingChat(ServingBase):
     tool_parser: str | None = None  # --tool-call-parser, with --enable-auto-tool-choice (tool_parsers.py)
     reasoning_parser: str | None = None  # --reasoning-parser (reasoning_parsers.py)
+    trust_request_chat_template = False  # --trust-request-chat-template: requests may bring their own
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
@@ -83,8 +101,9 @@ class OpenAIServingChat(ServingBase):
         forced = _tool_calls(req, self.tool_parser)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        template = request_chat_template(req.chat_template, self.trust_request_chat_template)
         prompt = await render_chat(self.engine, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
-                                   req.tools, req.continue_final_message)
+                                   req.tools, req.continue_final_message, template)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs,
