@@ -81,6 +81,50 @@ def test_completion_greedy_matches_offline(client, offline):
     assert resp.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
 
 
+@pytest.mark.parametrize("continuous", [False, True])
+def test_return_token_ids_match_offline(server, offline, continuous):
+    """vLLM's return_token_ids: the prompt's ids and each choice's, whole and streamed (prompt ids with the
+    first chunk; each chunk's own new ids), on both endpoints; and a required tool call, whose text is held
+    back until it is whole, still sends every token id."""
+    from tokenmill import SamplingParams
+
+    want = offline.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+                            use_tqdm=False)
+    body = {"model": MODEL, "prompt": PROMPTS[:2], "max_tokens": 9, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    full = post(server, "/v1/completions", body).json()
+    assert [(c["prompt_token_ids"], c["token_ids"]) for c in full["choices"]] == \
+        [(w.prompt_token_ids, w.outputs[0].token_ids) for w in want]
+    opts = {"include_usage": True, "continuous_usage_stats": continuous}
+    chunks = _sse(server, "/v1/completions", {**body, "stream": True, "stream_options": opts})
+    for i, w in enumerate(want):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert sum((c["token_ids"] for c in mine), []) == w.outputs[0].token_ids
+        assert [c.get("prompt_token_ids") for c in mine] == [w.prompt_token_ids] + [None] * (len(mine) - 1)
+    msgs = [{"role": "user", "content": "Who art thou?"}]
+    chat_want = offline.chat(msgs, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True), use_tqdm=False)[0]
+    chat = {"model": MODEL, "messages": msgs, "max_tokens": 9, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    r = post(server, "/v1/chat/completions", chat).json()
+    assert r["prompt_token_ids"] == chat_want.prompt_token_ids
+    assert r["choices"][0]["token_ids"] == chat_want.outputs[0].token_ids
+    chunks = _sse(server, "/v1/chat/completions", {**chat, "stream": True, "stream_options": opts})
+    assert [c.get("prompt_token_ids") for c in chunks if "prompt_token_ids" in c] == [chat_want.prompt_token_ids]
+    assert sum((c["choices"][0].get("token_ids", []) for c in chunks if c["choices"]), []) == \
+        chat_want.outputs[0].token_ids
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "string", "maxLength": 3}}, "required": ["a"]}}}]
+    forced = {**chat, "max_tokens": 60, "ignore_eos": False, "tools": tools, "tool_choice": "required"}
+    whole = post(server, "/v1/chat/completions", forced).json()["choices"][0]
+    chunks = _sse(server, "/v1/chat/completions", {**forced, "stream": True})
+    assert sum((c["choices"][0].get("token_ids", []) for c in chunks if c["choices"]), []) == whole["token_ids"]
+
+
+def _sse(server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", server.url + path, json=body, headers=server.headers, timeout=60) as s:
+        return [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+
+
 def test_bad_words_match_offline(client, offline):
     from tokenmill import SamplingParams
 

@@ -140,6 +140,7 @@ class _SamplingFields(OpenAIBase):
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: the prompt's token logprobs, top-N each
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=2**31 - 1)  # vLLM's: keep the prompt's last N
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the response too
     # vLLM's structured outputs: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} |
     # {"json_object": true}, and its older guided_* fields (one of them per request)
     structured_outputs: dict[str, Any] | None = None

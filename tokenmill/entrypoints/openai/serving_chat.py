@@ -153,11 +153,14 @@ class OpenAIServingChat(ServingBase):
                 message["content"] = echo + (message["content"] or "")
             out.append({"index": ch.index, "message": message,
                         "logprobs": self.chat_logprobs(ch.logprobs, top_n) if req.logprobs else None,
-                        "finish_reason": finish, "stop_reason": ch.stop_reason})
+                        "finish_reason": finish, "stop_reason": ch.stop_reason,
+                        **({"token_ids": ch.token_ids} if req.return_token_ids else {})})
         body = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_for(req),
                 "choices": out, "usage": usage(len(subs[0][2]), sum(c.num_tokens for c in choices))}
         if req.prompt_logprobs is not None:  # vLLM's place for them in chat: the response
             body["prompt_logprobs"] = self.prompt_logprobs(prompt_rows[0], subs[0][2], req.prompt_logprobs)
+        if req.return_token_ids:
+            body["prompt_token_ids"] = subs[0][2]
         return Response(msgspec.json.encode(body), media_type="application/json")
 
 
@@ -198,6 +201,9 @@ class _ChatEvents(ChunkEvents):
                  forced: ForcedToolCalls | AutoToolCalls | None = None, reasoning: Reasoning | None = None):
         super().__init__(serving, req, rid, "chat.completion.chunk", created, len(subs[0][2]))
         self.opened = False
+        # return_token_ids: the prompt's ids go with the first chunk, at its top level (as vLLM)
+        self.prompt_ids = b'"prompt_token_ids":' + msgspec.json.encode(subs[0][2]) + b"," if req.return_token_ids \
+            else b""
         self.forced, self.reasoning = forced, reasoning
 
     def on_output(self, k: int, out) -> bytes:
@@ -210,8 +216,10 @@ class _ChatEvents(ChunkEvents):
                              "finish_reason": None}) for i in range(req.n)]
             if self.continuous_usage:
                 events += [self.choice_chunk(i, role, self.num_prompt, 0) for i, role in enumerate(roles)]
+                if self.prompt_ids:  # (a chunk of its own: these chunks carry their usage in the tail)
+                    events.append(self.chunk([], self.prompt_ids))
             else:
-                events.append(self.chunk(roles))
+                events.append(self.chunk(roles, self.prompt_ids))
         choices = []  # one chunk for every choice in this delta (unless each carries its own usage)
         for c in out.outputs:
             if not c.token_ids and c.finish_reason is None:
@@ -226,11 +234,14 @@ class _ChatEvents(ChunkEvents):
             if thought:
                 delta = {"reasoning_content": thought, **delta}
             lp = self.serving.chat_logprobs(c.logprobs, req.top_logprobs or 0) if req.logprobs else None
-            if not delta and finish is None and lp is None and not self.continuous_usage:
+            if not delta and finish is None and lp is None and not self.continuous_usage and not req.return_token_ids:
                 self.num_completion += len(c.token_ids)  # required tool calls, held back until they are whole
                 continue
-            choice = encode({"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish,
-                             "stop_reason": c.stop_reason})
+            choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish,
+                      "stop_reason": c.stop_reason}
+            if req.return_token_ids:
+                choice["token_ids"] = list(c.token_ids)
+            choice = encode(choice)
             if self.continuous_usage:
                 events.append(self.choice_chunk(c.index, choice, self.num_prompt, len(c.token_ids)))
             else:

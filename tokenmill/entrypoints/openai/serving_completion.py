@@ -83,6 +83,8 @@ class OpenAIServingCompletion(ServingBase):
                           "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
                 if req.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = self.prompt_logprobs(prompt_rows[k], ids, req.prompt_logprobs)
+                if req.return_token_ids:
+                    choice["prompt_token_ids"], choice["token_ids"] = ids, ch.token_ids
                 out.append(choice)
         body = {"id": rid, "object": "text_completion", "created": created, "model": self.model_for(req),
                 "choices": out, "usage": usage(num_prompt, sum(c.num_tokens for c in choices))}
@@ -98,6 +100,7 @@ class _CompletionEvents(ChunkEvents):
         self.subs = subs
         self.offsets = [0] * (len(subs) * req.n)
         self.started = [False] * (len(subs) * req.n)
+        self.sent_prompt_ids = [False] * (len(subs) * req.n)
         self.prompt_rows: list[list] = [[] for _ in subs]
 
     def on_output(self, k: int, out) -> bytes:
@@ -121,5 +124,9 @@ class _CompletionEvents(ChunkEvents):
                                                           req.logprobs)
             choice = {"index": idx, "text": piece, "logprobs": lp, "finish_reason": c.finish_reason,
                       "stop_reason": c.stop_reason}
+            if req.return_token_ids:  # (the prompt's with each choice's first chunk, as vLLM)
+                choice["token_ids"] = list(c.token_ids)
+                if not self.sent_prompt_ids[idx]:
+                    choice["prompt_token_ids"], self.sent_prompt_ids[idx] = ids, True
             events.append(self.choice_chunk(idx, msgspec.json.encode(choice), len(ids), len(c.token_ids)))
         return b"".join(events)

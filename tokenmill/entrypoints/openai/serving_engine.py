@@ -34,10 +34,12 @@ class Choice:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] = field(default_factory=list)
 
     def add(self, c: CompletionOutput) -> None:
         self.text += c.text
         self.num_tokens += len(c.token_ids)
+        self.token_ids += c.token_ids
         if c.logprobs:
             self.logprobs.extend(c.logprobs)
         if c.finish_reason is not None:
@@ -107,8 +109,10 @@ class ChunkEvents:
         self.num_completion = 0
         self.choice_tokens: dict[int, int] = {}  # choice index -> completion tokens so far
 
-    def chunk(self, encoded_choices: list[bytes]) -> bytes:
-        return self.head + b",".join(encoded_choices) + self.tail
+    def chunk(self, encoded_choices: list[bytes], extra: bytes = b"") -> bytes:
+        """`extra`: more top-level fields, encoded, each followed by a comma (chat's first chunk's prompt ids)."""
+        head = self.head if not extra else self.head[:-len(b'"choices":[')] + extra + b'"choices":['
+        return head + b",".join(encoded_choices) + self.tail
 
     def choice_chunk(self, index: int, encoded_choice: bytes, num_prompt: int, num_new: int) -> bytes:
         """One choice's chunk after `num_new` more of its tokens (its usage so far, when continuous)."""
