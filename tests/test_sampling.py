@@ -70,6 +70,52 @@ def test_temperature_sampling_follows_softmax():
     assert chi2 < 20.5  # 5 degrees of freedom: p < 0.001 critical value
 
 
+@pytest.mark.parametrize("case", ["every row top-k", "top-p, candidates hold it", "top-p, sort needed",
+                                  "mixed rows", "narrow vocabulary"])
+def test_filters_from_the_heads_of_rows_equal_the_whole_sort(case):
+    """filter_logits given the rows' settings on the host reads each row's W largest logits (topk) instead of
+    sorting the vocabulary: the kept tokens and their logits must be the sort's (`_sort_filter`, the oracle),
+    with rows that need the sort (top-p mass past the candidates) sorted, and rows without filters untouched.
+    The sampler then draws the same tokens under the same seed."""
+    from tokenmill.sample import sampler as sampler_mod
+
+    g = torch.Generator().manual_seed(7)
+    vocab, rows = (512, 6) if case == "narrow vocabulary" else (5000, 6)
+    logits = torch.randn(rows, vocab, generator=g) * 4  # peaked: a top-p of 0.9 lies in the first ~100 tokens
+    ks, ps = {"every row top-k": ([5, 40, 1, 300, 17, 2], [1.0, 0.9, 0.5, 0.95, 1.0, 0.2]),
+              "top-p, candidates hold it": ([0] * 6, [0.9, 0.5, 0.99, 0.1, 0.95, 0.7]),
+              "top-p, sort needed": ([0] * 6, [0.9, 0.999, 0.5, 0.9, 0.9, 0.9]),
+              "mixed rows": ([0, 30, 0, 0, 8, 0], [0.9, 1.0, 1.0, 0.7, 0.8, 1.0]),
+              "narrow vocabulary": ([300, 0, 5, 0, 0, 0], [1.0, 0.95, 1.0, 0.9, 0.5, 0.8])}[case]
+    if case == "top-p, sort needed":
+        logits[1] = torch.randn(vocab, generator=g) * 0.1  # flat: 0.999 of its mass is nowhere near 1024 tokens
+    top_k, top_p, min_p = torch.tensor(ks), torch.tensor(ps), torch.zeros(rows)
+    use = (any(k > 0 for k in ks), any(p < 1 for p in ps), False)
+    sorts = []
+    real_sort = sampler_mod._sort_filter
+    try:
+        sampler_mod._sort_filter = lambda *a: (sorts.append(a[0].shape[0]), real_sort(*a))[1]
+        fast = filter_logits(logits, top_k, top_p, min_p, *use, ks=ks, ps=ps)
+    finally:
+        sampler_mod._sort_filter = real_sort
+    want = filter_logits(logits, top_k, top_p, min_p, *use)  # (no host settings: the whole sort)
+    assert torch.equal(fast, want)
+    assert sorts == {"top-p, sort needed": [rows], "narrow vocabulary": [rows]}.get(case, [])
+    kept = torch.isfinite(fast).sum(-1).tolist()
+    assert all(n < vocab for n, k, p in zip(kept, ks, ps) if k > 0 or p < 1) and max(kept) > 1
+    assert all(n == vocab for n, k, p in zip(kept, ks, ps) if k == 0 and p == 1)
+    params = [SamplingParams(temperature=0.8, top_k=k, top_p=p, seed=i) for i, (k, p) in enumerate(zip(ks, ps))]
+    sample_rows = [SampleRow(sp, [], [], torch.Generator().manual_seed(sp.seed)) for sp in params]
+    again = [SampleRow(sp, [], [], torch.Generator().manual_seed(sp.seed)) for sp in params]
+    tokens = Sampler(seed=1).sample(logits, sample_rows)
+    real_filter = sampler_mod.filter_logits
+    try:  # the same draw through the whole sort
+        sampler_mod.filter_logits = lambda *a, ks=None, ps=None: real_filter(*a)
+        assert torch.equal(Sampler(seed=1).sample(logits, again), tokens)
+    finally:
+        sampler_mod.filter_logits = real_filter
+
+
 def test_top_p_keeps_at_least_one_token():
     logits = torch.tensor([[10.0, 0.0, 0.0]])
     out = filter_logits(logits, torch.tensor([0]), torch.tensor([1e-6]), torch.tensor([0.0]), False, True, False)

@@ -205,26 +205,88 @@ def stop_where_nothing_is_left(logits: torch.Tensor, rows: list[SampleRow], cons
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                  use_k: bool, use_p: bool, use_min_p: bool) -> torch.Tensor:
-    """Mask excluded tokens with -inf. top_k 0 = off, top_p 1 = off, min_p 0 = off (per row)."""
+                  use_k: bool, use_p: bool, use_min_p: bool, ks: list[int] | None = None,
+                  ps: list[float] | None = None) -> torch.Tensor:
+    """Mask excluded tokens with -inf. top_k 0 = off, top_p 1 = off, min_p 0 = off (per row).
+
+    With the rows' settings on the host (`ks`, `ps`), top-k / top-p read the W largest logits of each row
+    (`topk`) instead of sorting the whole vocabulary (a sort of 150K logits per row costs milliseconds on a
+    CPU): exact where every kept token is among them, i.e. every row has a top-k (W = the largest), or on a
+    CPU where the W = CANDIDATES most likely tokens of each row without one hold its top-p mass (checked; if
+    not, the sort runs). Rows with neither filter are left as they are. `_sort_filter` is the oracle."""
+    if (use_k or use_p) and ks is not None:
+        narrowed = _top_w_filter(logits, top_k, top_p, ks, ps, use_k, use_p)
+        if narrowed is not None:
+            logits, use_k, use_p = narrowed, False, False
     if use_k or use_p:
-        sorted_logits, idx = logits.sort(dim=-1, descending=True)
-        mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
-        if use_k:
-            k = torch.where(top_k > 0, top_k, logits.shape[-1])
-            mask |= torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0) >= k.unsqueeze(1)
-            sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
-        if use_p:
-            probs = sorted_logits.softmax(dim=-1)
-            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-            mass_before = probs.cumsum(dim=-1) - probs
-            # (the first token stays: a top_p that rounds to 0 in float32, 1e-300, would mask every token)
-            mask[:, 1:] |= mass_before[:, 1:] >= top_p.unsqueeze(1)
-        logits = logits.scatter(1, idx, sorted_logits.masked_fill(mask, float("-inf")))
+        logits = _sort_filter(logits, top_k, top_p, use_k, use_p)
     if use_min_p:
         probs = logits.softmax(dim=-1)
         logits = logits.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     return logits
+
+
+CANDIDATES = 1024  # top-p without top-k looks among this many tokens first (CPU)
+
+
+def _sort_filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_k: bool,
+                 use_p: bool) -> torch.Tensor:
+    """top-k / top-p over the whole vocabulary, sorted."""
+    sorted_logits, idx = logits.sort(dim=-1, descending=True)
+    mask = _sorted_mask(sorted_logits, top_k, top_p, use_k, use_p)
+    return logits.scatter(1, idx, sorted_logits.masked_fill(mask, float("-inf")))
+
+
+def _sorted_mask(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_k: bool, use_p: bool,
+                 whole_probs: torch.Tensor | None = None) -> torch.Tensor:
+    """Which of each row's logits, sorted in descending order, top-k / top-p exclude. `whole_probs`: where
+    `sorted_logits` is only the head of each row, the head's probabilities under the whole row, which rows
+    without a top-k take their top-p mass from (rows with one renormalize over their k, as over the row)."""
+    width = sorted_logits.shape[-1]
+    mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if use_k:
+        k = torch.where(top_k > 0, top_k, width)
+        mask |= torch.arange(width, device=sorted_logits.device).unsqueeze(0) >= k.unsqueeze(1)
+    if use_p:
+        probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
+        if whole_probs is not None:
+            probs = torch.where((top_k > 0).unsqueeze(1), probs, whole_probs)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # (the first token stays: a top_p that rounds to 0 in float32, 1e-300, would mask every token; and a
+        # row with top_p 1 keeps all: a cumsum that rounds up to 1 would mask its least likely tokens)
+        mask[:, 1:] |= (mass_before[:, 1:] >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+    return mask
+
+
+def _top_w_filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, ks: list[int], ps: list[float],
+                  use_k: bool, use_p: bool) -> torch.Tensor | None:
+    """filter_logits' top-k / top-p from each filtered row's W largest logits; None where that cannot be exact
+    (or would cost as much as the sort)."""
+    vocab = logits.shape[-1]
+    rows = [i for i, (k, p) in enumerate(zip(ks, ps)) if k > 0 or p < 1]
+    every_k = all(ks[i] > 0 for i in rows)
+    if every_k:
+        width = max(ks[i] for i in rows)
+    elif logits.device.type == "cpu":  # (checking the candidates' mass reads it back: not on a GPU's hot path)
+        width = CANDIDATES
+    else:
+        return None
+    if width * 2 > vocab:
+        return None
+    whole = len(rows) == len(ks)
+    at = None if whole else device_tensor(rows, torch.int64, logits.device)
+    sub, sub_k, sub_p = (logits, top_k, top_p) if whole else (t.index_select(0, at) for t in (logits, top_k, top_p))
+    vals, idx = sub.topk(width, dim=-1)
+    whole_probs = None
+    if use_p and not every_k:
+        whole_probs = sub.softmax(dim=-1).gather(1, idx)
+        # a row without top-k whose candidates hold less than its top-p mass keeps tokens past them: sort
+        if not bool(((whole_probs.sum(dim=-1) >= sub_p) | (sub_k > 0)).all()):
+            return None
+    mask = _sorted_mask(vals, sub_k, sub_p, use_k, use_p, whole_probs)
+    filtered = torch.full_like(sub, float("-inf")).scatter_(1, idx, vals.masked_fill(mask, float("-inf")))
+    return filtered if whole else logits.index_copy(0, at, filtered)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -316,7 +378,7 @@ class Sampler:
         min_p = device_tensor(mps, logits.dtype, dev)
         # which filters run is decided from the host lists: no device reads
         logits = filter_logits(logits, top_k, top_p, min_p, any(k > 0 for k in ks), any(p < 1 for p in ps),
-                               any(m > 0 for m in mps))
+                               any(m > 0 for m in mps), ks=ks, ps=ps)
         return logits.softmax(dim=-1)
 
     @staticmethod

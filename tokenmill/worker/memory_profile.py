@@ -71,7 +71,10 @@ class WorstCase:
         for i, n in enumerate(self.lengths):
             blocks = list(range(next_block, next_block + cdiv(n + self._spare, self.block_size)))
             next_block += len(blocks)
-            params = replace(WORST_CASE_SAMPLING, prompt_logprobs=20 if i == longest else None)
+            # (every other row without top-k: a batch where some row has none sorts its whole rows, the
+            # sampler's largest temporaries; with a top-k on every row it reads only their heads)
+            params = replace(WORST_CASE_SAMPLING, prompt_logprobs=20 if i == longest else None,
+                             top_k=WORST_CASE_SAMPLING.top_k if i % 2 == 0 else 0)
             new = NewRequestData(f"profile-{i}", [0] * n, [], params, blocks)
             seqs.append(ScheduledRequest(new.request_id, 0, n, [], 1, wants_prompt_logprobs=i == longest,
                                          propose_k=self.num_drafts, new_request=new))

@@ -1,0 +1,74 @@
+"""The sampler's top-k / top-p on a CPU: each row's W largest logits (topk) against sorting the whole vocabulary,
+measured in the same run (tokenmill/sample/sampler.py `filter_logits`; the sort is what runs when the rows'
+settings are not given, and the oracle). Times one `Sampler.sample` call of temperature 0.8 and the filters,
+over random float32 logits shaped like a real model's vocabulary, per batch size.
+
+    python benchmarks/bench_sampler.py --out benchmarks/results/sampler.json
+
+Reports per (vocabulary, filters, batch): median ms with the heads, median ms with the sort, and the ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+FILTERS = {"top_p 0.95": dict(top_p=0.95), "top_k 50 + top_p 0.95": dict(top_k=50, top_p=0.95),
+           "top_k 50": dict(top_k=50)}
+
+
+def time_sample(sampler_mod, logits, rows, sort: bool, reps: int) -> float:
+    from tokenmill.sample.sampler import Sampler
+
+    real = sampler_mod.filter_logits
+    if sort:
+        sampler_mod.filter_logits = lambda *a, ks=None, ps=None: real(*a)
+    try:
+        sampler = Sampler(seed=0)
+        sampler.sample(logits, rows)  # warm-up
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            sampler.sample(logits, rows)
+            times.append(time.perf_counter() - t)
+    finally:
+        sampler_mod.filter_logits = real
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--vocabs", default="32000,151936")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    from tokenmill import SamplingParams
+    from tokenmill.sample import sampler as sampler_mod
+    from tokenmill.sample.sampler import SampleRow
+
+    g = torch.Generator().manual_seed(0)
+    res = {"torch_threads": torch.get_num_threads(), "rows": []}
+    for vocab in map(int, args.vocabs.split(",")):
+        for name, kw in FILTERS.items():
+            for batch in map(int, args.batches.split(",")):
+                # an LM's logits are peaked: a few hundred tokens hold nearly all the mass
+                logits = torch.randn(batch, vocab, generator=g) * 4
+                rows = [SampleRow(SamplingParams(temperature=0.8, **kw), [], [], None) for _ in range(batch)]
+                heads = time_sample(sampler_mod, logits, rows, False, args.reps)
+                sort = time_sample(sampler_mod, logits, rows, True, args.reps)
+                row = {"vocab": vocab, "filters": name, "batch": batch, "heads_ms": round(heads, 3),
+                       "sort_ms": round(sort, 3), "speedup": round(sort / heads, 2)}
+                res["rows"].append(row)
+                print(json.dumps(row), flush=True)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
