@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.engine.generation_defaults import sampling_defaults
 from tokenmill.models.registry import check_architecture
 from tokenmill.quantization.config import resolve_quantization
 from tokenmill.sched.burst import AUTO_BURST_MS, AUTO_BURST_STEPS
@@ -179,6 +180,12 @@ class EngineConfig:
         "generate`), 1 in the server. Runs where every running request decodes greedily without logprobs or "
         "penalties and no waiting prompt could join (none waits, or every seat is taken); with speculation, in "
         "steps where no request drafts; CPU one-call decode step only")
+    generation_config: str = option(
+        "auto", "sampling defaults for what a request leaves unset (vLLM's): auto, the model's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); vllm, none "
+        "(temperature 1.0, no filters); or a directory holding a generation_config.json")
+    override_generation_config: str | None = option(
+        None, "sampling defaults set on top of generation_config's, as a dict or JSON, e.g. {\"temperature\": 0.6}")
     speculative_config: str | None = option(
         None, "speculative decoding, vLLM's shape, as a dict or JSON: {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 5, \"prompt_lookup_min\": 2}; k adapts to "
@@ -280,6 +287,8 @@ class EngineConfig:
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
         if not os.path.isdir(self.model):
             raise ValueError(f"model directory not found: {self.model!r} (models load from local directories only)")
+        # a bad file or value fails at startup, not at the first request
+        sampling_defaults(self.model, self.generation_config, self.override_generation_config)
 
     def _resolve_device(self) -> None:
         from tokenmill.attention.registry import resolve_attention_backend

@@ -24,11 +24,16 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given none: the model's sampling defaults (generation_config.json,
+        engine/generation_defaults.py), else SamplingParams() (vLLM's method)."""
+        return SamplingParams(**self.llm_engine.input_processor.sampling_defaults)
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         if isinstance(params, list) and len(params) != len(prompts):
             raise ValueError("'sampling_params' list must have one entry per prompt")
         engine = self.llm_engine

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import AsyncIterator, Callable, Protocol
 
 from tokenmill.config import EngineConfig, ModelConfig
@@ -244,10 +245,14 @@ class AsyncLLM:
                  strict_max_tokens: bool) -> list[tuple[str | None, EngineCoreRequest]]:
         """Tokenize and validate; touches no state, so it may run on any thread."""
         out = []
+        default_max = self.input_processor.sampling_defaults.get("max_tokens")  # the model's max_new_tokens
         for request_id, prompt in prompts:
             text, req = self.input_processor.process(request_id, prompt, params, arrival_time or time.time(),
                                                      priority)
             n_prompt = len(req.prompt_token_ids)
+            if params.max_tokens is None and default_max is not None and n_prompt < self.max_model_len:
+                # (a default, not the request's: capped by the context where OpenAI's rule would refuse it)
+                req.params = replace(req.params, max_tokens=min(default_max, self.max_model_len - n_prompt))
             if strict_max_tokens and params.max_tokens is None and n_prompt >= self.max_model_len:
                 raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens, and the "
                                  f"'prompt' is {n_prompt}: it leaves no room for a completion")

@@ -5,14 +5,18 @@ from __future__ import annotations
 import contextlib
 
 import json
+import logging
 import os
 from dataclasses import replace
 
+from tokenmill.engine.generation_defaults import sampling_defaults
 from tokenmill.engine.messages import EngineCoreRequest
 from tokenmill.engine.prompt_bound import max_bytes_per_token, utf8_length
 from tokenmill.sample.grammar import GrammarCompiler
 from tokenmill.tokenizer import load_tokenizer
 from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenmill")
 
 
 # chat_template_kwargs may set any template variable (add_generation_prompt and tools included, as vLLM lets them)
@@ -66,6 +70,8 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_ids
+        # the model's sampling defaults for what a request leaves unset (engine/generation_defaults.py)
+        self.sampling_defaults: dict = {}
         # a text longer than this many bytes cannot fit in max_model_len tokens (None: no safe bound)
         per_token = max_bytes_per_token(tokenizer) if tokenizer is not None else None
         self.max_prompt_bytes = None if per_token is None else int(max_model_len * per_token)
@@ -86,8 +92,14 @@ class InputProcessor:
             chat_media = (*make_resolvers(config.mm_allow_remote_urls, config.mm_fetch_timeout_s,
                                           config.mm_max_fetch_bytes, config.mm_max_image_pixels,
                                           config.mm_video_num_frames), mm.limits)
-        return cls(tok, model_config.vocab_size, config.max_model_len,
-                   eos_token_ids(config.model, tok, model_config.hf_config), mm, chat_media)
+        ip = cls(tok, model_config.vocab_size, config.max_model_len,
+                 eos_token_ids(config.model, tok, model_config.hf_config), mm, chat_media)
+        ip.sampling_defaults = sampling_defaults(config.model, config.generation_config,
+                                                 config.override_generation_config)
+        if ip.sampling_defaults:
+            logger.info("sampling defaults for what requests leave unset (generation_config=%s): %s",
+                        config.generation_config, ip.sampling_defaults)
+        return ip
 
     def encode(self, text: str, add_special_tokens: bool = True, field: str = "prompt", bounded: bool = True
                ) -> list[int]:

@@ -36,7 +36,7 @@ class LLMEngine:
     # -- input ---------------------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> str:
-        params = params or SamplingParams()
+        params = params or SamplingParams(**self.input_processor.sampling_defaults)
         if request_id is None:
             request_id = str(self._counter)
             self._counter += 1

@@ -9,13 +9,15 @@ import sys
 from tokenmill.engine.arg_utils import add_engine_args, bare_flags_take_const, engine_kwargs
 
 
+# what `generate` samples with where neither a flag nor the model's generation_config.json says
+GENERATE_DEFAULTS = dict(max_tokens=64, temperature=0.8, top_p=0.95, top_k=0, min_p=0.0, repetition_penalty=1.0)
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    """Flags left unset (None) take the model's sampling defaults, then GENERATE_DEFAULTS."""
+    for name, default in GENERATE_DEFAULTS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=None,
+                       help=f"(default: the model's generation_config.json, else {default})")
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--n", type=int, default=1)
@@ -28,15 +30,16 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args) -> int:
     from tokenmill import LLM, SamplingParams
 
-    sp = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                        min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                        max_tokens=args.max_tokens, stop=args.stop, seed=args.sampling_seed,
-                        ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+    given = {k: getattr(args, k) for k in GENERATE_DEFAULTS if getattr(args, k) is not None}
+    rest = dict(n=args.n, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                stop=args.stop, seed=args.sampling_seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+    SamplingParams(**{**GENERATE_DEFAULTS, **given}, **rest)  # bad flags fail before the model loads
     code = worker_node(args)
     if code is not None:
         return code
     llm = LLM(**engine_kwargs(args))
+    model = llm.llm_engine.input_processor.sampling_defaults
+    sp = SamplingParams(**{**GENERATE_DEFAULTS, **model, **given}, **rest)
     prompts = args.prompt or ["To be, or not to be"]
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], sp, use_tqdm=False)

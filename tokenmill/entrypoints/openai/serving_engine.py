@@ -183,9 +183,14 @@ class ServingBase:
                   skip_special_tokens=req.skip_special_tokens,
                   structured_outputs=requested_grammar(req, tool_grammar), allowed_token_ids=req.allowed_token_ids,
                   bad_words=req.bad_words)
+        # the model's defaults (generation_config.json) for what the request leaves unset; its max_tokens is
+        # applied per prompt, within the context (AsyncLLM._process)
+        defaults = self.engine.input_processor.sampling_defaults
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
             v = getattr(req, name)
+            if v is None:
+                v = defaults.get(name)
             if v is not None:
                 kw[name] = v
         try:
