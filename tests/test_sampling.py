@@ -71,7 +71,7 @@ def test_temperature_sampling_follows_softmax():
 
 
 @pytest.mark.parametrize("case", ["every row top-k", "top-p, candidates hold it", "top-p, sort needed",
-                                  "mixed rows", "narrow vocabulary"])
+                                  "mixed rows", "a top-k past the candidates", "narrow vocabulary"])
 def test_filters_from_the_heads_of_rows_equal_the_whole_sort(case):
     """filter_logits given the rows' settings on the host reads each row's W largest logits (topk) instead of
     sorting the vocabulary: the kept tokens and their logits must be the sort's (`_sort_filter`, the oracle),
@@ -86,6 +86,7 @@ def test_filters_from_the_heads_of_rows_equal_the_whole_sort(case):
               "top-p, candidates hold it": ([0] * 6, [0.9, 0.5, 0.99, 0.1, 0.95, 0.7]),
               "top-p, sort needed": ([0] * 6, [0.9, 0.999, 0.5, 0.9, 0.9, 0.9]),
               "mixed rows": ([0, 30, 0, 0, 8, 0], [0.9, 1.0, 1.0, 0.7, 0.8, 1.0]),
+              "a top-k past the candidates": ([2000, 0, 1500, 0, 3, 0], [1.0, 0.9, 0.999, 0.5, 1.0, 1.0]),
               "narrow vocabulary": ([300, 0, 5, 0, 0, 0], [1.0, 0.95, 1.0, 0.9, 0.5, 0.8])}[case]
     if case == "top-p, sort needed":
         logits[1] = torch.randn(vocab, generator=g) * 0.1  # flat: 0.999 of its mass is nowhere near 1024 tokens

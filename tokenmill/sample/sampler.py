@@ -269,7 +269,7 @@ def _top_w_filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     if every_k:
         width = max(ks[i] for i in rows)
     elif logits.device.type == "cpu":  # (checking the candidates' mass reads it back: not on a GPU's hot path)
-        width = CANDIDATES
+        width = max([CANDIDATES] + [ks[i] for i in rows])  # (a row's top-k may reach past the candidates)
     else:
         return None
     if width * 2 > vocab:
@@ -281,8 +281,10 @@ def _top_w_filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     whole_probs = None
     if use_p and not every_k:
         whole_probs = sub.softmax(dim=-1).gather(1, idx)
-        # a row without top-k whose candidates hold less than its top-p mass keeps tokens past them: sort
-        if not bool(((whole_probs.sum(dim=-1) >= sub_p) | (sub_k > 0)).all()):
+        # a row without top-k whose candidates hold less than its top-p mass keeps tokens past them: sort (the
+        # mass as the mask sums it, with a margin: a top_p within rounding of it is left to the sort too)
+        held = whole_probs.cumsum(dim=-1)[:, -1]
+        if not bool(((held >= sub_p + 1e-5) | (sub_k > 0)).all()):
             return None
     mask = _sorted_mask(vals, sub_k, sub_p, use_k, use_p, whole_probs)
     filtered = torch.full_like(sub, float("-inf")).scatter_(1, idx, vals.masked_fill(mask, float("-inf")))
