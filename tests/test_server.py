@@ -109,7 +109,9 @@ def test_return_token_ids_match_offline(server, offline, continuous):
     assert r["prompt_token_ids"] == chat_want.prompt_token_ids
     assert r["choices"][0]["token_ids"] == chat_want.outputs[0].token_ids
     chunks = _sse(server, "/v1/chat/completions", {**chat, "stream": True, "stream_options": opts})
+    assert all(c["choices"] or c["usage"] for c in chunks)  # (no chunk of its own for the prompt's ids)
     assert [c.get("prompt_token_ids") for c in chunks if "prompt_token_ids" in c] == [chat_want.prompt_token_ids]
+    assert "prompt_token_ids" in chunks[0]
     assert sum((c["choices"][0].get("token_ids", []) for c in chunks if c["choices"]), []) == \
         chat_want.outputs[0].token_ids
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {

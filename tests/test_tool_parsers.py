@@ -111,7 +111,10 @@ def test_the_server_serves_auto_tool_choice_behind_the_flags(tiny_model_dir, tmp
     try:
         srv.wait_ready()
         # (this server also trusts requests' own chat templates: one renders the prompt, in chat and /tokenize)
-        own = {"messages": [{"role": "user", "content": "Weather?"}], "chat_template": "{{ messages[0].content }}!"}
+        own = {"messages": [{"role": "user", "content": "Weather?"}, {"role": "user", "content": "more"}],
+               # loop controls and transformers' {% generation %} tag: they compile as transformers compiles them
+               "chat_template": "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+                                "{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}!"}
         ids = httpx.post(srv.url + "/tokenize", json=own, timeout=60).json()["tokens"]
         assert ids == httpx.post(srv.url + "/tokenize", json={"prompt": "Weather?!", "add_special_tokens": False},
                                  timeout=60).json()["tokens"]

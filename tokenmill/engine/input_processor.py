@@ -43,6 +43,21 @@ def _with_parsed_calls(message: dict) -> dict:
     return {**message, "tool_calls": parsed}
 
 
+def compile_chat_template(text: str) -> None:
+    """jinja2.TemplateSyntaxError for a chat template that does not compile in the environment transformers
+    renders templates with (loop controls, its `{% generation %}` tag), where a plain jinja2 parse would refuse
+    templates that render."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # (a private name: a transformers without it gets jinja2's parse with loop controls)
+        import jinja2
+        import jinja2.ext
+
+        jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(text)
+        return
+    _compile_jinja_template(text)
+
+
 def eos_token_ids(model_path: str, tokenizer, hf_config) -> tuple[int, ...]:
     ids: list[int] = []
     gen = os.path.join(model_path, "generation_config.json")

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 import tokenmill
+from tokenmill.engine.input_processor import compile_chat_template
 from tokenmill.config import DEFAULT_MODEL, EngineConfig
 from tokenmill.entrypoints.openai.dashboard import add_dashboard_routes
 from tokenmill.engine.async_llm import AsyncLLM
@@ -170,8 +171,8 @@ def load_chat_template(value: str) -> str:
     else:
         value = value.replace("\\n", "\n")
     try:
-        jinja2.Environment().parse(value)
-    except jinja2.TemplateSyntaxError as e:
+        compile_chat_template(value)
+    except jinja2.TemplateError as e:
         raise ValueError(f"--chat-template does not compile: {e}") from None
     return value
 

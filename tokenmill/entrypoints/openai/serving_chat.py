@@ -9,6 +9,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tokenmill.engine.input_processor import compile_chat_template
 from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
@@ -29,8 +30,8 @@ def request_chat_template(template: str | None, trusted: bool) -> str | None:
         raise APIError(400, "this server takes no chat template from requests; start it with "
                             "--trust-request-chat-template to allow them", "chat_template")
     try:
-        jinja2.Environment().parse(template)
-    except jinja2.TemplateSyntaxError as e:
+        compile_chat_template(template)
+    except jinja2.TemplateError as e:
         raise APIError(400, f"chat_template does not compile: {e}", "chat_template") from None
     return template
 
@@ -165,10 +166,10 @@ class OpenAIServingChat(ServingBase):
 
 
 def _echo(req: ChatCompletionRequest) -> str:
-    """With `echo` (vLLM's), the text each answer's content starts with: the last message's, where that is the
-    assistant's (an answer's given start, continued with continue_final_message)."""
+    """With `echo` (vLLM's), the text each answer's content starts with: the last message's, where the answer
+    continues it (add_generation_prompt false, e.g. with continue_final_message) or it is the assistant's."""
     last = req.messages[-1]
-    if not req.echo or last.role != "assistant" or last.content is None:
+    if not req.echo or (req.add_generation_prompt and last.role != "assistant") or last.content is None:
         return ""
     return last.content if isinstance(last.content, str) else "".join(p.text for p in last.content if p.type == "text")
 
@@ -214,10 +215,9 @@ class _ChatEvents(ChunkEvents):
             echo = _echo(req)  # (the opening chunk carries it: the content's start)
             roles = [encode({"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
                              "finish_reason": None}) for i in range(req.n)]
-            if self.continuous_usage:
-                events += [self.choice_chunk(i, role, self.num_prompt, 0) for i, role in enumerate(roles)]
-                if self.prompt_ids:  # (a chunk of its own: these chunks carry their usage in the tail)
-                    events.append(self.chunk([], self.prompt_ids))
+            if self.continuous_usage:  # (the prompt's ids on the first of these chunks)
+                events += [self.choice_chunk(i, role, self.num_prompt, 0, self.prompt_ids if i == 0 else b"")
+                           for i, role in enumerate(roles)]
             else:
                 events.append(self.chunk(roles, self.prompt_ids))
         choices = []  # one chunk for every choice in this delta (unless each carries its own usage)

@@ -109,18 +109,21 @@ class ChunkEvents:
         self.num_completion = 0
         self.choice_tokens: dict[int, int] = {}  # choice index -> completion tokens so far
 
-    def chunk(self, encoded_choices: list[bytes], extra: bytes = b"") -> bytes:
+    def _head(self, extra: bytes) -> bytes:
         """`extra`: more top-level fields, encoded, each followed by a comma (chat's first chunk's prompt ids)."""
-        head = self.head if not extra else self.head[:-len(b'"choices":[')] + extra + b'"choices":['
-        return head + b",".join(encoded_choices) + self.tail
+        return self.head if not extra else self.head[:-len(b'"choices":[')] + extra + b'"choices":['
 
-    def choice_chunk(self, index: int, encoded_choice: bytes, num_prompt: int, num_new: int) -> bytes:
+    def chunk(self, encoded_choices: list[bytes], extra: bytes = b"") -> bytes:
+        return self._head(extra) + b",".join(encoded_choices) + self.tail
+
+    def choice_chunk(self, index: int, encoded_choice: bytes, num_prompt: int, num_new: int, extra: bytes = b""
+                     ) -> bytes:
         """One choice's chunk after `num_new` more of its tokens (its usage so far, when continuous)."""
         self.num_completion += num_new
         if not self.continuous_usage:
-            return self.chunk([encoded_choice])
+            return self.chunk([encoded_choice], extra)
         n = self.choice_tokens[index] = self.choice_tokens.get(index, 0) + num_new
-        return self.head + encoded_choice + self._usage_tail(num_prompt, n)
+        return self._head(extra) + encoded_choice + self._usage_tail(num_prompt, n)
 
     def _usage_tail(self, num_prompt: int, num_completion: int) -> bytes:
         return b'],"usage":' + msgspec.json.encode(usage(num_prompt, num_completion)) + b"}\n\n"

@@ -55,7 +55,9 @@ class RedisTier(KVConnector):
             return fn()
         except self._errors as e:
             until = time.monotonic() + self.retry_after_s
-            sides = (side,) if isinstance(e, self._timeouts) else tuple(self._down_until)
+            # (a timeout connecting is a server out of reach, not a slow call: both sides)
+            slow = isinstance(e, self._timeouts) and "connect" not in str(e).lower()
+            sides = (side,) if slow else tuple(self._down_until)
             for s in sides:
                 self._down_until[s] = until
             what = "reads" if sides == ("read",) else "writes" if sides == ("write",) else "reads and writes"
