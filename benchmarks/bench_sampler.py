@@ -4,8 +4,12 @@ settings are not given, and the oracle). Times one `Sampler.sample` call of temp
 over random float32 logits shaped like a real model's vocabulary, per batch size.
 
     python benchmarks/bench_sampler.py --out benchmarks/results/sampler.json
+    python benchmarks/bench_sampler.py --engine --out benchmarks/results/sampler_engine.json
 
 Reports per (vocabulary, filters, batch): median ms with the heads, median ms with the sort, and the ratio.
+`--engine`: instead, whole engine runs on a Qwen2.5-0.5B-shaped dummy model (its 151,936-token vocabulary,
+bf16): output tok/s of 8 and 32 requests x 64 tokens, greedy and sampled (temperature 0.8, top_k 50, top_p
+0.95, seeded), best of `--reps` (at most 3); run it from each tree (PYTHONPATH) for an A/B.
 """
 from __future__ import annotations
 
@@ -40,8 +44,34 @@ def time_sample(sampler_mod, logits, rows, sort: bool, reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def engine_runs(reps: int) -> dict:
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import dummy_model_dir
+
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(dummy_model_dir(), load_format="dummy", max_model_len=512, dtype="bfloat16")
+    out = {}
+    for batch in (8, 32):
+        prompts = [{"prompt_token_ids": [(7 * i + j) % 5000 + 100 for j in range(32)]} for i in range(batch)]
+        for name, kw in (("greedy", dict(temperature=0)), ("sampled", dict(temperature=0.8, top_k=50, top_p=0.95))):
+            params = [SamplingParams(max_tokens=64, ignore_eos=True, seed=i, **kw) for i in range(batch)]
+            llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+            best = 0.0
+            for _ in range(reps):
+                t = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                best = max(best, batch * 64 / (time.perf_counter() - t))
+            out[f"{name}_b{batch}_tok_s"] = round(best, 1)
+            print(name, batch, out[f"{name}_b{batch}_tok_s"], flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--engine", action="store_true", help="whole engine runs (see the docstring)")
     ap.add_argument("--vocabs", default="32000,151936")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--reps", type=int, default=15)
@@ -51,6 +81,14 @@ def main() -> None:
     from tokenmill.sample import sampler as sampler_mod
     from tokenmill.sample.sampler import SampleRow
 
+    if args.engine:
+        import tokenmill
+
+        res = {"tree": os.path.dirname(tokenmill.__file__), **engine_runs(min(args.reps, 3))}
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+        return
     g = torch.Generator().manual_seed(0)
     res = {"torch_threads": torch.get_num_threads(), "rows": []}
     for vocab in map(int, args.vocabs.split(",")):
