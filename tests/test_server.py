@@ -356,6 +356,22 @@ def test_a_request_chat_template_needs_the_servers_trust(server):
     _assert_error(post(server, "/tokenize", body), 400, "chat_template")
 
 
+def test_fields_no_schema_knows_are_ignored_and_logged_once(caplog):
+    """As vLLM: an unknown request field is ignored, with a warning naming it, once per field (not per request)."""
+    import logging
+
+    from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    body = {"messages": [{"role": "user", "content": "x"}], "zz_reasoning_effort": "low", "temperature": 0.5}
+    with caplog.at_level(logging.WARNING, logger="tokenmill"):
+        for _ in range(3):
+            req = ChatCompletionRequest.model_validate(body)
+        CompletionRequest.model_validate({"prompt": "x", "zz_reasoning_effort": "low"})
+    assert req.temperature == 0.5
+    logged = [r.getMessage() for r in caplog.records if "zz_reasoning_effort" in r.getMessage()]
+    assert len(logged) == 2 and "ChatCompletionRequest" in logged[0] and "CompletionRequest" in logged[1]
+
+
 def test_chat_n_seed(client):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Speak"}], max_tokens=6, n=2, seed=7,
               temperature=0.9)

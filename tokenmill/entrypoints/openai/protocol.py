@@ -5,14 +5,20 @@ next to OpenAI's (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, prio
 Requests are validated strictly (`true` is a boolean, `"yes"` and `0` are not; `"2"` is not an integer),
 every string is checked once here for text that cannot be encoded (lone surrogates, which JSON's \\u
 escapes can spell), and union-typed fields pick their branch from the input's shape, so an error names the
-real problem (`prompt[0]` is negative) instead of the first branch that failed (`prompt.str`)."""
+real problem (`prompt[0]` is negative) instead of the first branch that failed (`prompt.str`).
+Fields a request sends that no schema here knows are ignored, as OpenAI and vLLM do, and logged once per
+name (as vLLM warns), so that a client relying on one we lack finds out."""
 from __future__ import annotations
 
+import logging
 import time
 from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictStr, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+
+logger = logging.getLogger("tokenmill")
+_IGNORED_LOGGED: set[tuple[str, str]] = set()  # (request kind, field) already logged; bounded below
 
 # Finite numbers only: JSON parsers accept NaN/Infinity, which would poison the sampler.
 Float = Annotated[float, Field(allow_inf_nan=False)]
@@ -116,6 +122,18 @@ class ResponseFormat(OpenAIBase):
 
 class _SamplingFields(OpenAIBase):
     """Fields shared by completions and chat."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_ignored_fields(cls, data):
+        if isinstance(data, dict):
+            known = cls.model_fields
+            ignored = [k for k in data if k not in known and (cls.__name__, k) not in _IGNORED_LOGGED]
+            if ignored and len(_IGNORED_LOGGED) < 1000:  # (a client sending random names cannot grow it further)
+                _IGNORED_LOGGED.update((cls.__name__, str(k)) for k in ignored)
+                logger.warning("%s: fields that tokenmill does not support were ignored: %s (logged once each)",
+                               cls.__name__, ", ".join(map(str, ignored))[:500])
+        return data
     model: str | None = None
     n: int = Field(1, ge=1, le=64)
     temperature: Float | None = Field(None, ge=0)  # no upper bound, as vLLM (OpenAI caps at 2)
