@@ -37,6 +37,10 @@ def test_sampling_defaults_sources_overrides_and_errors(llama_dir, tmp_path):
     assert sampling_defaults(model, "vllm", {"top_p": 0.5}) == {"top_p": 0.5}
     with pytest.raises(ValueError, match="unknown keys"):
         sampling_defaults(model, "auto", {"seed": 3})
+    for bad in ("5", "null", "[1]"):
+        with pytest.raises(ValueError, match="dict or JSON object"):
+            sampling_defaults(model, "auto", bad)
+    assert sampling_defaults(model, "vllm", '{"top_k": 20.0, "max_new_tokens": 8.0}') == {"top_k": 20, "max_tokens": 8}
     with pytest.raises(ValueError, match="top_p"):
         sampling_defaults(model, "auto", {"top_p": 2.0})
     with pytest.raises(ValueError, match="no generation_config.json"):
@@ -86,6 +90,10 @@ def test_the_server_fills_what_requests_leave_unset(tiny_model_dir, tmp_path):  
         a, b = chat(), chat()
         assert a["message"]["content"] == b["message"]["content"]  # temperature 0 from the model: greedy
         assert chat(max_tokens=3)["finish_reason"] == "length"
+        # a min_tokens past the default max_tokens: the default gives way (the client set no max_tokens)
+        wide = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Speak"}], "min_tokens": 50}).json()
+        assert wide["usage"]["completion_tokens"] == 50, wide
         n40 = httpx.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": "Speak"}]},
                          timeout=60).json()["count"]
         usage = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={

@@ -367,9 +367,12 @@ def test_fields_no_schema_knows_are_ignored_and_logged_once(caplog):
         for _ in range(3):
             req = ChatCompletionRequest.model_validate(body)
         CompletionRequest.model_validate({"prompt": "x", "zz_reasoning_effort": "low"})
+        ChatCompletionRequest.model_validate({**body, "zz\nERROR forged line": 1})
     assert req.temperature == 0.5
     logged = [r.getMessage() for r in caplog.records if "zz_reasoning_effort" in r.getMessage()]
     assert len(logged) == 2 and "ChatCompletionRequest" in logged[0] and "CompletionRequest" in logged[1]
+    assert not any("\nERROR forged" in r.getMessage() for r in caplog.records)  # names are logged escaped
+    assert any("zz\\nERROR forged line" in r.getMessage() for r in caplog.records)
 
 
 def test_chat_n_seed(client):

@@ -252,7 +252,9 @@ class AsyncLLM:
             n_prompt = len(req.prompt_token_ids)
             if params.max_tokens is None and default_max is not None and n_prompt < self.max_model_len:
                 # (a default, not the request's: capped by the context where OpenAI's rule would refuse it)
-                req.params = replace(req.params, max_tokens=min(default_max, self.max_model_len - n_prompt))
+                # (never below the request's own min_tokens: the client set no max_tokens to conflict with it)
+                req.params = replace(req.params, max_tokens=min(max(default_max, params.min_tokens),
+                                                                self.max_model_len - n_prompt))
             if strict_max_tokens and params.max_tokens is None and n_prompt >= self.max_model_len:
                 raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens, and the "
                                  f"'prompt' is {n_prompt}: it leaves no room for a completion")

@@ -43,10 +43,15 @@ def sampling_defaults(model: str, generation_config: str = "auto", override=None
             extra = json.loads(override) if isinstance(override, str) else dict(override)
         except (ValueError, TypeError) as e:
             raise ValueError(f"override_generation_config must be a dict or JSON object: {e}") from None
+        if not isinstance(extra, dict):
+            raise ValueError(f"override_generation_config must be a dict or JSON object, got {override!r}")
         unknown = sorted(set(extra) - set(KEYS))
         if unknown:
             raise ValueError(f"override_generation_config: unknown keys {unknown}; it takes {', '.join(KEYS)}")
         found.update(extra)
+    for key in ("top_k", "max_new_tokens"):  # (20.0 in a file: an integer, as vLLM reads it)
+        if isinstance(found.get(key), float) and found[key].is_integer():
+            found[key] = int(found[key])
     if "max_new_tokens" in found:
         found["max_tokens"] = found.pop("max_new_tokens")
     from tokenmill.sampling_params import SamplingParams

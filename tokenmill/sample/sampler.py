@@ -316,18 +316,20 @@ def exponential_sample(probs: torch.Tensor, generators: list[torch.Generator | N
     return argmax_rows(probs / noise)
 
 
-_U_MIN = 2.0 ** -24  # float32's smallest uniform step above 0
+_U_MIN = 2.0 ** -53  # float64's smallest uniform step above 0
 
 
 def _exponential(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """`t` filled with Exp(1) draws, in place. On a CPU as -log(U): torch's exponential_ costs 5x a uniform
-    draw and a log there (23 ms against 4.4 for 8 rows of a 152K vocabulary), which made the noise most of a
-    sampled step. U is kept off 0 (E would be inf: a kept token could never win) and below 1 by construction
-    (E = 0 would make p / E inf, or nan for an excluded token); E is cut at 16.6, which it passes with
-    probability 6e-8."""
+    """`t` filled with Exp(1) draws, in place. On a CPU as -log(U): torch's exponential_ costs 3x a float64
+    uniform draw and a log there (23 ms against 7.3 for 8 rows of a 152K vocabulary), which made the noise
+    most of a sampled step. U is float64: near 1, float32's 2^-24 grid would make the smallest E values (the
+    winners' in a flat row) coarse enough to tie in ~1 % of draws. U is kept off 0 (E would be inf: a kept
+    token could never win) and below 1 by construction (E = 0 would make p / E inf, or nan for an excluded
+    token); E is cut at 36.7, which it passes with probability 1e-16."""
     if t.device.type != "cpu":
         return t.exponential_(generator=generator)
-    return t.uniform_(generator=generator).clamp_(min=_U_MIN).log_().neg_()
+    u = torch.empty(t.shape, dtype=torch.float64).uniform_(generator=generator)
+    return t.copy_(u.clamp_(min=_U_MIN).log_().neg_())
 
 
 class Sampler:

@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictStr, Tag
 from pydantic_core import PydanticCustomError
 
 logger = logging.getLogger("tokenmill")
-_IGNORED_LOGGED: set[tuple[str, str]] = set()  # (request kind, field) already logged; bounded below
+_IGNORED_LOGGED: set[tuple[str, str]] = set()  # (request kind, field) already logged, at most _IGNORED_CAP
+_IGNORED_CAP = 1000
 
 # Finite numbers only: JSON parsers accept NaN/Infinity, which would poison the sampler.
 Float = Annotated[float, Field(allow_inf_nan=False)]
@@ -129,10 +130,12 @@ class _SamplingFields(OpenAIBase):
         if isinstance(data, dict):
             known = cls.model_fields
             ignored = [k for k in data if k not in known and (cls.__name__, k) not in _IGNORED_LOGGED]
-            if ignored and len(_IGNORED_LOGGED) < 1000:  # (a client sending random names cannot grow it further)
-                _IGNORED_LOGGED.update((cls.__name__, str(k)) for k in ignored)
+            # (a client sending random names cannot grow the set past its cap; names are logged escaped)
+            ignored = ignored[:max(0, _IGNORED_CAP - len(_IGNORED_LOGGED))]
+            if ignored:
+                _IGNORED_LOGGED.update((cls.__name__, k) for k in ignored)
                 logger.warning("%s: fields that tokenmill does not support were ignored: %s (logged once each)",
-                               cls.__name__, ", ".join(map(str, ignored))[:500])
+                               cls.__name__, ", ".join(ascii(k) for k in ignored)[:500])
         return data
     model: str | None = None
     n: int = Field(1, ge=1, le=64)
