@@ -9,7 +9,7 @@ over random float32 logits shaped like a real model's vocabulary, per batch size
 Reports per (vocabulary, filters, batch): median ms with the heads, median ms with the sort, and the ratio.
 `--engine`: instead, whole engine runs on a Qwen2.5-0.5B-shaped dummy model (its 151,936-token vocabulary,
 bf16): output tok/s of 8 and 32 requests x 64 tokens, greedy and sampled (temperature 0.8, top_k 50, top_p
-0.95, seeded), best of `--reps` (at most 3); run it from each tree (PYTHONPATH) for an A/B.
+0.95; seeded, and unseeded), best of `--reps` (at most 3); run it from each tree (PYTHONPATH) for an A/B.
 """
 from __future__ import annotations
 
@@ -56,8 +56,11 @@ def engine_runs(reps: int) -> dict:
     out = {}
     for batch in (8, 32):
         prompts = [{"prompt_token_ids": [(7 * i + j) % 5000 + 100 for j in range(32)]} for i in range(batch)]
-        for name, kw in (("greedy", dict(temperature=0)), ("sampled", dict(temperature=0.8, top_k=50, top_p=0.95))):
-            params = [SamplingParams(max_tokens=64, ignore_eos=True, seed=i, **kw) for i in range(batch)]
+        sampled = dict(temperature=0.8, top_k=50, top_p=0.95)
+        for name, kw, seeded in (("greedy", dict(temperature=0), True), ("sampled", sampled, True),
+                                 ("sampled_unseeded", sampled, False)):
+            params = [SamplingParams(max_tokens=64, ignore_eos=True, seed=i if seeded else None, **kw)
+                      for i in range(batch)]
             llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
             best = 0.0
             for _ in range(reps):

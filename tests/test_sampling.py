@@ -129,6 +129,39 @@ def test_the_cpu_noise_is_exponential_and_fine_near_zero():
     assert smallest.unique().numel() == 1000
 
 
+def test_unseeded_rows_sample_among_their_kept_tokens_with_the_same_law():
+    """On a CPU, rows without a seed whose filters keep few tokens draw noise for those tokens only: the draws
+    must follow the filtered softmax (chi-square), never leave the kept set, and seeded rows in the same batch
+    must keep their whole-row draws (the same tokens as alone)."""
+    from tokenmill.sample import sampler as sampler_mod
+
+    torch.manual_seed(0)
+    logits = torch.randn(1, 400) * 2
+    kept = logits[0].topk(6).indices
+    expected = (logits[0, kept] / 0.7).softmax(-1)
+    calls = []
+    real = sampler_mod._sample_among_support
+    sampler_mod._sample_among_support = lambda *a: (calls.append(a[0].shape), real(*a))[1]
+    try:
+        sampler, n, batch = Sampler(seed=11), 12000, 400
+        counts = torch.zeros(400)
+        for _ in range(n // batch):
+            out = sampler(logits.expand(batch, -1).clone(), _rows(batch, temperature=0.7, top_k=6))
+            counts += torch.bincount(torch.tensor(out.token_ids), minlength=400)
+        seeded = SampleRow(SamplingParams(temperature=0.7, top_k=6, seed=5), [], [], torch.Generator().manual_seed(5))
+        alone = sampler.sample(logits.clone(), [seeded])
+        seeded.generator = torch.Generator().manual_seed(5)
+        mixed = sampler.sample(logits.expand(3, -1).clone(), _rows(1, temperature=0.7, top_k=6) + [seeded] +
+                               _rows(1, temperature=0.7, top_k=6))
+    finally:
+        sampler_mod._sample_among_support = real
+    assert calls and all(shape[1] == 400 for shape in calls)  # the compact path ran
+    assert counts.sum() == n and counts[kept].sum() == n  # never outside the kept set
+    chi2 = float((((counts[kept] - n * expected) ** 2) / (n * expected)).sum())
+    assert chi2 < 20.5  # 5 degrees of freedom: p < 0.001 critical value
+    assert mixed[1] == alone[0] and set(mixed.tolist()) <= set(kept.tolist())
+
+
 def test_top_p_keeps_at_least_one_token():
     logits = torch.tensor([[10.0, 0.0, 0.0]])
     out = filter_logits(logits, torch.tensor([0]), torch.tensor([1e-6]), torch.tensor([0.0]), False, True, False)
