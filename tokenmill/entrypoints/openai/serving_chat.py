@@ -57,7 +57,7 @@ async def render_chat(engine: AsyncLLM, messages: list[ChatMessage], add_generat
         elif any(p.type != "text" for p in m.content):
             raise APIError(400, "this model takes no images or video; send text parts only", "messages")
         else:
-            content = "".join(p.text for p in m.content)
+            content = _text_of(m.content)
         message = {"role": m.role, "content": content}
         for key in ("name", "tool_call_id"):  # for templates that render an agent's history
             if (value := getattr(m, key)) is not None:
@@ -171,7 +171,12 @@ def _echo(req: ChatCompletionRequest) -> str:
     last = req.messages[-1]
     if not req.echo or (req.add_generation_prompt and last.role != "assistant") or last.content is None:
         return ""
-    return last.content if isinstance(last.content, str) else "".join(p.text for p in last.content if p.type == "text")
+    return last.content if isinstance(last.content, str) else _text_of(last.content)
+
+
+def _text_of(parts) -> str:
+    """A message's text parts, joined (as the template gets them)."""
+    return "".join(p.text for p in parts if p.type == "text")
 
 
 def _tool_calls(req: ChatCompletionRequest, parser: str | None) -> ForcedToolCalls | AutoToolCalls | None:

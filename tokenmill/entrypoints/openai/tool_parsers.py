@@ -284,7 +284,9 @@ class AutoToolCalls:
             if content.strip():
                 self.texted.add(index)
             elif not finished or calls or self.num_calls.get(index):
-                self.held[index], content = ("", "") if finished else (content, "")
+                if not finished:
+                    self.held[index] = content
+                content = ""
         delta = {}
         if content:
             delta["content"] = content
