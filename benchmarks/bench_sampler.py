@@ -4,9 +4,11 @@ settings are not given, and the oracle). Times one `Sampler.sample` call of temp
 over random float32 logits shaped like a real model's vocabulary, per batch size.
 
     python benchmarks/bench_sampler.py --out benchmarks/results/sampler.json
+    python benchmarks/bench_sampler.py --seeded --out benchmarks/results/sampler_seeded.json
     python benchmarks/bench_sampler.py --engine --out benchmarks/results/sampler_engine.json
 
 Reports per (vocabulary, filters, batch): median ms with the heads, median ms with the sort, and the ratio.
+`--seeded`: every row has a generator of its own (a seeded request); run it from each tree for an A/B.
 `--engine`: instead, whole engine runs on a Qwen2.5-0.5B-shaped dummy model (its 151,936-token vocabulary,
 bf16): output tok/s of 8 and 32 requests x 64 tokens, greedy and sampled (temperature 0.8, top_k 50, top_p
 0.95; seeded, and unseeded), best of `--reps` (at most 3); run it from each tree (PYTHONPATH) for an A/B.
@@ -78,6 +80,7 @@ def main() -> None:
     ap.add_argument("--vocabs", default="32000,151936")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--seeded", action="store_true", help="rows with generators of their own")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from tokenmill import SamplingParams
@@ -93,13 +96,14 @@ def main() -> None:
             json.dump(res, f, indent=1)
         return
     g = torch.Generator().manual_seed(0)
-    res = {"torch_threads": torch.get_num_threads(), "rows": []}
+    res = {"torch_threads": torch.get_num_threads(), "seeded": args.seeded, "rows": []}
     for vocab in map(int, args.vocabs.split(",")):
         for name, kw in FILTERS.items():
             for batch in map(int, args.batches.split(",")):
                 # an LM's logits are peaked: a few hundred tokens hold nearly all the mass
                 logits = torch.randn(batch, vocab, generator=g) * 4
-                rows = [SampleRow(SamplingParams(temperature=0.8, **kw), [], [], None) for _ in range(batch)]
+                rows = [SampleRow(SamplingParams(temperature=0.8, **kw), [], [],
+                                  torch.Generator().manual_seed(i) if args.seeded else None) for i in range(batch)]
                 heads = time_sample(sampler_mod, logits, rows, False, args.reps)
                 sort = time_sample(sampler_mod, logits, rows, True, args.reps)
                 row = {"vocab": vocab, "filters": name, "batch": batch, "heads_ms": round(heads, 3),

@@ -129,37 +129,52 @@ def test_the_cpu_noise_is_exponential_and_fine_near_zero():
     assert smallest.unique().numel() == 1000
 
 
-def test_unseeded_rows_sample_among_their_kept_tokens_with_the_same_law():
-    """On a CPU, rows without a seed whose filters keep few tokens draw noise for those tokens only: the draws
-    must follow the filtered softmax (chi-square), never leave the kept set, and seeded rows in the same batch
-    must keep their whole-row draws (the same tokens as alone)."""
+def _chi2_against(counts, kept, expected):
+    n = counts.sum()
+    assert counts[kept].sum() == n  # never outside the kept set
+    return float((((counts[kept] - n * expected) ** 2) / (n * expected)).sum())
+
+
+def test_rows_sample_among_their_kept_tokens_with_the_same_law():
+    """On a CPU, rows whose filters keep few tokens draw noise for those tokens only: the draws must follow the
+    filtered softmax (chi-square), never leave the kept set; a seeded row draws over its own kept tokens, so it
+    gives the same tokens alone and beside rows that keep more."""
     from tokenmill.sample import sampler as sampler_mod
 
     torch.manual_seed(0)
     logits = torch.randn(1, 400) * 2
     kept = logits[0].topk(6).indices
     expected = (logits[0, kept] / 0.7).softmax(-1)
-    calls = []
-    real = sampler_mod._sample_among_support
-    sampler_mod._sample_among_support = lambda *a: (calls.append(a[0].shape), real(*a))[1]
+    calls, own_calls = [], []
+    real, real_own = sampler_mod._sample_among_support, sampler_mod._own_rows_sample
+    sampler_mod._sample_among_support = lambda *a: (calls.append(tuple(a[0].shape)), real(*a))[1]
+    sampler_mod._own_rows_sample = lambda *a: (own_calls.append(tuple(a[0].shape)), real_own(*a))[1]
+
+    def seeded(seed):
+        params = SamplingParams(temperature=0.7, top_k=6, seed=seed)
+        return SampleRow(params, [], [], torch.Generator().manual_seed(seed))
+
     try:
         sampler, n, batch = Sampler(seed=11), 12000, 400
         counts = torch.zeros(400)
         for _ in range(n // batch):
             out = sampler(logits.expand(batch, -1).clone(), _rows(batch, temperature=0.7, top_k=6))
             counts += torch.bincount(torch.tensor(out.token_ids), minlength=400)
-        seeded = SampleRow(SamplingParams(temperature=0.7, top_k=6, seed=5), [], [], torch.Generator().manual_seed(5))
-        alone = sampler.sample(logits.clone(), [seeded])
-        seeded.generator = torch.Generator().manual_seed(5)
-        mixed = sampler.sample(logits.expand(3, -1).clone(), _rows(1, temperature=0.7, top_k=6) + [seeded] +
-                               _rows(1, temperature=0.7, top_k=6))
+        own = torch.zeros(400)
+        for first in range(0, 3000, 300):  # 3,000 seeds, a draw each
+            rows = [seeded(s) for s in range(first, first + 300)]
+            own += torch.bincount(sampler.sample(logits.expand(300, -1).clone(), rows), minlength=400)
+        alone = [sampler.sample(logits.clone(), [seeded(5)])[0] for _ in range(2)]
+        wide = _rows(1, temperature=0.7, top_k=40)
+        mixed = sampler.sample(logits.expand(3, -1).clone(), wide + [seeded(5)] + wide)
     finally:
-        sampler_mod._sample_among_support = real
-    assert calls and all(shape[1] == 400 for shape in calls)  # the compact path ran
-    assert counts.sum() == n and counts[kept].sum() == n  # never outside the kept set
-    chi2 = float((((counts[kept] - n * expected) ** 2) / (n * expected)).sum())
-    assert chi2 < 20.5  # 5 degrees of freedom: p < 0.001 critical value
-    assert mixed[1] == alone[0] and set(mixed.tolist()) <= set(kept.tolist())
+        sampler_mod._sample_among_support, sampler_mod._own_rows_sample = real, real_own
+    assert calls == [(batch, 400)] * (n // batch) + [(2, 400)]  # unseeded rows: the compact path ran
+    assert own_calls == [(300, 400)] * 10 + [(1, 400)] * 3
+    assert _chi2_against(counts, kept, expected) < 20.5  # 5 degrees of freedom: p < 0.001 critical value
+    assert _chi2_against(own, kept, expected) < 20.5
+    assert alone[0] == alone[1] == mixed[1]
+    assert set(mixed.tolist()) <= set(logits[0].topk(40).indices.tolist())
 
 
 def test_top_p_keeps_at_least_one_token():
