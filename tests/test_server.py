@@ -336,6 +336,7 @@ def test_chat_continues_the_final_message_and_echoes_it(server, client, offline)
     kw = dict(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
     r = client.chat.completions.create(**kw, extra_body={**extra, "echo": True})
     assert r.choices[0].message.content == "I am" + want.outputs[0].text
+    assert r.choices[0].message.role == "assistant"
     assert r.usage.prompt_tokens == len(want.prompt_token_ids)
     plain = client.chat.completions.create(**kw, extra_body=extra)
     assert plain.choices[0].message.content == want.outputs[0].text  # without echo: the continuation only
@@ -346,6 +347,30 @@ def test_chat_continues_the_final_message_and_echoes_it(server, client, offline)
     assert ids == want.prompt_token_ids
     _assert_error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": msgs,
                                                         "continue_final_message": True}), 400, "continue_final_message")
+
+
+def test_an_answer_without_a_generation_prompt_has_the_last_messages_role(server, client):
+    """vLLM's rule: with add_generation_prompt false the answer continues the last message, so it takes that
+    message's role, whole and streamed; with a generation prompt it is --response-role's."""
+    import argparse
+
+    from tokenmill.entrypoints.openai.cli_args import add_server_args
+    from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
+    from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
+
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Thou art"}], max_tokens=3, temperature=0)
+    r = client.chat.completions.create(**kw, extra_body={"add_generation_prompt": False})
+    assert r.choices[0].message.role == "user"
+    chunks = list(client.chat.completions.create(**kw, stream=True, extra_body={"add_generation_prompt": False}))
+    assert chunks[0].choices[0].delta.role == "user"
+    assert client.chat.completions.create(**kw).choices[0].message.role == "assistant"
+    serving = OpenAIServingChat.__new__(OpenAIServingChat)
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    serving.response_role = parser.parse_args(["--response-role", "bot"]).response_role
+    req = ChatCompletionRequest.model_validate({"messages": kw["messages"]})
+    assert serving.role(req) == "bot"
+    assert serving.role(req.model_copy(update={"add_generation_prompt": False})) == "user"
 
 
 def test_a_request_chat_template_needs_the_servers_trust(server):

@@ -208,6 +208,7 @@ async def serve(args) -> int:
         state.chat.tool_parser = args.tool_call_parser if args.enable_auto_tool_choice else None
         state.chat.reasoning_parser = args.reasoning_parser
         state.chat.trust_request_chat_template = args.trust_request_chat_template
+        state.chat.response_role = args.response_role
         api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY") or None
         app = build_app(state, api_key, args.max_request_body_bytes)
         # our drain (lifecycle.py) ends requests past --shutdown-timeout itself; uvicorn's timeout, which

@@ -37,6 +37,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat template (the `chat_template` field; refused with a "
                         "400 otherwise, as in vLLM): a template is code the server runs")
+    p.add_argument("--response-role", default="assistant",
+                   help="the role of chat answers where the request asks for a generation prompt (the default); "
+                        "without one an answer has the last message's role (as in vLLM)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="serve tool_choice 'auto' (OpenAI's default with tools): the model's own tool-call text is "
                         "read by --tool-call-parser into tool_calls")

@@ -95,6 +95,12 @@ class OpenAIServingChat(ServingBase):
     tool_parser: str | None = None  # --tool-call-parser, with --enable-auto-tool-choice (tool_parsers.py)
     reasoning_parser: str | None = None  # --reasoning-parser (reasoning_parsers.py)
     trust_request_chat_template = False  # --trust-request-chat-template: requests may bring their own
+    response_role = "assistant"  # --response-role: the answer's role where a generation prompt opens it
+
+    def role(self, req: ChatCompletionRequest) -> str:
+        """The answer's role, as vLLM's: the server's with a generation prompt; without one the answer
+        continues the last message, so it has that message's role."""
+        return self.response_role if req.add_generation_prompt else req.messages[-1].role
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
@@ -137,14 +143,14 @@ class OpenAIServingChat(ServingBase):
     async def _full(self, req: ChatCompletionRequest, rid: str, subs, created: int,
                     forced: ForcedToolCalls | AutoToolCalls | None, reasoning: Reasoning | None) -> Response:
         choices, prompt_rows = await self.collect(subs, req.n)
-        top_n, echo = req.top_logprobs or 0, _echo(req)
+        top_n, echo, role = req.top_logprobs or 0, _echo(req), self.role(req)
         out = []
         for ch in choices:
             thought, text = reasoning.split(ch.text) if reasoning is not None else (None, ch.text)
-            message = {"role": "assistant", "content": text}
+            message = {"role": role, "content": text}
             finish = ch.finish_reason
             if forced is not None:
-                message = forced.message(ch.index, text or "")
+                message = {**forced.message(ch.index, text or ""), "role": role}
                 finish = forced.finish_reason(ch.index, message, finish)
             if reasoning is not None:
                 message["reasoning_content"] = thought
@@ -218,7 +224,8 @@ class _ChatEvents(ChunkEvents):
         if not self.opened:
             self.opened = True
             echo = _echo(req)  # (the opening chunk carries it: the content's start)
-            roles = [encode({"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
+            role = self.serving.role(req)
+            roles = [encode({"index": i, "delta": {"role": role, "content": echo}, "logprobs": None,
                              "finish_reason": None}) for i in range(req.n)]
             if self.continuous_usage:  # (the prompt's ids on the first of these chunks)
                 events += [self.choice_chunk(i, role, self.num_prompt, 0, self.prompt_ids if i == 0 else b"")
