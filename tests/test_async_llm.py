@@ -165,3 +165,16 @@ def test_merging_deltas_matches_choices_by_index():
     merged = _merge(merged, delta((2, [9]), (1, [10])))
     assert [(c.index, c.token_ids, c.text) for c in merged.outputs] == [(0, [5, 6], "tt"), (1, [7, 10], "tt"),
                                                                         (2, [8, 9], "tt")]
+
+
+def test_a_child_that_ends_without_a_token_leaves_the_admission_count():
+    """The admission cap (max_waiting_requests) counts children without a first token; one the core ends with
+    none (its grammar failed to compile in the engine: an abort output with no ids) must leave the count, or
+    each such request shrank the server's capacity for good."""
+    from tokenmill.engine.core import EngineCoreOutput, EngineStats
+
+    engine = AsyncLLM(EngineConfig(model=DEFAULT_MODEL, dtype="float32", max_model_len=128), log_requests=False)
+    engine._pending.update({"x#0", "x#1", "y"})
+    engine._on_outputs(CoreOutputs([EngineCoreOutput("x#0", [], "abort"), EngineCoreOutput("x#1", [7]),
+                                    EngineCoreOutput("y", [])], EngineStats(0, 0, 1, 1, 0.0, 0, 0, 0.0, 0, 0)))
+    assert engine.num_pending == 1 and engine._pending == {"y"}

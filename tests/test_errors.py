@@ -109,7 +109,8 @@ def test_a_request_the_core_refuses_halfway_leaves_nothing_behind(llama_dir, str
 def test_a_failed_step_leaves_no_request_marked_in_flight(llama_dir, where):
     """The model raises in a step (or, under async scheduling, while its tokens are collected: where a device
     error shows); the server's core then aborts what the steps held (core_proc.py). A request that reuses one
-    of those ids must run: the id stayed marked in flight, so it was never scheduled again."""
+    of those ids must run: the id stayed marked in flight, so it was never scheduled again. The runner must drop
+    the lost step's token placeholders with the aborted requests (every later step looked them over)."""
     from tokenmill import SamplingParams
 
     engine = make_llm(llama_dir, enforce_eager=True, async_scheduling=where == "collect").llm_engine
@@ -129,6 +130,8 @@ def test_a_failed_step_leaves_no_request_marked_in_flight(llama_dir, where):
     assert engine.core._deferred is None
     engine.abort_request(["a"])
     assert not engine.core.scheduler.in_flight
+    engine.step()  # (the lost step's placeholders are dropped with its requests, never collected)
+    assert not runner._pending
     engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, sp)
     out = []
     for _ in range(20):

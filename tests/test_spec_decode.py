@@ -864,3 +864,40 @@ def test_speculation_under_tensor_parallelism_is_token_identical(llama_dir, gree
         assert _check(llm).spec_num_accepted_tokens > 0
     finally:
         llm.llm_engine.core.close()
+
+
+def test_a_preemption_in_a_step_that_schedules_nothing_reaches_the_worker_and_the_draft(llama_dir):
+    """The scheduler may preempt a request and schedule nothing (the free blocks are held by a KV tier load or a
+    step in flight): the runner must still forget the request's blocks and the draft model how far its draft KV
+    was valid, which the resumed request's new blocks do not hold. It then resumes with plain greedy's tokens
+    and keeps its drafts accepted (the target is its own draft: every draft on a valid draft KV is)."""
+    from tokenmill.sched.output import SchedulerOutput
+
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompt = {"prompt_token_ids": random_prompts([20], seed=9)[0]}
+    want = _tokens(make_llm(llama_dir), [prompt], sp)[0]
+    llm = make_llm(llama_dir, speculative_config=_draft_cfg(llama_dir, k=3, adaptive=False))
+    engine = llm.llm_engine
+    core, runner = engine.core, engine.core.runner
+    engine.add_request("r", prompt, sp)
+    for _ in range(3):
+        engine.step()
+    assert "r" in runner.proposer._synced and runner.requests["r"].block_ids
+    sched, real = core.scheduler, core.scheduler.schedule
+
+    def preempt_and_schedule_nothing():
+        sched.schedule = real
+        out = SchedulerOutput()
+        sched._preempt(sched.requests["r"], out)
+        return out
+    sched.schedule = preempt_and_schedule_nothing
+    assert engine.step() == []
+    assert "r" not in runner.proposer._synced and runner.requests["r"].block_ids == []
+    before = engine.get_stats()
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].outputs[0].token_ids == want
+    after = _check(llm)
+    drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    assert drafted > 0 and after.spec_num_accepted_tokens - before.spec_num_accepted_tokens == drafted

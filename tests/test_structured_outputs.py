@@ -3,6 +3,7 @@
 when the request is made; the mask's torch unpacking agrees with xgrammar's own kernel."""
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -381,3 +382,50 @@ def test_draft_masks_across_the_start_of_a_grammar(llama_dir):
         bad = list(tag[split:]) + tok.encode("z", add_special_tokens=False)
         assert g.valid_drafts(out, bad) == list(tag[split:])
         assert g.waiting and g.next_bitmask(out + list(tag[split:])) is not None and not g.waiting
+
+
+@pytest.mark.parametrize("how", ["compile fails", "aborted while compiling"])
+def test_n_siblings_go_on_when_the_first_ones_grammar_ends_in_the_engine(llama_dir, monkeypatch, how):
+    """n > 1: the later children wait for the first child's prompt blocks while it is unfinished; a first child
+    whose grammar fails in the engine (or which is aborted while it compiles) never runs, so it must count as
+    finished, or its siblings waited forever (and the core spun)."""
+    import threading
+
+    llm = make_llm(llama_dir)
+    engine = llm.llm_engine
+    compiler, gate, calls = engine.core.runner.grammars, threading.Event(), []
+    real = compiler.compile
+
+    def first_fails(spec):
+        if threading.current_thread().name.startswith("tokenmill-grammar"):
+            calls.append(spec)
+            if len(calls) == 1:
+                if how == "compile fails":
+                    raise RuntimeError("transient compile failure")
+                gate.wait(30)
+        return real(spec)
+    monkeypatch.setattr(compiler, "compile", first_fails)
+    params = replace(MIXED[1], n=2, max_tokens=8)
+    engine.add_request("p", {"prompt_token_ids": PROMPTS[1]}, params)
+    if how != "compile fails":  # (the core's own abort of one child: the front end would wait for its output)
+        engine.core.abort(["p#0"])
+        gate.set()
+        for _ in range(200):
+            engine.step()
+            if not engine.core.scheduler.requests and not engine.core.grammar_wait.waiting:
+                break
+        assert not engine.core.scheduler.requests  # the second child ran to its end
+        return
+    outs = []
+    for _ in range(200):
+        outs += engine.step()
+        if not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests()
+    last = outs[-1]
+    assert last.finished and sorted(c.index for c in last.outputs) == [0, 1]
+    done = {c.index: c for c in last.outputs}
+    assert done[0].finish_reason == "abort" and done[1].finish_reason in ("stop", "length")
+    assert _matches("regex", llm.get_tokenizer().decode(done[1].token_ids, skip_special_tokens=True)) \
+        or done[1].finish_reason == "length"
+    engine.check_invariants()

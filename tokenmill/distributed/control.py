@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection
 
 import torch
@@ -37,6 +37,7 @@ class Step:
 @dataclass
 class Release:
     request_ids: list[str]
+    preempted_ids: list[str] = field(default_factory=list)
 
 
 @dataclass

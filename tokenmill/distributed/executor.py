@@ -212,10 +212,10 @@ class MultiprocExecutor:
         """A structured-output request's grammar, compiled ahead by every other rank that samples."""
         self._broadcast(control.Precompile(spec))
 
-    def release_requests(self, request_ids) -> None:
-        self.runner.release_requests(request_ids)
-        if request_ids:
-            self._broadcast(control.Release(list(request_ids)))
+    def release_requests(self, request_ids, preempted_ids=()) -> None:
+        self.runner.release_requests(request_ids, preempted_ids)
+        if request_ids or preempted_ids:
+            self._broadcast(control.Release(list(request_ids), list(preempted_ids)))
 
     def _broadcast(self, msg) -> None:
         blob = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)

@@ -68,7 +68,7 @@ def run_worker(args: WorkerArgs) -> None:
                 if reports:
                     conn.send(out)
             elif isinstance(msg, control.Release):
-                runner.release_requests(msg.request_ids)
+                runner.release_requests(msg.request_ids, msg.preempted_ids)
             elif isinstance(msg, control.Precompile) and layout.is_last_stage:
                 if precompiling is None:
                     precompiling = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-grammar")

@@ -391,6 +391,8 @@ class AsyncLLM:
             if o.new_token_ids:
                 self._pending.discard(o.request_id)
                 self.metrics.observe_output_tokens(len(o.new_token_ids))
+            elif o.finish_reason is not None:  # ended without a token (its grammar failed in the engine)
+                self._pending.discard(o.request_id)
         for cid, err in msg.errors.items():
             parent = op.child_to_parent.get(cid)
             if parent is not None:

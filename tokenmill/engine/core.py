@@ -194,7 +194,8 @@ class EngineCore:
             xfer.start_loads(sched.kv_loads)
             xfer.cancel(sched.kv_load_cancels)
         if sched.is_empty:
-            self._executor().release_requests(sched.finished_ids)
+            # (a step may preempt and then schedule nothing: the runner and the draft must still hear of it)
+            self._executor().release_requests(sched.finished_ids, sched.preempted_ids)
             if xfer is not None:  # write-through copies of blocks earlier steps filled (no forward to wait for)
                 xfer.store(sched.kv_backups)
             if encoder is not None:  # no forward this step to hand the encoder its orders (prefetches, frees,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 
-from tokenmill.engine.request import Request
+from tokenmill.engine.request import Request, RequestStatus
 
 logger = logging.getLogger("tokenmill")
 
@@ -39,6 +39,7 @@ class GrammarWait:
             req, future = self.waiting.pop(rid)
             if future.exception() is not None:
                 logger.error("request %s: its grammar failed to compile in the engine: %s", rid, future.exception())
+                req.status = RequestStatus.FINISHED_ABORTED  # (n > 1: its siblings wait for it while it is not)
                 failed.append(req)
             else:
                 ok.append(req)
@@ -51,6 +52,7 @@ class GrammarWait:
             entry = self.waiting.pop(rid, None)
             if entry is not None:
                 entry[1].cancel()
+                entry[0].status = RequestStatus.FINISHED_ABORTED
                 aborted.append(rid)
         return aborted
 

@@ -101,11 +101,21 @@ class ModelRunner:
         self._token_ring = PinnedRing()  # deferred steps' tokens come back through it (CUDA only)
         self.num_pending_fills = [0, 0]  # steps whose pending inputs were filled by a slice / by a gather (tests)
 
-    def release_requests(self, request_ids) -> None:
-        """Drop finished requests' state (also when a step schedules nothing)."""
+    def release_requests(self, request_ids, preempted_ids=()) -> None:
+        """Drop finished requests' state, and preempted ones' blocks and draft state (their tokens and seeded
+        generators stay): when a step schedules nothing, which a step that preempts may."""
         self.requests.release(request_ids)
+        self.requests.forget_blocks(preempted_ids)
+        self._drop_pending(request_ids)
         if self.proposer is not None:
-            self.proposer.release(request_ids)
+            self.proposer.release([*request_ids, *preempted_ids])
+
+    def _drop_pending(self, request_ids) -> None:
+        """Finished requests' placeholders: a step that failed after the next was launched is never collected,
+        and its entries would stay (every later step would look them over)."""
+        if self._pending:
+            for rid in request_ids:
+                self._pending.pop(rid, None)
 
     def prepare_batch(self, seqs: list[ScheduledRequest], states: list[RequestState] | None = None,
                       stage_into=None):
@@ -219,6 +229,7 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.release(sched.finished_ids + sched.preempted_ids)
         self.requests.apply(sched)
+        self._drop_pending(sched.finished_ids)
         if self._pending:  # a request installed anew (resumed, or a reused id) has its tokens in its new state
             for s in sched.seqs:
                 if s.new_request is not None:

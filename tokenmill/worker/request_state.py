@@ -56,9 +56,7 @@ class RequestStates:
     def apply(self, sched: SchedulerOutput) -> None:
         """Bring the states up to date with this step's decisions (before the model runs)."""
         self.release(sched.finished_ids)
-        for rid in sched.preempted_ids:
-            if rid in self.states:
-                self.states[rid].block_ids = []
+        self.forget_blocks(sched.preempted_ids)
         for seq in sched.seqs:
             if seq.new_request is not None:
                 self._install(seq.new_request)
@@ -72,6 +70,12 @@ class RequestStates:
         # the lists are the scheduler's copies, made for this message: the state takes them over
         self.states[new.request_id] = RequestState(new.prompt_token_ids, new.output_token_ids, new.sampling_params,
                                                    new.block_ids, new.mm_items)
+
+    def forget_blocks(self, request_ids) -> None:
+        """Preempted: their block tables are gone (tokens and the seeded generator stay)."""
+        for rid in request_ids:
+            if rid in self.states:
+                self.states[rid].block_ids = []
 
     def release(self, request_ids) -> None:
         """Drop finished requests' state and generators."""
