@@ -14,7 +14,8 @@ from conftest import make_llm, random_prompts
     (dict(logprobs=-1), "logprobs"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
     (dict(stop=[""]), "stop"), (dict(seed="x"), "seed"), (dict(temperature=float("nan")), "temperature"),
     (dict(top_k=2**70), "top_k"), (dict(repetition_penalty=float("inf")), "repetition_penalty"),
-    (dict(seed=2**80), "seed"), (dict(max_tokens=2**40), "max_tokens"),
+    (dict(seed=2**80), "seed"), (dict(max_tokens=2**40), "max_tokens"), (dict(n=True), "n"),
+    (dict(max_tokens=True), "max_tokens"),
 ])
 def test_invalid_sampling_values(kw, field):
     with pytest.raises(ValueError, match=field):
@@ -140,3 +141,26 @@ def test_a_failed_step_leaves_no_request_marked_in_flight(llama_dir, where):
             break
     assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 4
     engine.check_invariants()
+
+
+def test_the_offline_apis_boundary_gives_value_errors(llama_dir):
+    """Malformed prompts, conversations and priority lists: a ValueError each (they were raw TypeErrors,
+    AttributeErrors and IndexErrors from inside), and the engine keeps serving."""
+    llm = make_llm(llama_dir)
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for bad in (None, 5):
+        with pytest.raises(ValueError, match="prompts must be"):
+            llm.generate(bad, sp, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate({"prompt_token_ids": None}, sp, use_tqdm=False)
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate(["a", "b"], sp, use_tqdm=False, priority=[1])
+    for bad in ("hello", ["hi"], [], [{"content": "no role"}]):
+        with pytest.raises(ValueError, match="messages must be"):
+            llm.chat(bad, sp, use_tqdm=False)
+    with pytest.raises(ValueError, match="chat template failed"):
+        llm.chat([{"role": "user", "content": "x"}], sp, use_tqdm=False, chat_template="{{ messages[0].nope() }}")
+    assert len(llm.generate((5, 6, 7), sp, use_tqdm=False)) == 1  # a tuple of ids is one prompt
+    out = llm.chat([{"role": "user", "content": "x"}], sp, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+    llm.llm_engine.check_invariants()

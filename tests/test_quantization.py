@@ -231,10 +231,13 @@ def test_bad_awq_config_fails_before_loading(awq_dirs, tmp_path, changes, messag
         make_llm(path)
 
 
-def test_awq_checkpoint_missing_qzeros_names_the_tensor(model_dirs, tmp_path):
+@pytest.mark.parametrize("tensor", ["layers.1.mlp.down_proj.qzeros", "layers.0.self_attn.k_proj.qzeros",
+                                    "layers.1.mlp.up_proj.scales"])
+def test_awq_checkpoint_missing_qzeros_names_the_tensor(model_dirs, tmp_path, tensor):
+    """A piece of a merged projection (k of q/k/v, up of gate/up) too: its rows were left as torch.empty."""
     src = model_dirs["llama"][0]
-    write_autoawq_checkpoint(src, str(tmp_path / "awq"), 32, drop=("layers.1.mlp.down_proj.qzeros",))
-    with pytest.raises(ValueError, match=r"missing weights: model\.layers\.1\.mlp\.down_proj\.qzeros"):
+    write_autoawq_checkpoint(src, str(tmp_path / "awq"), 32, drop=(tensor,))
+    with pytest.raises(ValueError, match=r"missing weights: model\." + tensor.replace(".", r"\.")):
         make_llm(str(tmp_path / "awq"))
 
 

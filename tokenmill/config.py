@@ -75,6 +75,9 @@ class ModelConfig:
         if strategy not in ("default", "full"):
             raise ValueError(f"vision_feature_select_strategy {strategy!r} is not supported (default or full)")
         mc = cls._from_text_config(text, archs[0], getattr(text, "model_type", "llama"))
+        if image_token is None or not 0 <= int(image_token) < mc.vocab_size:  # (else every image request fails)
+            raise ValueError(f"config.json: image_token_index {image_token!r} is not a token of the "
+                             f"{mc.vocab_size}-token vocabulary")
         mc.hf_config, mc.image_token_id = hf_config, int(image_token)
         mc.mm_tokens_per_image = patches if strategy == "default" else patches + 1
         return mc
@@ -275,6 +278,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        self._check_sizes()
         if self.kv_layout == "contiguous":
             self.enable_prefix_caching = False  # nothing to share when every request owns a slab
         if self.batching == "static":
@@ -287,8 +291,23 @@ class EngineConfig:
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
         if not os.path.isdir(self.model):
             raise ValueError(f"model directory not found: {self.model!r} (models load from local directories only)")
+        if self.tokenizer is not None and not os.path.isdir(self.tokenizer):  # (before the weights load, not after)
+            raise ValueError(f"tokenizer directory not found: {self.tokenizer!r} (tokenizers load from local "
+                             "directories only)")
         # a bad file or value fails at startup, not at the first request
         sampling_defaults(self.model, self.generation_config, self.override_generation_config)
+
+    def _check_sizes(self) -> None:
+        """Sizes that would fail deep in torch, or hang: a step budget of 0 schedules nothing, ever."""
+        for name in ("max_model_len", "max_num_batched_tokens", "num_threads"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        gb = self.kv_cache_memory_gb
+        if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb > 0):
+            raise ValueError(f"kv_cache_memory_gb must be > 0 (leave it unset for the default), got {gb!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2 ** 63 <= self.seed < 2 ** 64:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64) (torch's), got {self.seed!r}")
 
     def _resolve_device(self) -> None:
         from tokenmill.attention.registry import resolve_attention_backend

@@ -31,11 +31,18 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if prompts is None or not hasattr(prompts, "__iter__"):
+            raise ValueError("prompts must be a string, a dict, a list of token ids, or a list of those; got "
+                             f"{type(prompts).__name__}")
+        prompts = list(prompts)
         params = sampling_params or self.get_default_sampling_params()
         if isinstance(params, list) and len(params) != len(prompts):
             raise ValueError("'sampling_params' list must have one entry per prompt")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError("'priority' list must have one entry per prompt")
         engine = self.llm_engine
         ids = []
         try:
@@ -53,10 +60,14 @@ class LLM:
         """One conversation (a list of {"role", "content"}) or a list of them. `tools` and `chat_template_kwargs`
         go to the chat template, as in vLLM. `continue_final_message` (with add_generation_prompt=False): the
         model continues the last message (e.g. an assistant answer's given start) instead of starting a new one."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.llm_engine.input_processor.chat_prompt(conv, add_generation_prompt, chat_template, tools,
-                                                               chat_template_kwargs, continue_final_message)
-                   for conv in convs]
+        import jinja2
+
+        try:
+            prompts = [self.llm_engine.input_processor.chat_prompt(conv, add_generation_prompt, chat_template, tools,
+                                                                   chat_template_kwargs, continue_final_message)
+                       for conv in _conversations(messages)]
+        except (TypeError, KeyError, AttributeError, jinja2.TemplateError) as e:  # the template's own errors
+            raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from e
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -78,3 +89,14 @@ class LLM:
         finally:
             bar.close()
         return [done[i] for i in ids]
+
+
+def _conversations(messages) -> list[list[dict]]:
+    """One conversation (a list of message dicts) or a list of them; a ValueError for anything else."""
+    convs = [messages] if isinstance(messages, list) and messages and isinstance(messages[0], dict) else messages
+    if not isinstance(convs, list) or not convs or not all(
+            isinstance(c, list) and c and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in c)
+            for c in convs):
+        raise ValueError("messages must be a conversation (a list of {'role': str, 'content': ...} dicts) or a "
+                         "list of conversations")
+    return convs

@@ -104,7 +104,7 @@ class SamplingParams:
         def bad(field_name: str, why: str) -> ValueError:
             return ValueError(f"invalid sampling parameter '{field_name}': {why}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
         if not _is_num(self.temperature) or self.temperature < 0:
             raise bad("temperature", f"must be >= 0, got {self.temperature!r}")
@@ -120,7 +120,8 @@ class SamplingParams:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty!r}")
         if not _is_num(self.frequency_penalty) or not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens < 2**31):
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
+                                            or not 1 <= self.max_tokens < 2**31):
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")

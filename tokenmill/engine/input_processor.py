@@ -177,7 +177,10 @@ class InputProcessor:
         request keeps only the prompt's last tokens, truncate_prompt_tokens)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                ids = prompt["prompt_token_ids"]
+                if ids is None or isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
+                    raise ValueError(f"'prompt_token_ids' must be a list of token ids, got {type(ids).__name__}")
+                return prompt.get("prompt"), list(ids)
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:

@@ -161,7 +161,7 @@ def main(argv=None) -> int:
         args.model = args.model_tag
     try:
         return args.func(args)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # (OSError: a file named on the command line that is not there)
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -26,7 +26,11 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self._load
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
-        default_weight_loader(param, loaded.narrow(0, self.start, self.num_local).to(param.dtype))
+        whole = (self.num_local * self.tp.size, param.shape[1])
+        if tuple(loaded.shape) != whole:  # (before the narrow: more rows than the vocabulary would be cut silently)
+            raise ValueError(f"shape mismatch: embedding {whole} (vocab_size, hidden_size) vs checkpoint "
+                             f"{tuple(loaded.shape)}")
+        default_weight_loader(param, loaded.narrow(0, self.start, self.num_local))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -36,8 +36,12 @@ WIDEN_MIN_ROWS = 4  # bfloat16 F.linear is faster below this many rows on AVX2 (
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+    """Copy a checkpoint tensor in: floats cast to the parameter's dtype; integers (quantized codes, bit
+    patterns) only into their own dtype, and never from floats or into them."""
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+    if not (param.dtype.is_floating_point and loaded.dtype.is_floating_point) and param.dtype != loaded.dtype:
+        raise ValueError(f"dtype mismatch: parameter {param.dtype} vs checkpoint {loaded.dtype}")
     param.data.copy_(loaded)
 
 
@@ -189,7 +193,7 @@ class LinearMethod:
             if dim is None:
                 raise ValueError(f"parameter of shape {tuple(param.shape)} cannot hold shard {shard_id!r}")
             target = target.narrow(dim, off // pack, size // pack)
-        default_weight_loader(target, layer.checkpoint_slice(param, loaded, shard_id).to(param.dtype))
+        default_weight_loader(target, layer.checkpoint_slice(param, loaded, shard_id))
 
     def process_after_loading(self, layer: "Linear", ctx: LoadContext) -> None:
         pass

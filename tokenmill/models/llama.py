@@ -12,12 +12,12 @@ from tokenmill.distributed.comm import SINGLE, WHOLE_MODEL, ModelShard, TensorPa
 from tokenmill.distributed.layout import kv_head_split
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.embedding import VocabParallelEmbedding
-from tokenmill.layers.linear import (ColumnParallelLinear, MergedLinear, RowParallelLinear, UnquantizedLinearMethod,
-                                     default_weight_loader)
+from tokenmill.layers.linear import ColumnParallelLinear, MergedLinear, RowParallelLinear, UnquantizedLinearMethod
 from tokenmill.ops import triton_gemv
 from tokenmill.quantization.config import QuantizationConfig
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.models.weight_checks import check_merged_pieces, place
 
 
 def linear_method(quant: QuantizationConfig | None, prefix: str):
@@ -195,16 +195,20 @@ class LlamaForCausalLM(nn.Module):
                 return name
             return "lm_head.weight" if last and tied else None  # a later stage's head loads the tied rows
         if name.startswith("model.layers."):
-            return name if int(name.split(".")[2]) in self.model.owned else None
+            layer = int(name.split(".")[2])
+            if layer >= self.cfg.num_layers:  # (not another stage's: no stage has it; the config disagrees)
+                raise ValueError(f"checkpoint tensor {name!r} is past the config's {self.cfg.num_layers} layers "
+                                 f"(num_hidden_layers)")
+            return name if layer in self.model.owned else None
         if name.startswith("model.norm."):
             return name if last else None
         return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            name = self._checkpoint_name(name)
+        loaded, pieces = set(), {}
+        for original, tensor in weights:
+            name = self._checkpoint_name(original)
             if name is None:
                 continue
             shard = None
@@ -214,13 +218,9 @@ class LlamaForCausalLM(nn.Module):
                     break
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-            p = params[name]
-            loader = getattr(p, "weight_loader", None)
-            if loader is not None:  # the Linear's method places (shards of) its own parameters
-                loader(p, tensor, shard)
-            elif shard is None:
-                default_weight_loader(p, tensor.to(p.dtype))
-            else:
-                raise ValueError(f"checkpoint tensor {name!r} is a shard, but its parameter takes whole tensors")
+            place(params[name], tensor, shard, original)
+            if shard is not None:
+                pieces.setdefault(name, set()).add(shard)
             loaded.add(name)
+        check_merged_pieces(pieces, self.stacked)
         return loaded

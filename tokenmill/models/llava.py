@@ -17,9 +17,10 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.distributed.comm import WHOLE_MODEL, ModelShard
-from tokenmill.layers.linear import Linear, default_weight_loader
+from tokenmill.layers.linear import Linear
 from tokenmill.models.clip import CLIPVisionTower, activation
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.weight_checks import check_merged_pieces, place
 from tokenmill.quantization.config import QuantizationConfig
 
 # Checkpoint layouts on the hub -> ours. llava-hf repos: vision_tower.vision_model.*, language_model.model.*,
@@ -92,8 +93,9 @@ class LlavaForConditionalGeneration(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
         text: list[tuple[str, torch.Tensor]] = []
-        loaded = set()
-        for name, tensor in weights:
+        loaded, pieces = set(), {}
+        for original, tensor in weights:
+            name = original
             for pattern, repl in _RENAMES:
                 name = pattern.sub(repl, name)
             if name.startswith("language_model."):
@@ -104,13 +106,11 @@ class LlavaForConditionalGeneration(nn.Module):
                 continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-            p = params[name]
-            loader = getattr(p, "weight_loader", None)
-            if loader is not None:
-                loader(p, tensor, shard)
-            else:
-                default_weight_loader(p, tensor.to(p.dtype))
+            place(params[name], tensor, shard, original)
+            if shard is not None:
+                pieces.setdefault(name, set()).add(shard)
             loaded.add(name)
+        check_merged_pieces(pieces, {piece: ("qkv_proj", sid) for piece, sid in _VISION_STACKED.items()})
         loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(iter(text))}
         return loaded
 

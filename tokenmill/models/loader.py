@@ -6,7 +6,7 @@ import logging
 import os
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from tokenmill.config import EngineConfig, ModelConfig
@@ -24,14 +24,20 @@ def load_hf_config(path: str):
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"no config.json in model directory {path!r}")
-    return AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers' own kinds (a bad JSON file, a field of the wrong type, ...)
+        raise ValueError(f"{os.path.join(path, 'config.json')}: {type(e).__name__}: {e}") from e
 
 
 def safetensors_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: not a safetensors index with a weight_map ({type(e).__name__}: {e})") from e
         missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
         if missing:
             raise ValueError(f"safetensors shard(s) listed in the index are missing: {', '.join(missing)}")
@@ -44,13 +50,26 @@ def safetensors_files(path: str) -> list[str]:
 
 
 def iterate_weights(files: list[str], show_progress: bool = True):
-    handles = [safe_open(f, framework="pt") for f in files]
-    total = sum(len(h.keys()) for h in handles)
+    """(name, tensor) for every tensor of the files; a corrupt or truncated file, or a name in two of them,
+    is a ValueError naming the file."""
+    handles = [(f, _read(f, safe_open, f, framework="pt")) for f in files]
+    total = sum(len(h.keys()) for _, h in handles)
+    seen = set()
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress, leave=False) as bar:
-        for h in handles:
+        for f, h in handles:
             for name in h.keys():
-                yield name, h.get_tensor(name)
+                if name in seen:  # (which copy is right? the last would silently win)
+                    raise ValueError(f"{f}: checkpoint tensor {name!r} is also in another file")
+                seen.add(name)
+                yield name, _read(f, h.get_tensor, name)
                 bar.update(1)
+
+
+def _read(file: str, fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except SafetensorError as e:
+        raise ValueError(f"{file}: corrupt or truncated safetensors file ({e})") from e
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
