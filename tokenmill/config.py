@@ -274,11 +274,9 @@ class EngineConfig:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(map(str, choices))}; got {getattr(self, f.name)!r}")
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         self._check_sizes()
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.kv_layout == "contiguous":
             self.enable_prefix_caching = False  # nothing to share when every request owns a slab
         if self.batching == "static":
@@ -299,7 +297,7 @@ class EngineConfig:
 
     def _check_sizes(self) -> None:
         """Sizes that would fail deep in torch, or hang: a step budget of 0 schedules nothing, ever."""
-        for name in ("max_model_len", "max_num_batched_tokens", "num_threads"):
+        for name in ("block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_threads"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
