@@ -462,6 +462,7 @@ def test_requests_arriving_while_a_load_is_in_flight(llama_dir, plain_outputs):
     assert _run(llm, rounds[:3]) == plain_outputs[:3]
     gate.clear()  # q2's load now waits until "other" has finished, however fast or slow this machine is
     eng = llm.llm_engine
+    queries = eng.get_stats().prefix_cache_queries
     eng.add_request("q2", rounds[3][0], GREEDY)
     eng.step()  # q2's load starts
     assert eng.get_stats().num_loading_kv == 1
@@ -478,6 +479,9 @@ def test_requests_arriving_while_a_load_is_in_flight(llama_dir, plain_outputs):
     assert [done["q2"], done["q3"]] == plain_outputs[3]
     assert ran_during_load  # the other request finished while the load was still running
     assert _tier_stats(llm)["host"]["blocks_loaded"] == DOC_LEN // 16  # loaded once, for q2 only
+    # each request's prefix lookup counted once (q3 was counted on every step it waited for q2's load)
+    lens = [len(rounds[3][0]["prompt_token_ids"]), 30, len(rounds[3][1]["prompt_token_ids"])]
+    assert eng.get_stats().prefix_cache_queries - queries == sum(lens)
     _check_idle(llm)
 
 

@@ -317,7 +317,8 @@ class Scheduler:
                 started = self._start_tier_load(req, cached)
                 if started is not None:
                     if started:
-                        self.kv.count_prefix_lookup(req, cached)
+                        if req.status is RequestStatus.WAITING_FOR_KV:  # (one waiting on another's load: at admission)
+                            self.kv.count_prefix_lookup(req, cached)
                         continue
                     break
             num_cached = len(cached) * self.kv.block_size
