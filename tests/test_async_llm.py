@@ -178,3 +178,25 @@ def test_a_child_that_ends_without_a_token_leaves_the_admission_count():
     engine._on_outputs(CoreOutputs([EngineCoreOutput("x#0", [], "abort"), EngineCoreOutput("x#1", [7]),
                                     EngineCoreOutput("y", [])], EngineStats(0, 0, 1, 1, 0.0, 0, 0, 0.0, 0, 0)))
     assert engine.num_pending == 1 and engine._pending == {"y"}
+
+
+def test_concurrent_calls_to_the_core_each_get_their_answer():
+    """/metrics, the dashboard and /debug/engine_stats ask the core for stats at once: each call must wait on its
+    own id (a call that finished dropped the newest call's future, which then timed out on a stale snapshot)."""
+    from types import SimpleNamespace
+
+    async def run() -> None:
+        engine = AsyncLLM(EngineConfig(model=DEFAULT_MODEL, dtype="float32", max_model_len=128), log_requests=False)
+        sent = []
+        engine.client = SimpleNamespace(send=sent.append)
+        first = asyncio.ensure_future(engine.call_core("stats", timeout=5.0))
+        await asyncio.sleep(0)
+        second = asyncio.ensure_future(engine.call_core("stats", timeout=5.0))
+        await asyncio.sleep(0)
+        assert [c.call_id for c in sent] == [1, 2]
+        engine._calls.pop(1).set_result("one")  # as the output loop answers: the first call's result lands
+        assert await first == "one"
+        engine._calls.pop(2).set_result("two")  # (the first call's cleanup had dropped this one's future)
+        assert await second == "two" and not engine._calls
+
+    asyncio.run(run())

@@ -456,20 +456,21 @@ class AsyncLLM:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         self._call_id += 1
+        call_id = self._call_id  # (its own: a call made while this one waits moves the counter on)
         fut = asyncio.get_running_loop().create_future()
-        self._calls[self._call_id] = fut
+        self._calls[call_id] = fut
         try:
-            self.client.send(UtilityCall(self._call_id, method))
+            self.client.send(UtilityCall(call_id, method))
             return await asyncio.wait_for(fut, timeout)
         finally:
-            self._calls.pop(self._call_id, None)
+            self._calls.pop(call_id, None)
 
     async def get_stats(self) -> EngineStats | None:
         """Fresh stats from the core (it answers between steps); the last snapshot if it is slow."""
         try:
             self.stats = await self.call_core("stats", timeout=5.0)
             self.metrics.set_engine_stats(self.stats)
-        except (asyncio.TimeoutError, EngineDeadError):
+        except (asyncio.TimeoutError, EngineDeadError, RuntimeError):  # (RuntimeError: the core's call failed)
             pass
         return self.stats
 
