@@ -252,6 +252,43 @@ def test_logprobs_and_echo(client):
     assert elp.token_logprobs[0] is None and len(elp.tokens) > 5
 
 
+def test_echo_with_max_tokens_zero_scores_the_prompt_alone(server, client):
+    """OpenAI's and vLLM's: the prompt, its logprobs and no completion (evaluation harnesses score prompts this
+    way), whole and streamed; max_tokens 0 without echo is a 400 naming it."""
+    kw = dict(model=MODEL, prompt=PROMPTS[2], temperature=0, echo=True, logprobs=1)
+    with_answer = client.completions.create(**kw, max_tokens=3, extra_body={"ignore_eos": True})
+    n_prompt = with_answer.usage.prompt_tokens
+    only = client.completions.create(**kw, max_tokens=0, extra_body={"return_token_ids": True})
+    ch = only.choices[0]
+    assert ch.text == PROMPTS[2] and ch.finish_reason == "length" and only.usage.completion_tokens == 0
+    assert ch.logprobs.tokens == with_answer.choices[0].logprobs.tokens[:n_prompt]
+    assert ch.logprobs.token_logprobs == with_answer.choices[0].logprobs.token_logprobs[:n_prompt]
+    assert ch.model_extra["token_ids"] == []
+    chunks = list(client.completions.create(**kw, max_tokens=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPTS[2]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices) == n_prompt
+    assert chunks[-1].usage.completion_tokens == 0
+    _assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}), 400,
+                  "max_tokens")
+
+
+def test_vllms_prompt_truncation_and_min_tokens_rules(server):
+    """truncate_prompt_tokens -1 keeps what the context holds (vLLM's), above max_model_len it is a 400; a
+    min_tokens the context cannot hold is a 400 naming it (it ran and ended by length, short of it)."""
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 2, "temperature": 0}
+    plain = post(server, "/v1/completions", body).json()
+    cut = post(server, "/v1/completions", {**body, "truncate_prompt_tokens": -1}).json()
+    assert cut["choices"][0]["text"] == plain["choices"][0]["text"]
+    _assert_error(post(server, "/v1/completions", {**body, "truncate_prompt_tokens": 10**6}), 400,
+                  "truncate_prompt_tokens")
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "min_tokens": 10**5}
+    _assert_error(post(server, "/v1/chat/completions", chat), 400, "min_tokens")
+    many = post(server, "/v1/completions", {**body, "stop": [f"zz{i}" for i in range(100)]})
+    assert many.status_code == 200
+
+
 def test_prompt_logprobs(server, offline):
     """vLLM's prompt_logprobs: per prompt position None (the first) or the prompt token and the top-N, equal to
     the offline engine's; with echo + logprobs asking for fewer, each gets its own number of entries."""

@@ -82,7 +82,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's, vLLM's)
-    truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last N tokens
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last N tokens (-1: max_model_len)
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must match (sample/grammar.py)
     allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these ids
     bad_words: list[str] | None = None  # vLLM's: words (each one or more tokens) the output never contains
@@ -139,8 +139,10 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.truncate_prompt_tokens is not None and (type(self.truncate_prompt_tokens) is not int
-                                                        or self.truncate_prompt_tokens < 1):
-            raise bad("truncate_prompt_tokens", f"must be an integer >= 1, got {self.truncate_prompt_tokens!r}")
+                                                        or self.truncate_prompt_tokens < -1
+                                                        or self.truncate_prompt_tokens == 0):
+            raise bad("truncate_prompt_tokens", f"must be an integer >= 1, or -1 (max_model_len), got "
+                                                f"{self.truncate_prompt_tokens!r}")
         if self.logit_bias is not None and (
                 not isinstance(self.logit_bias, dict)
                 or any(type(t) is not int or t < 0 or not _is_num(b) for t, b in self.logit_bias.items())):

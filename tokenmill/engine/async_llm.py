@@ -255,6 +255,9 @@ class AsyncLLM:
                 # (never below the request's own min_tokens: the client set no max_tokens to conflict with it)
                 req.params = replace(req.params, max_tokens=min(max(default_max, params.min_tokens),
                                                                 self.max_model_len - n_prompt))
+            if params.min_tokens and n_prompt + params.min_tokens > self.max_model_len:
+                raise ValueError(f"'min_tokens' ({params.min_tokens}) does not fit: this model's maximum context "
+                                 f"length is {self.max_model_len} tokens and the prompt has {n_prompt}")
             if strict_max_tokens and params.max_tokens is None and n_prompt >= self.max_model_len:
                 raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens, and the "
                                  f"'prompt' is {n_prompt}: it leaves no room for a completion")

@@ -229,6 +229,11 @@ class InputProcessor:
             with _naming_the_prompt():
                 prompt, media = self.mm.prepare(prompt, mm_data)
         keep = params.truncate_prompt_tokens
+        if keep == -1:  # (vLLM's: as many as the context holds)
+            keep = self.max_model_len
+        elif keep is not None and keep > self.max_model_len:
+            raise ValueError(f"'truncate_prompt_tokens' ({keep}) is greater than max_model_len "
+                             f"({self.max_model_len}): choose a smaller truncation size")
         text, ids = self.tokenize_prompt(prompt, bounded=keep is None)
         if keep is not None and len(ids) > keep:
             if media:  # the cut could split an image's placeholder tokens from its pixels

@@ -99,7 +99,7 @@ Prompt = Annotated[
                   custom_error_message="must be a string, a list of strings, a list of token ids or a list of "
                                        "lists of token ids")]
 Stop = Annotated[
-    Union[Annotated[StrictStr, Tag("<text>")], Annotated[list[StrictStr], Field(max_length=16), Tag("<texts>")]],
+    Union[Annotated[StrictStr, Tag("<text>")], Annotated[list[StrictStr], Field(max_length=1024), Tag("<texts>")]],
     Discriminator(lambda v: _shape(v) if _shape(v) in ("<text>", None) else "<texts>",
                   custom_error_type="stop_type", custom_error_message="must be a string or a list of strings")]
 
@@ -160,7 +160,7 @@ class _SamplingFields(OpenAIBase):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: the prompt's token logprobs, top-N each
-    truncate_prompt_tokens: int | None = Field(None, ge=1, le=2**31 - 1)  # vLLM's: keep the prompt's last N
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=2**31 - 1)  # vLLM's: keep the last N (-1: max_model_len)
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the response too
     # vLLM's structured outputs: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} |
     # {"json_object": true}, and its older guided_* fields (one of them per request)
@@ -176,7 +176,7 @@ class _SamplingFields(OpenAIBase):
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1, le=2**31 - 1)
+    max_tokens: int | None = Field(16, ge=0, le=2**31 - 1)  # (0 only with echo: the prompt alone, for scoring)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None

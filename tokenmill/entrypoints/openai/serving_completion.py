@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import msgspec
 from starlette.requests import Request
@@ -22,6 +23,13 @@ def _prompts(p) -> list:
     return list(p)
 
 
+def _prompt_only(choice):
+    """Echo with max_tokens 0: the one token the engine computed is not part of the answer."""
+    kw = {"num_tokens": 0} if hasattr(choice, "num_tokens") else {}  # (a whole answer's Choice, or a delta)
+    return replace(choice, text="", token_ids=[], logprobs=[] if choice.logprobs is not None else None,
+                   finish_reason="length", stop_reason=None, **kw)
+
+
 class OpenAIServingCompletion(ServingBase):
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
@@ -30,11 +38,15 @@ class OpenAIServingCompletion(ServingBase):
             raise APIError(400, "'suffix' is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "'best_of' other than n is not supported", "best_of")
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(400, "'max_tokens' must be >= 1 (0 only with echo: the prompt alone)", "max_tokens")
         prompts = _prompts(req.prompt)
         # echo + logprobs returns the prompt's logprobs too (the first prompt token has none), and so does
         # prompt_logprobs (vLLM's): the rows are computed once, for the larger top-N
         wanted = [n for n in (req.logprobs if req.echo else None, req.prompt_logprobs) if n is not None]
-        params = self.sampling_params(req, req.max_tokens, req.logprobs, max(wanted) if wanted else None)
+        # (echo with max_tokens 0, OpenAI's and vLLM's: the prompt alone; one token is computed, then dropped)
+        params = self.sampling_params(req, req.max_tokens or (1 if req.max_tokens == 0 else None), req.logprobs,
+                                      max(wanted) if wanted else None)
         rid, subs = await self.submit(prompts, params, req.priority, "cmpl")
         created = int(time.time())
         if req.stream:
@@ -69,11 +81,12 @@ class OpenAIServingCompletion(ServingBase):
 
     async def _full(self, req: CompletionRequest, rid: str, subs, created: int) -> Response:
         choices, prompt_rows = await self.collect(subs, req.n)
-        out, num_prompt = [], 0
+        out, num_prompt, num_completion = [], 0, 0
         for k, (_, text, ids) in enumerate(subs):
             num_prompt += len(ids)
             for j in range(req.n):
-                ch = choices[k * req.n + j]
+                ch = _prompt_only(choices[k * req.n + j]) if req.max_tokens == 0 else choices[k * req.n + j]
+                num_completion += ch.num_tokens
                 prefix = self._echo_text(text, ids) if req.echo else ""
                 lp = None
                 if req.logprobs is not None:
@@ -87,7 +100,7 @@ class OpenAIServingCompletion(ServingBase):
                     choice["prompt_token_ids"], choice["token_ids"] = ids, ch.token_ids
                 out.append(choice)
         body = {"id": rid, "object": "text_completion", "created": created, "model": self.model_for(req),
-                "choices": out, "usage": usage(num_prompt, sum(c.num_tokens for c in choices))}
+                "choices": out, "usage": usage(num_prompt, num_completion)}
         return Response(msgspec.json.encode(body), media_type="application/json")
 
 
@@ -113,6 +126,8 @@ class _CompletionEvents(ChunkEvents):
             idx = k * req.n + c.index
             if not c.token_ids and c.finish_reason is None:
                 continue
+            if req.max_tokens == 0:
+                c = _prompt_only(c)
             piece, echo = c.text, None
             if req.echo and not self.started[idx]:
                 echo = serving._echo_text(text, ids)
