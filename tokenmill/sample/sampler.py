@@ -311,8 +311,8 @@ def exponential_sample(probs: torch.Tensor, generators: list[torch.Generator | N
     own = [i for i, g in enumerate(generators) if g is not None]
     if not shared:
         return _own_rows_sample(probs, generators)
-    tokens = torch.empty(len(generators), dtype=torch.int64)
-    tokens.index_copy_(0, torch.tensor(own), _own_rows_sample(probs[own], [generators[i] for i in own]))
+    tokens, mine = torch.empty(len(generators), dtype=torch.int64), torch.tensor(own)
+    tokens.index_copy_(0, mine, _own_rows_sample(probs.index_select(0, mine), [generators[i] for i in own]))
     at = torch.tensor(shared)
     return tokens.index_copy_(0, at, _shared_sample(probs.index_select(0, at), default))
 
