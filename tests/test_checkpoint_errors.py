@@ -166,3 +166,18 @@ def test_an_image_token_outside_the_vocabulary_is_refused_at_startup():
     cfg.image_token_index = 10**6
     with pytest.raises(ValueError, match="image_token_index 1000000"):
         ModelConfig.from_hf(cfg)
+
+
+def test_a_broken_tokenizer_fails_before_the_weights_load(copy, monkeypatch):
+    """The offline engine loaded the weights first (minutes for a large model), then found the tokenizer broken."""
+    from tokenmill.engine import llm_engine
+
+    path = copy()
+    with open(f"{path}/tokenizer.json", "w") as f:
+        f.write("{ truncated")
+
+    def no_core(*a, **kw):
+        raise AssertionError("the weights were loaded before the tokenizer")
+    monkeypatch.setattr(llm_engine, "EngineCore", no_core)
+    with pytest.raises(ValueError, match="cannot load the tokenizer"):
+        make_llm(path)

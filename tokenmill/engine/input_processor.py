@@ -75,6 +75,12 @@ def eos_token_ids(model_path: str, tokenizer, hf_config) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def config_tokenizer(config):
+    """The tokenizer an EngineConfig names (None with skip_tokenizer_init)."""
+    return None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model,
+                                                                  config.trust_remote_code)
+
+
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_ids: tuple[int, ...], mm=None,
                  chat_media=None):
@@ -94,10 +100,10 @@ class InputProcessor:
         self.grammars = GrammarCompiler(tokenizer, vocab_size, cache_bytes=64 << 20)
 
     @classmethod
-    def from_config(cls, config, model_config) -> "InputProcessor":
-        """Load the tokenizer and EOS ids for a resolved EngineConfig (the same in every process)."""
-        tok = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model,
-                                                                    config.trust_remote_code)
+    def from_config(cls, config, model_config, tokenizer=None) -> "InputProcessor":
+        """Load the tokenizer (unless given: `config_tokenizer`'s) and EOS ids for a resolved EngineConfig (the
+        same in every process)."""
+        tok = tokenizer if tokenizer is not None else config_tokenizer(config)
         mm = chat_media = None
         if model_config.is_multimodal:
             from tokenmill.multimodal.chat import make_resolvers

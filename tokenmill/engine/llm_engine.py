@@ -10,7 +10,7 @@ import time
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore, EngineStats
-from tokenmill.engine.input_processor import InputProcessor
+from tokenmill.engine.input_processor import InputProcessor, config_tokenizer
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import RequestStatus
 from tokenmill.outputs import RequestOutput
@@ -22,8 +22,9 @@ logger = logging.getLogger("tokenmill")
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        tokenizer = config_tokenizer(config)  # (a broken tokenizer fails before the weights load, not after)
         self.core = EngineCore(config)
-        self.input_processor = InputProcessor.from_config(config, self.core.model_config)
+        self.input_processor = InputProcessor.from_config(config, self.core.model_config, tokenizer)
         self.tokenizer = self.input_processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.states = self.output_processor.states
