@@ -11,6 +11,7 @@ import time
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore, EngineStats
 from tokenmill.engine.input_processor import InputProcessor, config_tokenizer
+from tokenmill.models.loader import load_hf_config
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import RequestStatus
 from tokenmill.outputs import RequestOutput
@@ -22,6 +23,7 @@ logger = logging.getLogger("tokenmill")
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        load_hf_config(config.model)  # (a bad config.json is named as such: the tokenizer reads it too)
         tokenizer = config_tokenizer(config)  # (a broken tokenizer fails before the weights load, not after)
         self.core = EngineCore(config)
         self.input_processor = InputProcessor.from_config(config, self.core.model_config, tokenizer)
