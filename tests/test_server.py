@@ -31,7 +31,8 @@ def server(tiny_model_dir, tmp_path_factory):  # noqa: F811
                         "({{ c.function.arguments.city }})]{% endfor %}{% endfor %}")
     srv = ServerProcess(tiny_model_dir, log_dir / "server.log", "--max-request-body-bytes", "200000",
                         "--max-num-seqs", "64", "--served-model-name", MODEL, ALIAS, "--chat-template",
-                        str(template), api_key=API_KEY, env=hook_env(log_dir, SLOW_SITECUSTOMIZE))
+                        str(template), "--enable-request-id-headers", api_key=API_KEY,
+                        env=hook_env(log_dir, SLOW_SITECUSTOMIZE))
     try:
         srv.wait_ready()
         yield srv
@@ -272,6 +273,28 @@ def test_echo_with_max_tokens_zero_scores_the_prompt_alone(server, client):
     assert chunks[-1].usage.completion_tokens == 0
     _assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}), 400,
                   "max_tokens")
+
+
+def test_a_clients_request_id_names_the_response(server):
+    """vLLM's X-Request-Id (or the body's request_id): the response's id is cmpl-<id> / chatcmpl-<id>; two requests
+    in flight under the same id both run (the engine's own ids stay unique); with --enable-request-id-headers
+    every response carries the header, a new id where the request had none."""
+    import concurrent.futures as cf
+
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with cf.ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(lambda _: post(server, "/v1/completions", body, {"X-Request-Id": "job-7"}), range(2)))
+    assert [r.status_code for r in both] == [200, 200]
+    assert [r.json()["id"] for r in both] == ["cmpl-job-7"] * 2
+    assert both[0].json()["choices"] == both[1].json()["choices"]
+    assert all(r.headers["x-request-id"] == "job-7" for r in both)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "request_id": "c1"}
+    r = post(server, "/v1/chat/completions", chat)
+    assert r.json()["id"] == "chatcmpl-c1" and len(r.headers["x-request-id"]) == 32  # (none sent: a new one)
+    streamed = post(server, "/v1/chat/completions", {**chat, "stream": True}, {"X-Request-Id": "s9"})
+    assert '"id":"chatcmpl-s9"' in streamed.text and streamed.headers["x-request-id"] == "s9"
+    _assert_error(post(server, "/v1/completions", {**body, "request_id": ""}), 400, "request_id")
+    assert httpx.get(server.url + "/health", timeout=10).headers.get("x-request-id")
 
 
 def test_vllms_prompt_truncation_and_min_tokens_rules(server):

@@ -23,7 +23,7 @@ from tokenmill.config import DEFAULT_MODEL, EngineConfig
 from tokenmill.entrypoints.openai.dashboard import add_dashboard_routes
 from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.entrypoints.openai.errors import APIError, error_response, validation_message
-from tokenmill.entrypoints.openai.guard import GuardMiddleware
+from tokenmill.entrypoints.openai.guard import GuardMiddleware, RequestIdHeader
 from tokenmill.entrypoints.openai.http_protocol import http_protocol
 from tokenmill.entrypoints.openai.lifecycle import FLUSH_TIMEOUT_S, Server
 from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -50,7 +50,8 @@ class ServerState:
         self.created = int(time.time())
 
 
-def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: int = 8 << 20) -> FastAPI:
+def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: int = 8 << 20,
+              request_id_headers: bool = False) -> FastAPI:
     engine = state.engine
     app = FastAPI(title="tokenmill OpenAI-compatible server", version=tokenmill.__version__)
     app.state.tm = state
@@ -155,6 +156,8 @@ def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: in
         return {"prompt": await engine.run_tokenizer(_detokenize, engine, body.tokens)}
 
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, state=state)
+    if request_id_headers:  # (outermost: refusals get the header too)
+        app.add_middleware(RequestIdHeader)
     return app
 
 
@@ -210,7 +213,7 @@ async def serve(args) -> int:
         state.chat.trust_request_chat_template = args.trust_request_chat_template
         state.chat.response_role = args.response_role
         api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY") or None
-        app = build_app(state, api_key, args.max_request_body_bytes)
+        app = build_app(state, api_key, args.max_request_body_bytes, args.enable_request_id_headers)
         # our drain (lifecycle.py) ends requests past --shutdown-timeout itself; uvicorn's timeout, which
         # cancels request tasks, is only a backstop behind it
         cfg = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,

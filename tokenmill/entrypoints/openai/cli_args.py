@@ -37,6 +37,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat template (the `chat_template` field; refused with a "
                         "400 otherwise, as in vLLM): a template is code the server runs")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="every response carries an X-Request-Id header: the request's own, or a new id (vLLM's flag)")
     p.add_argument("--response-role", default="assistant",
                    help="the role of chat answers where the request asks for a generation prompt (the default); "
                         "without one an answer has the last message's role (as in vLLM)")

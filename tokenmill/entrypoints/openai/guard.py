@@ -1,8 +1,9 @@
 """The ASGI middleware in front of every route: draining, the API key, the request-body cap, and the count of
-requests in flight that shutdown waits for."""
+requests in flight that shutdown waits for; optionally, X-Request-Id on every response."""
 from __future__ import annotations
 
 import secrets
+import uuid
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -82,3 +83,22 @@ class GuardMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+class RequestIdHeader:
+    """vLLM's --enable-request-id-headers: every response carries X-Request-Id, the request's own or a new one
+    (pure ASGI, as GuardMiddleware: streams pass through)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
+            await send(message)
+        await self.app(scope, receive, send_with_id)

@@ -148,6 +148,8 @@ class _SamplingFields(OpenAIBase):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's: the response's id (after its "cmpl-" / "chatcmpl-"); the X-Request-Id header, if any, wins
+    request_id: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
     logit_bias: dict[str, Float] | None = None
     # extras (vLLM's names)
     top_k: int | None = Field(None, ge=-1, le=2**31 - 1)

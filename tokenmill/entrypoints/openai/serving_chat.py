@@ -118,7 +118,8 @@ class OpenAIServingChat(ServingBase):
         if getattr(forced, "keeps_special_tokens", False):  # the tool-call parser reads special tokens
             params.skip_special_tokens = False
         reasoning = self._reasoning(params, prompt["prompt"])
-        rid, subs = await self.submit([prompt], params, req.priority, "chatcmpl", "messages")
+        rid, subs = await self.submit([prompt], params, req.priority, "chatcmpl", "messages",
+                                      self.client_request_id(req, raw))
         created = int(time.time())
         if req.stream:
             with self.aborted_on_error(subs):

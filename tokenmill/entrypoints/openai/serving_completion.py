@@ -47,7 +47,8 @@ class OpenAIServingCompletion(ServingBase):
         # (echo with max_tokens 0, OpenAI's and vLLM's: the prompt alone; one token is computed, then dropped)
         params = self.sampling_params(req, req.max_tokens or (1 if req.max_tokens == 0 else None), req.logprobs,
                                       max(wanted) if wanted else None)
-        rid, subs = await self.submit(prompts, params, req.priority, "cmpl")
+        rid, subs = await self.submit(prompts, params, req.priority, "cmpl",
+                                      request_id=self.client_request_id(req, raw))
         created = int(time.time())
         if req.stream:
             with self.aborted_on_error(subs):

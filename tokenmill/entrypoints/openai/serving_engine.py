@@ -201,17 +201,19 @@ class ServingBase:
         except ValueError as e:
             raise bad_request(e) from None
 
-    async def submit(self, prompts: list, params: SamplingParams, priority: int, prefix: str, field: str = "prompt"
-                     ) -> tuple[str, list[tuple[str, str | None, list[int]]]]:
+    async def submit(self, prompts: list, params: SamplingParams, priority: int, prefix: str, field: str = "prompt",
+                     request_id: str | None = None) -> tuple[str, list[tuple[str, str | None, list[int]]]]:
         """Submit every prompt or none. Returns the response id and (request id, prompt text, prompt ids).
-        `field`: what errors about the prompt name (chat: 'messages')."""
+        `field`: what errors about the prompt name (chat: 'messages'). `request_id`: the client's (vLLM's
+        X-Request-Id or `request_id`), the response's id; the engine's ids stay unique (a client may reuse one)."""
         if priority and self.engine.config.scheduling_policy != "priority":  # it would be ignored (vLLM refuses too)
             raise APIError(400, "'priority' needs the server started with --scheduling-policy priority", "priority")
         if len(prompts) * params.n > self.engine.max_waiting_requests:
             raise APIError(400, f"{len(prompts)} prompts x n={params.n} sequences exceed the server's queue limit "
                            f"({self.engine.max_waiting_requests})", "n")
-        rid = random_id(prefix)
-        sub_ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+        rid = random_id(prefix) if request_id is None else f"{prefix}-{request_id}"
+        base = rid if request_id is None else f"{rid}-{uuid.uuid4().hex[:12]}"
+        sub_ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
         with engine_errors(field):
             done = await self.engine.add_requests(list(zip(sub_ids, prompts)), params, priority, strict_max_tokens=True)
         return rid, [(sub_id, text, ids) for sub_id, (text, ids) in zip(sub_ids, done)]
@@ -225,6 +227,14 @@ class ServingBase:
         except BaseException:
             self.abort_all(subs)
             raise
+
+    @staticmethod
+    def client_request_id(req, raw) -> str | None:
+        """vLLM's: the X-Request-Id header, else the body's `request_id`, else none (a random id)."""
+        header = raw.headers.get("x-request-id")
+        if header is not None and not 0 < len(header) <= 256:
+            raise APIError(400, "the X-Request-Id header must be 1 to 256 characters", "request_id")
+        return header or req.request_id
 
     def abort_all(self, subs) -> None:
         for sub_id, _, _ in subs:
