@@ -134,7 +134,7 @@ def test_bad_config_values_name_the_file(copy, change, message):
     (dict(num_threads=0), "num_threads"), (dict(seed=None), "seed"), (dict(seed=2**70), "seed"),
     (dict(max_num_seqs=4, max_model_len="64"), "max_model_len"), (dict(block_size=16.0), "block_size"),
     (dict(block_size=24), "block_size"), (dict(max_num_seqs=0), "max_num_seqs"),
-    (dict(max_num_seqs="4"), "max_num_seqs"),
+    (dict(max_num_seqs="4"), "max_num_seqs"), (dict(tensor_parallel_size=1.5), "tensor_parallel_size"),
 ])
 def test_engine_sizes_that_would_hang_or_fail_in_torch_are_refused(llama_dir, kw, field):
     """max_num_batched_tokens=0 was accepted, and then no step ever scheduled anything (generate hung); the

@@ -263,3 +263,41 @@ def test_shared_images_under_preemption_and_chunking_match_one_at_a_time(llava_d
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.llm_engine.get_stats().num_preemptions > 0
     llm.llm_engine.check_invariants()
+
+
+def test_truncate_prompt_tokens_counts_each_images_placeholder_tokens(llava_dirs):
+    """The limit was checked before each image became its placeholder run: a prompt held to 20 tokens ran with
+    27. A prompt with images that does not fit is refused (a cut could split an image from its run); one that
+    fits runs as it is."""
+    path, _ = llava_dirs["llama"]
+    llm = make_llm(path)
+    ids, imgs = mm_prompt(3, [4, 3]), [random_image(3)]  # 7 text tokens + 1 image marker
+    full = len(expand(ids))
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, truncate_prompt_tokens=len(ids) + 2)
+    assert len(ids) + 2 < full
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        llm.generate(_req(ids, imgs), sp, use_tqdm=False)
+    fits = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, truncate_prompt_tokens=full)
+    out = llm.generate(_req(ids, imgs), fits, use_tqdm=False)[0]
+    assert len(out.prompt_token_ids) == full
+    llm.llm_engine.check_invariants()
+
+
+def test_16_bit_grey_images_are_scaled_not_clipped_to_white():
+    """A 16-bit PNG opens as I;16 (or I): PIL's RGB conversion clips its values at 255, so nearly every pixel came
+    out white. It is scaled to 8 bits, as the same picture saved in 8 bits reads."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from tokenmill.multimodal.image import to_rgb
+
+    grey = np.arange(64, dtype=np.uint16).reshape(8, 8) * 1000
+    eight = Image.fromarray(np.round(grey / 257).astype(np.uint8), "L")
+    want = np.asarray(eight.convert("RGB"))
+    assert np.array_equal(np.asarray(to_rgb(Image.fromarray(grey))), want)  # I;16
+    buf = io.BytesIO()
+    Image.fromarray(grey).save(buf, format="PNG")
+    assert np.array_equal(np.asarray(to_rgb(Image.open(io.BytesIO(buf.getvalue())))), want)  # as a PNG reads
+    assert np.array_equal(np.asarray(to_rgb(eight)), want)  # 8-bit grey unchanged

@@ -297,7 +297,8 @@ class EngineConfig:
 
     def _check_sizes(self) -> None:
         """Sizes that would fail deep in torch, or hang: a step budget of 0 schedules nothing, ever."""
-        for name in ("block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_threads"):
+        for name in ("block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_threads",
+                     "tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")

@@ -241,14 +241,15 @@ class InputProcessor:
             raise ValueError(f"'truncate_prompt_tokens' ({keep}) is greater than max_model_len "
                              f"({self.max_model_len}): choose a smaller truncation size")
         text, ids = self.tokenize_prompt(prompt, bounded=keep is None)
-        if keep is not None and len(ids) > keep:
-            if media:  # the cut could split an image's placeholder tokens from its pixels
-                raise ValueError("'truncate_prompt_tokens' cannot cut a prompt with images or video")
+        if keep is not None and len(ids) > keep and not media:
             ids, text = ids[-keep:], None  # (the text is the tokens' again, for echo and the output)
         items = []
         if self.mm is not None:
             with _naming_the_prompt():
                 ids, items = self.mm.expand(ids, media)
+        if keep is not None and media and len(ids) > keep:  # (counted with each image's placeholder tokens)
+            # the cut could split an image's placeholder tokens from its pixels
+            raise ValueError("'truncate_prompt_tokens' cannot cut a prompt with images or video")
         self.validate(ids)
         if params.stop and self.tokenizer is None:
             raise ValueError("'stop' strings need a tokenizer")

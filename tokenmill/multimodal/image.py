@@ -66,7 +66,11 @@ def decoded(fn):
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
-    """RGB, with transparency composited onto white (what transformers' convert_to_rgb does)."""
+    """RGB, with transparency composited onto white (what transformers' convert_to_rgb does). 16-bit grey
+    (a 16-bit PNG opens as I;16 or I) is scaled to 8 bits first: PIL's conversion clips it, white above 255."""
+    if img.mode.startswith("I;16") or (img.mode in ("I", "F") and img.getextrema()[1] > 255):
+        grey = np.asarray(img, dtype=np.float64) / 257.0  # (65535 -> 255)
+        img = Image.fromarray(np.clip(np.round(grey), 0, 255).astype(np.uint8), "L")
     if "A" in img.getbands() or img.info.get("transparency") is not None:
         rgba = img.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
