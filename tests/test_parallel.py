@@ -171,7 +171,8 @@ def test_a_worker_killed_mid_step_fails_the_step(model_dirs):
     killer = subprocess.Popen([sys.executable, "-c", f"import os, time, signal; time.sleep(1.5); "
                                                      f"os.kill({pid}, signal.SIGKILL)"])
     t0 = time.time()
-    with pytest.raises(WorkerFailure):
+    # (the reset connection may report before the exit code is known: the message still names both)
+    with pytest.raises(WorkerFailure, match=r"worker rank 1 exited with code -9"):
         while time.time() - t0 < 60:  # keep stepping until the kill lands
             llm.generate([{"prompt_token_ids": p} for p in DISTINCT], long_run, use_tqdm=False)
     killer.wait()
@@ -442,3 +443,21 @@ def test_ray_executor_gives_the_single_process_tokens(model_dirs, expected):
             close(llm)
     finally:
         ray.shutdown()
+
+
+def test_a_reset_connection_waits_a_moment_for_the_workers_exit_code():
+    """A killed worker's connection can report (reset, EOF) before its exit code is known: the failure must still
+    name the worker and its code, not the reset."""
+    from multiprocessing import Pipe
+
+    from tokenmill.distributed.executor import MultiprocExecutor
+
+    ex = MultiprocExecutor.__new__(MultiprocExecutor)
+    mine, theirs = Pipe()
+    theirs.close()  # the worker's end is gone: ready, with EOF
+    proc = subprocess.Popen([sys.executable, "-c", "import os, time; time.sleep(0.3); os._exit(3)"])
+    try:
+        ex.conns, ex.procs, ex._exit_codes = {1: mine}, [(1, proc)], {}
+        assert ex._worker_reason(wait_s=5.0) == "worker rank 1 exited with code 3"
+    finally:
+        proc.wait()

@@ -250,12 +250,17 @@ class MultiprocExecutor:
                     continue
                 if isinstance(msg, control.WorkerError):
                     return f"worker rank {msg.rank} failed: {msg.message}"
-        for rank, p in self.procs:
-            # the watch thread may hold the process in wait(), where poll() answers None: its code, once it has one
-            code = self._exit_codes.get(rank, p.poll())
-            if code is not None and code != 0:
-                return f"worker rank {rank} exited with code {code}"
-        return None
+        # a dead worker's connection may report before its exit code is known (a reset mid-step): wait a moment
+        deadline = time.monotonic() + (wait_s if ready else 0.0)
+        while True:
+            for rank, p in self.procs:
+                # the watch thread may hold the process in wait(), where poll() answers None: its code, once known
+                code = self._exit_codes.get(rank, p.poll())
+                if code is not None and code != 0:
+                    return f"worker rank {rank} exited with code {code}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = self._exit_codes[rank] = proc.wait()
