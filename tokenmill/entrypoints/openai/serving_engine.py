@@ -231,7 +231,7 @@ class ServingBase:
     @staticmethod
     def client_request_id(req, raw) -> str | None:
         """vLLM's: the X-Request-Id header, else the body's `request_id`, else none (a random id)."""
-        header = raw.headers.get("x-request-id")
+        header = raw.headers.get("x-request-id") if raw is not None else None
         if header is not None and not 0 < len(header) <= 256:
             raise APIError(400, "the X-Request-Id header must be 1 to 256 characters", "request_id")
         return header or req.request_id
