@@ -301,8 +301,8 @@ def exponential_sample(probs: torch.Tensor, generators: list[torch.Generator | N
                        default: torch.Generator) -> torch.Tensor:
     """argmax(p / E) with E ~ Exp(1) draws a token with probability p (the Gumbel-max trick);
     each row's noise comes from its own generator when it has one, the others' from `default` in one call.
-    On a CPU, rows draw noise only for their tokens of nonzero probability, where filters left few (a row's
-    noise over a 152K vocabulary costs ~2.5 ms there): the same law."""
+    On a CPU (where a row's noise over a 152K vocabulary costs ~2.5 ms), the same law drawn cheaper: a seeded row
+    draws for its own tokens of nonzero probability only; unseeded rows, where filters left few, for those."""
     if probs.device.type != "cpu":
         return _whole_row_sample(probs, generators, default)
     shared = [i for i, g in enumerate(generators) if g is None]
