@@ -258,3 +258,87 @@ def test_decode_rows_fast_path_builds_what_the_general_path_builds(llama_dir):
     llm.generate([{"prompt_token_ids": p} for p in prompts],
                  SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert checked and any(checked) and not all(checked)
+
+
+def _check_block_tables(runner) -> None:
+    """Every live request's row of the persistent block-table array holds exactly its block_ids, zeros after."""
+    tables, rows = runner.requests.tables, set()
+    for st in runner.requests.states.values():
+        assert st.table_row not in rows
+        rows.add(st.table_row)
+        n = len(st.block_ids)
+        assert tables.array[st.table_row, :n].tolist() == st.block_ids
+        assert not tables.array[st.table_row, n:].any()
+    for row in set(range(tables.array.shape[0])) - rows:  # free rows are all zeros
+        assert not tables.array[row].any()
+
+
+def test_persistent_block_tables_follow_every_step(llama_dir):
+    """The block tables a step reads come from one array updated in place (worker/request_state.py BlockTables):
+    through tables past its first 16 columns, preemptions and resumptions
+    (a KV cache of 60 blocks of 4 for 20 requests), finished rows reused, and the same greedy tokens as a run
+    with room for all."""
+    prompts = random_prompts([9, 30, 3, 17, 25] * 4)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    reference = make_llm(llama_dir, block_size=4, max_num_seqs=20, max_model_len=80)
+    expected = [o.outputs[0].token_ids for o in reference.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    llm = make_llm(llama_dir, block_size=4, num_kv_blocks=60, max_num_seqs=20, max_model_len=80)
+    runner = llm.llm_engine.core.runner
+    execute, widths = runner.execute, []
+
+    def checked(sched):
+        _check_block_tables(runner)
+        out = execute(sched)
+        _check_block_tables(runner)
+        widths.append(runner.requests.tables.array.shape)
+        return out
+
+    runner.execute = checked
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+    assert got == expected
+    assert llm.llm_engine.core.scheduler.num_preemptions > 0
+    assert max(w for _, w in widths) > 16  # the tables outgrew the array's first width
+    _check_block_tables(runner)
+
+
+def test_block_tables_grow_reuse_rows_and_gather_like_lists():
+    """BlockTables against plain lists over random appends, clears and frees: rows past the first 16, widths
+    past 16 columns, freed rows reused; gather gives the lists (zero-padded), repeated and unordered rows too."""
+    import random
+
+    from tokenmill.worker.request_state import BlockTables
+    rng, tables, live, most_live = random.Random(0), BlockTables(), {}, 0
+    for _ in range(3000):
+        most_live = max(most_live, len(live))
+        op = rng.random()
+        if op < 0.2 or not live:
+            row = tables.new_row()
+            assert row not in live
+            live[row] = []
+            blocks = [rng.randrange(1, 1000) for _ in range(rng.randrange(0, 5))]
+            tables.write(row, 0, blocks)
+            live[row] = blocks
+        elif op < 0.75:
+            row = rng.choice(list(live))
+            new = [rng.randrange(1, 1000) for _ in range(rng.randrange(1, 6))]
+            tables.write(row, len(live[row]), new)
+            live[row] += new
+        elif op < 0.85:
+            row = rng.choice(list(live))
+            tables.clear(row, len(live[row]))
+            live[row] = []
+        else:
+            row = rng.choice(list(live))
+            tables.free(row, len(live.pop(row)))
+        if live:
+            rows = [rng.choice(list(live)) for _ in range(rng.randrange(1, 6))]
+            if rng.random() < 0.5:
+                rows = sorted(set(rows))
+            width = max(len(live[r]) for r in rows)
+            want = [live[r] + [0] * (width - len(live[r])) for r in rows]
+            assert tables.gather(rows, width).tolist() == want
+    assert 16 < tables.array.shape[0] <= 2 * most_live and tables.array.shape[1] > 16  # freed rows are reused
+    for row, blocks in live.items():
+        assert tables.array[row, :len(blocks)].tolist() == blocks and not tables.array[row, len(blocks):].any()
