@@ -54,7 +54,9 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
              bos_token_id=0, eos_token_id=1, pad_token_id=2)
 ARCHS = {
-    "llama": lambda: _llama(**SHAPE, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    # head_dim 32 (not hidden / heads = 16): the shape the CPU's one-call decode step and fused rotary take, so
+    # that the engine tests on this model run the default CPU path (worker/cpu_decode_step.py)
+    "llama": lambda: _llama(**SHAPE, head_dim=32, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     "mistral": lambda: _mistral(**SHAPE),
     "qwen2": lambda: _qwen2(**SHAPE),
@@ -128,10 +130,20 @@ def make_llm(path: str, **kw):
     return LLM(path, **kw)
 
 
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         pad_token_id=2)
-    return out[0, len(prompt):].tolist()
+def hf_greedy(model, prompt: list[int], n: int, suppress_eos: bool = True) -> list[int]:
+    """transformers' greedy continuation: EOS suppressed (min_new_tokens=n, as the engine's min_tokens=n), or,
+    with suppress_eos=False, EOS a token like any other that does not stop it (the engine's ignore_eos)."""
+    if suppress_eos:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=2)
+        return out[0, len(prompt):].tolist()
+    ids, past, tokens = torch.tensor([prompt]), None, []
+    with torch.no_grad():
+        for _ in range(n):
+            res = model(ids, past_key_values=past, use_cache=True)
+            past, ids = res.past_key_values, res.logits[:, -1:].argmax(-1)
+            tokens.append(int(ids))
+    return tokens
 
 
 def random_prompts(lengths, seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:

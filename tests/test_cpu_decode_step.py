@@ -3,6 +3,8 @@ replaces: the same kernels in the same order, so greedy tokens and logprobs must
 float32, bfloat16, int8 and AWQ weights, with a QKV bias, and for a draft model's own steps."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from awq_oracle import autoawq_linear_class, write_autoawq_checkpoint
@@ -199,9 +201,12 @@ def test_off_where_the_per_op_path_would_differ(dirs, kw):
     assert llm.llm_engine.core.runner.decode_step is None
 
 
-def test_off_for_heads_the_rotary_kernel_does_not_take(llama_dir):
-    """conftest's models have head_dim 16: the per-op path rotates them in torch, so no C step."""
-    assert make_llm(llama_dir).llm_engine.core.runner.decode_step is None
+def test_off_for_heads_the_rotary_kernel_does_not_take(model_dirs, caplog):
+    """conftest's mistral model has head_dim 16: the per-op path rotates it in torch, so no C step."""
+    with caplog.at_level(logging.DEBUG, logger="tokenmill"):
+        llm = make_llm(model_dirs["mistral"][0])
+    assert llm.llm_engine.core.runner.decode_step is None
+    assert "fused C norm / rotary / SiLU kernels do not take these shapes" in caplog.text
 
 
 def test_preemption_prefix_hits_and_chunked_prefill_stay_bit_identical(dirs):

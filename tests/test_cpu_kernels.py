@@ -334,13 +334,14 @@ def test_engine_decodes_the_same_with_the_attention_kernel(model_dirs, dtype, mo
     path, _ = model_dirs["llama"]
     prompts = random_prompts([1, 5, 16, 17, 40, 70], seed=42)  # one-token and block-boundary prompts
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    plain = make_llm(path, dtype=dtype)
+    # the per-op path (enforce_eager: not the one-call decode step, whose attention is its own C code)
+    plain = make_llm(path, dtype=dtype, enforce_eager=True)
     plain.llm_engine.core.runner.backend.use_kernel = False
     ref = plain.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     calls = []
     real = cpu_attention.paged_decode_attention
     monkeypatch.setattr(cpu_attention, "paged_decode_attention", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    llm = make_llm(path, dtype=dtype)
+    llm = make_llm(path, dtype=dtype, enforce_eager=True)
     out = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     assert calls and max(calls) > 1  # batched decodes went through the kernel
     got, want = [o.outputs[0].token_ids for o in out], [r.outputs[0].token_ids for r in ref]

@@ -99,9 +99,10 @@ def test_thread_changes_mid_generation_keep_greedy_tokens(llama_dir):
 
     prompts = [{"prompt_token_ids": p} for p in random_prompts([7, 30, 12, 50], seed=11)]
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    plain = make_llm(llama_dir, adaptive_cpu_threads=False)
+    # one decode step per engine step (not the offline LLM's bursts): a governor tick, and a change, each step
+    plain = make_llm(llama_dir, adaptive_cpu_threads=False, num_scheduler_steps=1)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
-    llm = make_llm(llama_dir, adaptive_cpu_threads=False)
+    llm = make_llm(llama_dir, adaptive_cpu_threads=False, num_scheduler_steps=1)
     # every window alternates: threads all waiting (drop), then cores idle (raise)
     steps = itertools.cycle([(10.0, 0.0), (0.0, 10.0)])
     readings = itertools.accumulate(steps, lambda a, b: (a[0] + b[0], a[1] + b[1]))

@@ -146,7 +146,7 @@ def test_triton_engine_matches_torch_backend(interpreted, scenario):
         pass  # same tokens, no Triton attention failure, fusion switched off: asserted above
     elif scenario == "folded-gemvs":
         assert triton_run["folded"] == [True] * len(triton_run["folded"])
-        assert torch_run["folded"] == [False] * len(torch_run["folded"])
+        assert not any(torch_run["folded"])  # (None: never decided, the CPU's one-call step ran the decodes)
     elif scenario == "draft-graphs":  # the draft's single-token steps ran in its own padded buffers (the target's
         # verifications, 4 rows a request, mostly exceed the 5-row buckets)
         assert triton_run["drafts"] > 0 and triton_run["draft_graph_steps"] > 0
@@ -318,7 +318,7 @@ def test_gpu_budget_and_the_not_enough_memory_error(llama_dir):
     with pytest.raises(ValueError, match=r"not enough GPU memory for one 256-token sequence.*0.00 GiB"):
         num_kv_blocks(cfg, mc, torch.float32, 2, 2, budget=budget)
     roomy = GpuMemoryBudget(total=80 * 2**30, utilization=0.9, used=10 * 2**30, activation_peak=2 * 2**30)
-    per_block = 2 * 2 * 16 * 2 * 16 * 4
+    per_block = 2 * 2 * 16 * 2 * mc.head_dim * 4  # k and v, 2 layers, 16 tokens, 2 kv heads, float32
     # every sequence at full length, plus one: more would only hold cached prefixes (and host objects)
     cap = cfg.max_num_seqs * 16 + 16
     assert roomy.kv_bytes // per_block > cap

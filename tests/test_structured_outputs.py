@@ -26,7 +26,8 @@ SPECS = {
     "json": StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
     "regex": StructuredOutputsParams(regex=r"(ab|cd)[0-9]{2,4}-[xyz]"),
     "choice": StructuredOutputsParams(choice=["to be", "not to be", "the question"]),
-    "grammar": StructuredOutputsParams(grammar='root ::= "(" item ("," item)* ")"\nitem ::= [a-c]+'),
+    # bounded, so that a random model that would repeat "a," for ever must close it within max_tokens
+    "grammar": StructuredOutputsParams(grammar='root ::= "(" item ("," item){0,3} ")"\nitem ::= [a-c]{1,4}'),
 }
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -41,7 +42,7 @@ def _matches(kind: str, text: str) -> bool:
         return re.fullmatch(r"(ab|cd)[0-9]{2,4}-[xyz]", text) is not None
     if kind == "choice":
         return text in ("to be", "not to be", "the question")
-    return re.fullmatch(r"\([a-c]+(,[a-c]+)*\)", text) is not None
+    return re.fullmatch(r"\([a-c]{1,4}(,[a-c]{1,4}){0,3}\)", text) is not None
 
 
 def _params(kind: str, **kw) -> SamplingParams:
