@@ -56,8 +56,9 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
 ARCHS = {
     # head_dim 32 (not hidden / heads = 16): the shape the CPU's one-call decode step and fused rotary take, so
     # that the engine tests on this model run the default CPU path (worker/cpu_decode_step.py)
-    "llama": lambda: _llama(**SHAPE, head_dim=32, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama": lambda: _llama(**SHAPE, head_dim=32,
+                            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     "mistral": lambda: _mistral(**SHAPE),
     "qwen2": lambda: _qwen2(**SHAPE),
 }

@@ -106,6 +106,20 @@ def test_a_request_the_core_refuses_halfway_leaves_nothing_behind(llama_dir, str
     llm.llm_engine.check_invariants()
 
 
+def _step_fails_once(engine, owner, name: str, message: str) -> None:
+    """One engine step in which `owner.name` raises RuntimeError(message)."""
+    real = getattr(owner, name)
+
+    def broken(*args):
+        raise RuntimeError(message)
+    setattr(owner, name, broken)
+    try:
+        with pytest.raises(RuntimeError, match=message):
+            engine.step()
+    finally:
+        setattr(owner, name, real)
+
+
 @pytest.mark.parametrize("where", ["execute", "collect"])
 def test_a_failed_step_leaves_no_request_marked_in_flight(llama_dir, where):
     """The model raises in a step (or, under async scheduling, while its tokens are collected: where a device
@@ -120,14 +134,7 @@ def test_a_failed_step_leaves_no_request_marked_in_flight(llama_dir, where):
     runner = engine.core.runner
     if where == "collect":
         engine.step()  # the prefill is in flight
-    real = getattr(runner, where)
-
-    def broken(*args):
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
-    setattr(runner, where, broken)
-    with pytest.raises(RuntimeError, match="illegal memory access"):
-        engine.step()
-    setattr(runner, where, real)
+    _step_fails_once(engine, runner, where, "CUDA error: an illegal memory access was encountered")
     assert engine.core._deferred is None
     engine.abort_request(["a"])
     assert not engine.core.scheduler.in_flight
@@ -140,6 +147,37 @@ def test_a_failed_step_leaves_no_request_marked_in_flight(llama_dir, where):
         if not engine.has_unfinished_requests():
             break
     assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 4
+    engine.check_invariants()
+
+
+@pytest.mark.parametrize("where", ["execute", "collect", "schedule"])
+def test_a_failed_step_leaves_no_uncomputed_block_in_the_prefix_cache(llama_dir, where):
+    """Blocks are registered in the prefix cache when a step is scheduled (their tokens are known). When the
+    step then fails (the model raises, under async scheduling while its tokens are collected, or the schedule
+    itself raises after planning: a tier lookup), their KV is never written: the same prompt again must not hit
+    them (it got wrong tokens), and the tiers must not keep them."""
+    prompt = random_prompts([120], seed=5)[0]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    kw = dict(num_kv_blocks=40, max_num_batched_tokens=32)
+    if where == "collect":  # (the per-op path: the CPU's one-call greedy steps return their tokens at once)
+        kw.update(async_scheduling=True, enforce_eager=True)
+    want = make_llm(llama_dir, **kw).generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+    llm = make_llm(llama_dir, **kw)
+    engine = llm.llm_engine
+    core = engine.core
+    engine.add_request("a", {"prompt_token_ids": prompt}, sp)
+    engine.step()  # the first 32 tokens
+    while where == "collect" and core._deferred is None:  # async: the last chunk (96 .. 119: block 6) in flight
+        engine.step()
+    if where == "schedule":  # a planning step that raises once the running request's blocks are registered
+        _step_fails_once(engine, core.scheduler, "_plan_drafts", "injected failure")
+    else:
+        _step_fails_once(engine, core.runner, where, "injected failure")
+    engine.abort_request(["a"])  # as the server's core and LLM.generate do after a failed step
+    engine.step()
+    got = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.num_cached_tokens <= (96 if where == "collect" else 32)  # what ran before the failure
     engine.check_invariants()
 
 

@@ -453,14 +453,22 @@ def _with_slow_tier(llm, delay, gate: threading.Event | None = None):
     return slow
 
 
-def test_requests_arriving_while_a_load_is_in_flight(llama_dir, plain_outputs):
+def _document_in_a_gated_host_tier(llama_dir, plain_outputs):
+    """An engine whose host tier holds the workload's document after its first three rounds, and whose reads
+    now wait for the returned gate: (llm, gate, the workload's rounds)."""
     llm = make_llm(llama_dir, **POOL, kv_host_cache_gb=0.05)
     gate = threading.Event()
     gate.set()
     _with_slow_tier(llm, 0.0, gate)
     rounds = _workload()
     assert _run(llm, rounds[:3]) == plain_outputs[:3]
-    gate.clear()  # q2's load now waits until "other" has finished, however fast or slow this machine is
+    gate.clear()
+    return llm, gate, rounds
+
+
+def test_requests_arriving_while_a_load_is_in_flight(llama_dir, plain_outputs):
+    # q2's load waits until "other" has finished, however fast or slow this machine is
+    llm, gate, rounds = _document_in_a_gated_host_tier(llama_dir, plain_outputs)
     eng = llm.llm_engine
     queries = eng.get_stats().prefix_cache_queries
     eng.add_request("q2", rounds[3][0], GREEDY)
@@ -482,6 +490,26 @@ def test_requests_arriving_while_a_load_is_in_flight(llama_dir, plain_outputs):
     # each request's prefix lookup counted once (q3 was counted on every step it waited for q2's load)
     lens = [len(rounds[3][0]["prompt_token_ids"]), 30, len(rounds[3][1]["prompt_token_ids"])]
     assert eng.get_stats().prefix_cache_queries - queries == sum(lens)
+    _check_idle(llm)
+
+
+def test_an_id_reused_after_its_load_was_aborted_loads_again(llama_dir, plain_outputs):
+    """Abort a request while its tier load is in flight, then add a request under the same id (the offline
+    engine lets callers pick ids): the abort's cancel must not reach the new request's load (it was applied
+    after the step started that load, which was then cancelled at once, and the prompt recomputed)."""
+    llm, gate, rounds = _document_in_a_gated_host_tier(llama_dir, plain_outputs)
+    eng = llm.llm_engine
+    eng.add_request("q2", rounds[3][0], GREEDY)
+    eng.step()  # its load starts, and waits for the gate
+    assert eng.get_stats().num_loading_kv == 1
+    eng.abort_request(["q2"])
+    gate.set()
+    eng.add_request("q2", rounds[3][0], GREEDY)
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert done["q2"].outputs[0].token_ids == plain_outputs[3][0]
+    assert done["q2"].num_cached_tokens >= DOC_LEN // 16 * 16  # the document came from the host tier
     _check_idle(llm)
 
 
@@ -820,6 +848,59 @@ def test_redis_killed_mid_run_and_restarted(llama_dir, redis_server, plain_outpu
     assert _run(llm, rounds[6:]) == plain_outputs[6:]
     llm.llm_engine.core.kv_transfer.flush(5.0)
     assert remote.stats.blocks_stored > stored_before > 0  # stores resumed once the server was back
+    _check_idle(llm)
+
+
+def _garbage_redis(replies: dict[bytes, bytes]) -> int:
+    """A loopback server that speaks just enough RESP to take commands, and answers each command named in
+    `replies` with that reply (else +OK): a broken proxy or a server of another protocol. Returns its port."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+
+    def handle(conn):
+        buf = b""
+        with conn:
+            while data := conn.recv(1 << 16):
+                buf += data
+                while buf.startswith(b"*") and buf.count(b"\r\n") >= 1 + 2 * int(buf[1:buf.index(b"\r\n")]):
+                    lines = buf.split(b"\r\n")
+                    n = int(lines[0][1:])
+                    name = lines[2].upper()
+                    buf = b"\r\n".join(lines[1 + 2 * n:])
+                    conn.sendall(replies.get(name, b"+OK\r\n"))
+
+    def serve():
+        while True:
+            threading.Thread(target=handle, args=(srv.accept()[0],), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv.getsockname()[1]
+
+
+@pytest.mark.parametrize("replies", [{b"HELLO": b"+OK\r\n"},  # a handshake reply redis-py cannot read
+                                     {b"HELLO": b"-ERR unknown\r\n", b"EXISTS": b"$3\r\nabc\r\n",
+                                      b"MGET": b":7\r\n", b"SET": b":abc\r\n"}],
+                         ids=["handshake", "replies"])
+def test_a_redis_that_answers_garbage_is_a_dead_one(llama_dir, plain_outputs, replies, caplog):
+    """redis-py raises TypeError or AttributeError (not RedisError) on replies it cannot parse: the tier treats
+    any failure as a server out of reach (misses, dropped stores, counted), and the engine keeps its tokens."""
+    from tokenmill.kv.tiers.redis_tier import RedisTier
+    port = _garbage_redis(replies)
+    tier = RedisTier(f"redis://127.0.0.1:{port}/0", FP, SHAPE, DT, retry_after_s=0.05)
+    key, block = b"k" * 16, torch.zeros(SHAPE, dtype=DT)
+    for _ in range(3):
+        assert tier.batched_exists([key]) == 0 and tier.batched_get([key]) == []
+        tier.batched_put([key], [block])
+        time.sleep(0.06)
+    assert tier.stats.errors > 0
+    rounds = _workload()
+    llm = make_llm(llama_dir, **POOL, kv_remote_cache_url=f"redis://127.0.0.1:{port}/0")
+    assert _run(llm, rounds[:4]) == plain_outputs[:4]
+    assert "reads and writes off" in caplog.text
     _check_idle(llm)
 
 

@@ -190,9 +190,14 @@ class EngineCore:
             self.scheduler.finish_encodes(encoder.poll())
         sched = self.scheduler.schedule()
         if xfer is not None:
-            xfer.store(sched.kv_stores)  # before the forward, which may overwrite the evicted blocks
-            xfer.start_loads(sched.kv_loads)
-            xfer.cancel(sched.kv_load_cancels)
+            try:
+                # cancels first: a cancel for an aborted request must not reach a new load under its reused id
+                xfer.cancel(sched.kv_load_cancels)
+                xfer.store(sched.kv_stores)  # before the forward, which may overwrite the evicted blocks
+                xfer.start_loads(sched.kv_loads)
+            except BaseException:
+                self.scheduler.step_failed(sched)
+                raise
         if sched.is_empty:
             # (a step may preempt and then schedule nothing: the runner and the draft must still hear of it)
             self._executor().release_requests(sched.finished_ids, sched.preempted_ids)

@@ -173,6 +173,18 @@ class KVCacheManager:
         if self.enable_caching and blocks:
             self._register(req, blocks, min(num_tokens // self.block_size, len(blocks)))
 
+    def forget_uncomputed(self, req: Request, num_valid_tokens: int) -> None:
+        """Blocks registered for tokens past `num_valid_tokens` lose their hash (a step that was to compute them
+        failed, or was never made): no later request may hit them, and the tiers drop them. The request keeps
+        its blocks."""
+        blocks = self.req_blocks.get(req.request_id)
+        keep = num_valid_tokens // self.block_size
+        registered = self._num_cached.get(req.request_id, 0)
+        if blocks and registered > keep:
+            for b in blocks[keep:registered]:
+                self.pool.uncache(b)
+            self._num_cached[req.request_id] = keep
+
     def free(self, req: Request, num_valid_tokens: int | None = None) -> None:
         """Give the request's blocks back. With `num_valid_tokens` (a preemption inside the step that
         scheduled the request), blocks registered for tokens past it were never computed: they lose their

@@ -174,6 +174,8 @@ class Scheduler:
                     del self._loading_hashes[h]
             if req.is_finished:
                 self.kv.free(req)
+                if req.request_id in self._load_cancels:  # its load is over: the cancel must not reach a new
+                    self._load_cancels.remove(req.request_id)  # request under the same id
                 continue
             self.kv.finish_load(req, res.num_loaded)
             self.kv.tiers.count_hits(res.tiers, self.kv.block_size)
@@ -194,8 +196,20 @@ class Scheduler:
         quiet = (self.decode_steps > 1 and not self.loading
                  and (not len(self.waiting) or len(self.running) >= self.max_num_seqs))
         scheduled: dict[str, int] = {}  # request id -> tokens to run, in scheduling order
-        preempted_now = False
+        try:
+            return self._plan(out, budget, quiet, scheduled)
+        except BaseException:
+            # (a tier lookup, an allocation raised): blocks registered for the tokens planned so far will not be
+            # computed; their hashes go, so that no later request hits them
+            for rid in scheduled:
+                req = self.requests.get(rid)
+                if req is not None:
+                    self.kv.forget_uncomputed(req, req.num_computed_tokens)
+            raise
 
+    def _plan(self, out: SchedulerOutput, budget: int, quiet: bool, scheduled: dict[str, int]) -> SchedulerOutput:
+        """schedule()'s work: which requests run how many tokens (into `scheduled`), then the step's message."""
+        preempted_now = False
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -629,12 +643,22 @@ class Scheduler:
 
     def step_failed(self, out: SchedulerOutput) -> None:
         """`out` never ran (the model raised; the caller aborts what it held): its requests are no longer in
-        flight for it. A request id left marked in flight would keep a later request under that id from ever
-        being scheduled without async scheduling (and never a preemption victim)."""
+        flight for it, their tokens count as not computed again, and the blocks registered for those tokens
+        lose their hashes (their KV was never written: a later request with the same prefix would hit garbage,
+        and the tiers would store it). A request id left marked in flight would keep a later request under
+        that id from ever being scheduled without async scheduling (and never a preemption victim)."""
         for seq in out.seqs:
-            left = self.in_flight.pop(seq.request_id, 1) - 1
+            rid = seq.request_id
+            left = self.in_flight.pop(rid, 1) - 1
             if left:
-                self.in_flight[seq.request_id] = left
+                self.in_flight[rid] = left
+            req = self.requests.get(rid)
+            if req is None or req.serial != out.serials.get(rid, req.serial):
+                continue  # finished meanwhile, or its id now names another request
+            if seq.num_sampled_positions and self.async_scheduling and req.num_pending:
+                req.num_pending -= 1
+            req.num_computed_tokens = min(req.num_computed_tokens, seq.start_pos)
+            self.kv.forget_uncomputed(req, req.num_computed_tokens)
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         sp, num_output = req.sampling_params, len(req.output_token_ids)

@@ -53,7 +53,7 @@ class RedisTier(KVConnector):
             return default
         try:
             return fn()
-        except self._errors as e:
+        except Exception as e:  # (redis-py raises TypeError, AttributeError .. on a reply it cannot parse)
             until = time.monotonic() + self.retry_after_s
             # (a timeout connecting is a server out of reach, not a slow call: both sides)
             slow = isinstance(e, self._timeouts) and "connect" not in str(e).lower()
@@ -75,7 +75,7 @@ class RedisTier(KVConnector):
             pipe = self.client.pipeline(transaction=False)
             for k in keys:
                 pipe.exists(self._key(k))
-            return pipe.execute()
+            return _replies(pipe.execute(), len(keys), (int,))
 
         t0 = time.monotonic()
         answers = self._call(run, [], "read")
@@ -93,7 +93,8 @@ class RedisTier(KVConnector):
 
     def batched_get(self, keys: list[bytes]) -> list[torch.Tensor]:
         t0 = time.perf_counter()
-        values = self._call(lambda: self.client.mget([self._key(k) for k in keys]), [], "read")
+        values = self._call(lambda: _replies(self.client.mget([self._key(k) for k in keys]), len(keys),
+                                             (bytes, type(None))), [], "read")
         out = []
         for k, data in zip(keys, values):
             if data is None:
@@ -120,7 +121,8 @@ class RedisTier(KVConnector):
             pipe = self.client.pipeline(transaction=False)
             for k, v in zip(keys, values):
                 pipe.set(self._key(k), v)
-            return pipe.execute(raise_on_error=False)  # a refused SET is that block's, not the server's fault
+            # a refused SET is that block's, not the server's fault
+            return _replies(pipe.execute(raise_on_error=False), len(keys), (bool, bytes, Exception))
 
         results = self._call(run, None, "write")
         if results is None:
@@ -143,3 +145,11 @@ class RedisTier(KVConnector):
             self.client.close()
         except self._errors:
             pass
+
+
+def _replies(values, n: int, types: tuple) -> list:
+    """`values` if it is n replies of `types`; else a TypeError, which `_call` takes as a server gone wrong (a
+    proxy or another protocol on the port): garbage is never read as hits."""
+    if not isinstance(values, list) or len(values) != n or not all(isinstance(v, types) for v in values):
+        raise TypeError(f"unexpected reply {str(values)[:80]}")
+    return values
