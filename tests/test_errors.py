@@ -181,6 +181,69 @@ def test_a_failed_step_leaves_no_uncomputed_block_in_the_prefix_cache(llama_dir,
     engine.check_invariants()
 
 
+def _run_with_a_failed_step(llm, prompts: dict, fail_at, owner_name: str, name: str, abort=()) -> dict:
+    """Greedy tokens per request id, where engine step `fail_at` (or the first step where `fail_at(core)`)
+    fails (`owner.name` raises) and the caller carries on, aborting only `abort`."""
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for rid, p in prompts.items():
+        engine.add_request(rid, {"prompt_token_ids": p}, sp)
+    outs, n, failed = {}, 0, False
+    while engine.has_unfinished_requests():
+        n += 1
+        if not failed and (n == fail_at if isinstance(fail_at, int) else fail_at(engine.core)):
+            failed = True
+            owner = engine.core.scheduler if owner_name == "scheduler" else engine.core.runner
+            _step_fails_once(engine, owner, name, "injected failure")
+            engine.abort_request(list(abort))
+            continue
+        outs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    engine.check_invariants()
+    return outs
+
+
+@pytest.mark.parametrize("case", ["execute", "prepare", "collect", "collect-after-abort", "shared-hit", "drafts"])
+def test_the_engine_carries_on_after_a_failed_step_with_the_plain_tokens(llama_dir, case):
+    """A failed step is rolled back whole: the scheduler's counts, the worker's copy of each request (sent
+    again whole), and the prefix cache's blocks that step registered, whoever holds them now (a request that
+    hit them in that same step recomputes them; one aborted while the step was in flight freed them hashes
+    and all). So a caller that carries on without aborting gets the plain engine's tokens, and one that
+    aborted a request while its step was in flight leaves no uncomputed block to hit."""
+    long, short = random_prompts([120, 40], seed=5)
+    prompts, kw, fail = {"a": long}, dict(num_kv_blocks=40, max_num_batched_tokens=32), (2, "runner", "execute")
+    abort = ()
+    if case == "prepare":  # after the worker applied the step's diff
+        fail = (2, "runner", "prepare_batch")
+    elif case.startswith("collect"):  # async scheduling: a device error shows when the tokens are collected
+        kw.update(async_scheduling=True, enforce_eager=True)
+        fail = (5, "runner", "collect")
+        abort = ("a",) if case == "collect-after-abort" else ()
+    elif case == "shared-hit":  # b hits the blocks a registers in the same (failed) step; a is aborted
+        prompts = {"a": short, "b": short[:32] + random_prompts([40], seed=9)[0]}
+        kw["max_num_batched_tokens"], fail, abort = 128, (1, "runner", "execute"), ("a",)
+    elif case == "drafts":  # the schedule raises after fitting drafts: none may reach a later step
+        prompts = {"a": random_prompts([20], seed=3)[0] * 3, "b": random_prompts([30], seed=4)[0]}
+        kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                    "prompt_lookup_max": 4, "adaptive": False}
+        fail = (lambda core: any(r.spec_token_ids for r in core.scheduler.requests.values()), "scheduler",
+                "_plan_drafts")
+    want = _run_with_a_failed_step(make_llm(llama_dir, **kw), prompts, 0, "runner", "execute")
+    llm = make_llm(llama_dir, **kw)
+    if case == "collect-after-abort":  # a is aborted while the lost step is in flight, then the collect fails
+        engine = llm.llm_engine
+        engine.add_request("a", {"prompt_token_ids": long}, SamplingParams(temperature=0, max_tokens=8))
+        while engine.core._deferred is None:
+            engine.step()
+        engine.abort_request(["a"])
+        _step_fails_once(engine, engine.core.runner, "collect", "injected failure")
+        got = llm.generate([{"prompt_token_ids": long}], SamplingParams(temperature=0, max_tokens=8,
+                                                                        ignore_eos=True), use_tqdm=False)[0]
+        assert got.outputs[0].token_ids == want["a"] and got.num_cached_tokens <= 96
+        return
+    got = _run_with_a_failed_step(llm, prompts, *fail, abort=abort)
+    assert got == {rid: t for rid, t in want.items() if rid not in abort}
+
+
 def test_the_offline_apis_boundary_gives_value_errors(llama_dir):
     """Malformed prompts, conversations and priority lists: a ValueError each (they were raw TypeErrors,
     AttributeErrors and IndexErrors from inside), and the engine keeps serving."""

@@ -105,6 +105,14 @@ class BlockPool:
         self._cached[block_hash] = block
         self._emit(BlockStored(block.block_id, block_hash, parent_hash))
 
+    def uncache_if(self, block: KVBlock, block_hash: bytes) -> bool:
+        """Forget `block_hash` if `block` still holds it (its KV was never computed); False where it moved on
+        (evicted, or cached again under another hash)."""
+        if block.block_hash != block_hash or self._cached.get(block_hash) is not block:
+            return False
+        self.uncache(block)
+        return True
+
     def reset_prefix_cache(self) -> None:
         for b in self._cached.values():
             b.block_hash = None

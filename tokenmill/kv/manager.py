@@ -42,6 +42,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._num_cached: dict[str, int] = {}
+        self._registered: list[tuple[KVBlock, bytes]] = []  # since the last take_registered (one step's)
         self.stats = PrefixCacheStats()
         self.tiers = tiers
         self._stores = None
@@ -163,7 +164,27 @@ class KVCacheManager:
             hashes = self._hashes(req, full * self.block_size)
             for i in range(done, full):
                 self.pool.cache(blocks[i], hashes[i], hashes[i - 1] if i else None)
+                if blocks[i].block_hash == hashes[i]:
+                    self._registered.append((blocks[i], hashes[i]))
             self._num_cached[req.request_id] = full
+
+    def take_registered(self) -> list[tuple[KVBlock, bytes]]:
+        """The (block, hash) pairs registered since the last call: the scheduler keeps a step's, to take them
+        back out of the cache if that step fails (their KV then never exists)."""
+        out, self._registered = self._registered, []
+        return out
+
+    def unregister(self, registered: list[tuple[KVBlock, bytes]]) -> set[int]:
+        """A failed step's registrations leave the prefix cache (where the block still holds that hash), whoever
+        holds the blocks now. Returns the ids of the blocks that lost their hash."""
+        dropped = {b.block_id for b, h in registered if self.pool.uncache_if(b, h)}
+        if dropped:
+            for rid, blocks in self.req_blocks.items():
+                n = self._num_cached.get(rid, 0)
+                first = next((i for i in range(n) if blocks[i].block_id in dropped), n)
+                if first < n:
+                    self._num_cached[rid] = first  # registered again once it has recomputed them
+        return dropped
 
     def cache_written(self, req: Request, num_tokens: int) -> None:
         """Register the full blocks among the first `num_tokens` tokens, whose KV is written and whose ids are
@@ -172,18 +193,6 @@ class KVCacheManager:
         blocks = self.req_blocks.get(req.request_id)
         if self.enable_caching and blocks:
             self._register(req, blocks, min(num_tokens // self.block_size, len(blocks)))
-
-    def forget_uncomputed(self, req: Request, num_valid_tokens: int) -> None:
-        """Blocks registered for tokens past `num_valid_tokens` lose their hash (a step that was to compute them
-        failed, or was never made): no later request may hit them, and the tiers drop them. The request keeps
-        its blocks."""
-        blocks = self.req_blocks.get(req.request_id)
-        keep = num_valid_tokens // self.block_size
-        registered = self._num_cached.get(req.request_id, 0)
-        if blocks and registered > keep:
-            for b in blocks[keep:registered]:
-                self.pool.uncache(b)
-            self._num_cached[req.request_id] = keep
 
     def free(self, req: Request, num_valid_tokens: int | None = None) -> None:
         """Give the request's blocks back. With `num_valid_tokens` (a preemption inside the step that

@@ -110,6 +110,9 @@ class Scheduler:
         self.spec_lookahead = 0  # set by the engine when a draft model proposes (slots it writes ahead)
         self.decode_steps = 1  # set by the engine: num_scheduler_steps, where the worker can run bursts
         self._drafts: dict[str, list[int]] = {}  # this step's drafts per request
+        # per step not yet done (id of its SchedulerOutput): the (block, hash) pairs it registered in the prefix
+        # cache, taken back out if it fails
+        self._registered_by_step: dict[int, list] = {}
         # pipeline parallelism: requests in a step not yet back (never rescheduled or preempted until it is),
         # and whether steps carry each request's new output tokens to the stages that do not sample
         # async scheduling (the engine sets it): a request in flight in the step before may be scheduled again,
@@ -196,16 +199,21 @@ class Scheduler:
         quiet = (self.decode_steps > 1 and not self.loading
                  and (not len(self.waiting) or len(self.running) >= self.max_num_seqs))
         scheduled: dict[str, int] = {}  # request id -> tokens to run, in scheduling order
+        self.kv.take_registered()  # (registrations since the last step: computed KV, loads that landed)
         try:
-            return self._plan(out, budget, quiet, scheduled)
+            out = self._plan(out, budget, quiet, scheduled)
         except BaseException:
             # (a tier lookup, an allocation raised): blocks registered for the tokens planned so far will not be
             # computed; their hashes go, so that no later request hits them
-            for rid in scheduled:
-                req = self.requests.get(rid)
-                if req is not None:
-                    self.kv.forget_uncomputed(req, req.num_computed_tokens)
+            self.kv.unregister(self.kv.take_registered())
+            self._drafts = {}  # fitted already (and taken off their requests): none must reach a later step
             raise
+        registered = self.kv.take_registered()
+        if registered:  # until the step is done: a step that fails takes them back out (step_failed)
+            self._registered_by_step[id(out)] = registered
+        elif self._registered_by_step:
+            self._registered_by_step.pop(id(out), None)  # (a step never finished, whose id this one reuses)
+        return out
 
     def _plan(self, out: SchedulerOutput, budget: int, quiet: bool, scheduled: dict[str, int]) -> SchedulerOutput:
         """schedule()'s work: which requests run how many tokens (into `scheduled`), then the step's message."""
@@ -600,6 +608,8 @@ class Scheduler:
         stop are dropped); free finished requests. Returns the requests that got tokens, with the tokens
         they kept (finished requests included)."""
         touched = []
+        if self._registered_by_step:
+            self._registered_by_step.pop(id(out), None)  # its KV is written
         in_flight, requests, serials, placeholders = self.in_flight, self.requests, out.serials, out.placeholder_drafts
         for seq in out.seqs:
             rid = seq.request_id
@@ -647,6 +657,9 @@ class Scheduler:
         lose their hashes (their KV was never written: a later request with the same prefix would hit garbage,
         and the tiers would store it). A request id left marked in flight would keep a later request under
         that id from ever being scheduled without async scheduling (and never a preemption victim)."""
+        # whoever holds those blocks now (a request aborted while the step was in flight freed them, hashes and
+        # all; another request may have hit them in the same step)
+        dropped = self.kv.unregister(self._registered_by_step.pop(id(out), []))
         for seq in out.seqs:
             rid = seq.request_id
             left = self.in_flight.pop(rid, 1) - 1
@@ -658,7 +671,18 @@ class Scheduler:
             if seq.num_sampled_positions and self.async_scheduling and req.num_pending:
                 req.num_pending -= 1
             req.num_computed_tokens = min(req.num_computed_tokens, seq.start_pos)
-            self.kv.forget_uncomputed(req, req.num_computed_tokens)
+            # the worker's state may hold the lost step (blocks, placeholder tokens): send it whole next time
+            self._blocks_sent.pop(rid, None)
+            self._outputs_sent.pop(rid, None)
+        if dropped:  # a request that hit a dropped block in that step counts its tokens as computed: recompute
+            for req in self.running:
+                blocks = self.kv.req_blocks.get(req.request_id, ())
+                lost = next((i for i, b in enumerate(blocks[:req.num_computed_tokens // self.kv.block_size])
+                             if b.block_id in dropped), None)
+                if lost is not None:
+                    req.num_computed_tokens = lost * self.kv.block_size
+                    self._blocks_sent.pop(req.request_id, None)
+                    self._outputs_sent.pop(req.request_id, None)
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         sp, num_output = req.sampling_params, len(req.output_token_ids)
