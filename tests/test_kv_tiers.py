@@ -513,6 +513,16 @@ def test_an_id_reused_after_its_load_was_aborted_loads_again(llama_dir, plain_ou
     _check_idle(llm)
 
 
+def test_an_id_whose_aborted_load_has_not_reported_is_still_in_use(llama_dir):
+    """The scheduler tracks loads by request id until they report back: a new request under an id whose
+    aborted load is still out is refused (it would replace the first load's entry, whose blocks then leak)."""
+    from tokenmill.engine.request import Request
+    scheduler = make_llm(llama_dir, **POOL, kv_host_cache_gb=0.05).llm_engine.core.scheduler
+    scheduler.loading["q"] = Request("q", [5, 6, 7], GREEDY)  # as an aborted request whose load is still out
+    with pytest.raises(ValueError, match="already in use"):
+        scheduler.add_request(Request("q", [5, 6, 7], GREEDY))
+
+
 def test_late_load_falls_back_to_recompute(llama_dir, plain_outputs, caplog):
     llm = make_llm(llama_dir, **POOL, kv_host_cache_gb=0.05, kv_load_timeout_s=0.1)
     _with_slow_tier(llm, 0.05)  # 9 blocks: ~0.45 s, well past the deadline

@@ -127,7 +127,8 @@ class Scheduler:
 
     # -- admission -------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        if req.request_id in self.requests:
+        # (an aborted request whose tier load has not reported back still holds its id: `loading` is by id)
+        if req.request_id in self.requests or req.request_id in self.loading:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
         self._num_added += 1
