@@ -34,6 +34,50 @@ def test_serve_rejects_a_bad_stream_interval_before_loading(llama_dir):
     assert res.returncode == 2 and "--stream-interval" in res.stderr and "Traceback" not in res.stderr
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--num-threads", "100000", "x"], "num_threads 100000 is far past"),  # torch segfaulted
+    (["generate", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 1000000000}', "x"],
+     "num_speculative_tokens must be an integer in [1, 64]"),  # hung building per-depth tables
+    (["generate", "--kv-cache-memory-gb", "inf", "x"], "must be a finite number"),
+    (["generate", "--num-kv-blocks", "0", "x"], "num_kv_blocks must be a positive integer"),
+    (["serve", "--port", "70000"], "must be a TCP port"),  # it listened on 70000 - 65536
+    (["serve", "--max-waiting-requests", "0"], "must be >= 1"),  # every request got a 400
+    (["serve", "--max-request-body-bytes", "-1"], "must be >= 1"),
+    (["serve", "--host", "999.1.1.1"], "does not resolve"),  # after minutes of loading
+    (["serve", "TAKEN"], "cannot listen on"),
+    (["serve", "NO_WEIGHTS"], "the engine did not start: ValueError: no model.safetensors"),  # three tracebacks
+    (["bench", "comm", "--sizes", "0B..64MiB"], "--sizes"),  # looped for ever
+    (["bench", "comm", "--iters", "0"], "must be >= 1"),
+    (["bench", "serve", "--num-prompts", "0"], "must be >= 1"),
+])
+def test_cli_refuses_bad_settings_with_one_line(llama_dir, tmp_path, capsys, argv, message):
+    """Settings that crashed, hung or failed late (after loading, or after a whole benchmark) get one line
+    and exit code 2 before anything runs."""
+    import shutil
+    import socket
+
+    from tokenmill.entrypoints.cli import main
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    if argv[-1] == "TAKEN":
+        argv = ["serve", "--model", llama_dir, "--port", str(taken.getsockname()[1])]
+    elif argv[-1] == "NO_WEIGHTS":
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(f"{llama_dir}/{name}", tmp_path / name)
+        argv = ["serve", "--model", str(tmp_path), "--port", "0"]
+    elif argv[0] in ("generate", "serve"):
+        argv = [argv[0], "--model", llama_dir, *argv[1:]]
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    finally:
+        taken.close()
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err, err
+
+
 def test_chat_applies_template(llama_dir):
     llm = make_llm(llama_dir)
     tok = llm.get_tokenizer()

@@ -302,9 +302,17 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.num_kv_blocks is not None and (isinstance(self.num_kv_blocks, bool)
+                                               or not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
+            raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
+        cores = os.cpu_count() or 1
+        if self.num_threads is not None and self.num_threads > 8 * cores:  # (torch crashes on 100,000)
+            raise ValueError(f"num_threads {self.num_threads} is far past this machine's {cores} CPUs "
+                             f"(at most {8 * cores})")
         gb = self.kv_cache_memory_gb
-        if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb > 0):
-            raise ValueError(f"kv_cache_memory_gb must be > 0 (leave it unset for the default), got {gb!r}")
+        if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 < gb < float("inf")):
+            raise ValueError(f"kv_cache_memory_gb must be a finite number > 0 (leave it unset for the default), "
+                             f"got {gb!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2 ** 63 <= self.seed < 2 ** 64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64) (torch's), got {self.seed!r}")
 

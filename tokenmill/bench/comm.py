@@ -21,6 +21,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from tokenmill.entrypoints.openai.cli_args import positive_int
+
 UNITS = {"B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
          "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
 OPS = ("all_reduce", "all_gather", "send_recv", "shm_all_reduce", "shm_all_gather")
@@ -39,6 +41,8 @@ def parse_sizes(s: str) -> list[int]:
     """'8B..64MiB' (powers of 4 from the first to the last) or a comma list."""
     if ".." in s:
         lo, hi = (parse_size(x) for x in s.split(".."))
+        if lo < 1:
+            raise ValueError(f"--sizes: a range must start at 1 byte or more, got {s!r}")
         out = []
         while lo <= hi:
             out.append(lo)
@@ -180,14 +184,14 @@ def _child_argv(args, rank: int) -> list[str]:
 
 
 def add_comm_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--world-size", type=int, default=2, help="ranks in all")
+    p.add_argument("--world-size", type=positive_int, default=2, help="ranks in all")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl with CUDA, else gloo")
     p.add_argument("--sizes", type=parse_sizes, default="8B..64MiB", help="'8B..64MiB' (x4 steps) or a list")
     p.add_argument("--ops", type=lambda s: [o for o in s.split(",") if o], default=",".join(OPS[:3]),
                    help=f"any of {', '.join(OPS)}")
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=positive_int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--nnodes", type=positive_int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, default=0)

@@ -17,6 +17,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenmill.entrypoints.openai.cli_args import positive_int
+
 _WORDS = ("the quick brown fox jumps over a lazy dog while seven bold wizards quietly judge "
           "every sphinx of black quartz near my big vow").split()
 LONG_DOC_TEXT = Path(__file__).resolve().parent.parent / "assets" / "eval" / "shakespeare_valid.txt"
@@ -300,7 +302,7 @@ def add_dataset_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--dataset-name", default="random", choices=sorted(DATASETS))
     g.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON (sharegpt); text file (long-document)")
-    g.add_argument("--num-prompts", type=int, default=100)
+    g.add_argument("--num-prompts", type=positive_int, default=100)
     g.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=256)
     g.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=None,
                    help="output tokens per request (default 128; sharegpt: the reply's length)")

@@ -193,6 +193,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
         gc.freeze()
         proc.run()
     except BaseException as e:
+        if proc is None and isinstance(e, ValueError):  # a bad model or setting found at startup: the parent
+            logger.debug("engine core did not start:\n%s", traceback.format_exc())  # prints it as one line
+            time.sleep(0.1)  # (CoreDead, sent by CoreProc, on its way)
+            raise SystemExit(1) from None
         logger.error("engine core died:\n%s", traceback.format_exc())
         if proc is not None:
             try:  # the reason without the traceback: clients see it (the log has the rest)

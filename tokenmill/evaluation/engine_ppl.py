@@ -29,6 +29,8 @@ def evaluate_perplexity(model: str, text_path: str | None = None, dtype: str = "
         for pos in range(1, len(w)):
             nll -= out.prompt_logprobs[pos][w[pos]].logprob
             count += 1
+    if not count:
+        raise ValueError(f"no tokens to score in {text_path or DEFAULT_TEXT} (it needs at least two)")
     mean = nll / count
     return {"model": model, "text": str(text_path or DEFAULT_TEXT), "window": window, "tokens": count,
             "nll": mean, "ppl": math.exp(mean), "dtype": dtype}

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
+# drafts per step: more is never accepted in practice, and the per-depth bookkeeping grows with k
+MAX_SPECULATIVE_TOKENS = 64
 METHODS = ("ngram", "draft_model")
 
 
@@ -49,8 +51,8 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(METHODS)}; got {self.method!r}")
         k = self.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config method 'draft_model' needs 'model' (a local model directory)")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max

@@ -8,6 +8,7 @@ import asyncio
 import gc
 import logging
 import os
+import socket
 import time
 
 import msgspec
@@ -22,6 +23,7 @@ from tokenmill.engine.input_processor import compile_chat_template
 from tokenmill.config import DEFAULT_MODEL, EngineConfig
 from tokenmill.entrypoints.openai.dashboard import add_dashboard_routes
 from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.core_client import EngineDeadError
 from tokenmill.entrypoints.openai.errors import APIError, error_response, validation_message
 from tokenmill.entrypoints.openai.guard import GuardMiddleware, RequestIdHeader
 from tokenmill.entrypoints.openai.http_protocol import http_protocol
@@ -191,6 +193,21 @@ def _detokenize(engine: AsyncLLM, tokens: list[int]) -> str:
     return (getattr(tok, "_decode", None) or tok.decode)(tokens)
 
 
+def _check_listen_address(host: str, port: int) -> None:
+    """ValueError where the server could not listen: a host that does not resolve, a port taken."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host {host!r} does not resolve: {e}") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 async def serve(args) -> int:
     from tokenmill.engine.arg_utils import engine_kwargs
 
@@ -202,10 +219,14 @@ async def serve(args) -> int:
     # like vLLM, the model argument is the default name; the shipped model gets its short name
     default = os.path.basename(DEFAULT_MODEL) if os.path.abspath(args.model) == DEFAULT_MODEL else args.model
     names = args.served_model_name or [default]
+    _check_listen_address(args.host, args.port)  # before minutes of loading
     engine = AsyncLLM(config, max_waiting_requests=args.max_waiting_requests, served_model_name=names[0],
                       log_requests=not args.disable_log_requests, stream_interval=args.stream_interval)
     try:
-        await engine.start()
+        try:
+            await engine.start()
+        except EngineDeadError as e:  # a bad model or setting the core found: one line, not its traceback
+            raise ValueError(f"the engine did not start: {e}") from None
         engine.input_processor.chat_template = chat_template
         state = ServerState(engine, names)
         state.chat.tool_parser = args.tool_call_parser if args.enable_auto_tool_choice else None

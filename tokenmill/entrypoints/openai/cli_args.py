@@ -5,30 +5,37 @@ from __future__ import annotations
 import argparse
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535], got {value}")
+    return value
+
+
 def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use; the first is reported in responses (default: --model)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health, /metrics, /version and "
                         "the API docs (or set TOKENMILL_API_KEY)")
-    p.add_argument("--max-waiting-requests", type=int, default=1024,
+    p.add_argument("--max-waiting-requests", type=positive_int, default=1024,
                    help="sequences admitted but not yet producing tokens; beyond it requests get 429")
-    p.add_argument("--max-request-body-bytes", type=int, default=8 << 20, help="larger bodies get 413")
+    p.add_argument("--max-request-body-bytes", type=positive_int, default=8 << 20, help="larger bodies get 413")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish; past it they end with a 503 error")
     p.add_argument("--keep-alive-on-engine-death", action="store_true",
                    help="when the engine core dies, keep answering 503 until stopped instead of exiting with "
                         "code 1 (vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH)")
-    p.add_argument("--stream-interval", type=_positive_int, default=1,
+    p.add_argument("--stream-interval", type=positive_int, default=1,
                    help="tokens per streamed chunk (the first tokens go out at once, the last chunk may have fewer); more tokens per chunk cost the API "
                         "process less CPU per token at the price of burstier streams")
     p.add_argument("--chat-template", default=None,
