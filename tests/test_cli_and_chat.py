@@ -37,7 +37,7 @@ def test_serve_rejects_a_bad_stream_interval_before_loading(llama_dir):
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--num-threads", "100000", "x"], "num_threads 100000 is far past"),  # torch segfaulted
     (["generate", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 1000000000}', "x"],
-     "num_speculative_tokens must be an integer in [1, 64]"),  # hung building per-depth tables
+     "num_speculative_tokens must be an integer >= 1 and <= 64"),  # hung building per-depth tables
     (["generate", "--kv-cache-memory-gb", "inf", "x"], "must be a finite number"),
     (["generate", "--num-kv-blocks", "0", "x"], "num_kv_blocks must be a positive integer"),
     (["serve", "--port", "70000"], "must be a TCP port"),  # it listened on 70000 - 65536
@@ -49,6 +49,10 @@ def test_serve_rejects_a_bad_stream_interval_before_loading(llama_dir):
     (["bench", "comm", "--sizes", "0B..64MiB"], "--sizes"),  # looped for ever
     (["bench", "comm", "--iters", "0"], "must be >= 1"),
     (["bench", "serve", "--num-prompts", "0"], "must be >= 1"),
+    (["bench", "serve", "--output-len", "0"], "must be >= 1"),  # silently 128
+    (["eval", "ppl", "--window", "0"], "must be >= 1"),  # silently max_model_len
+    (["generate", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "adaptive": "no"}',
+      "x"], "adaptive must be true or false"),  # read as true
 ])
 def test_cli_refuses_bad_settings_with_one_line(llama_dir, tmp_path, capsys, argv, message):
     """Settings that crashed, hung or failed late (after loading, or after a whole benchmark) get one line

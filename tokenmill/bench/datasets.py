@@ -304,7 +304,7 @@ def add_dataset_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     g.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON (sharegpt); text file (long-document)")
     g.add_argument("--num-prompts", type=positive_int, default=100)
     g.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=256)
-    g.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=None,
+    g.add_argument("--output-len", "--random-output-len", dest="output_len", type=positive_int, default=None,
                    help="output tokens per request (default 128; sharegpt: the reply's length)")
     g.add_argument("--random-range-ratio", type=float, default=0.0)
     g.add_argument("--prefix-len", type=int, default=256)

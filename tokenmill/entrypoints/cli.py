@@ -7,6 +7,7 @@ import os
 import sys
 
 from tokenmill.engine.arg_utils import add_engine_args, bare_flags_take_const, engine_kwargs
+from tokenmill.entrypoints.openai.cli_args import positive_int
 
 
 # what `generate` samples with where neither a flag nor the model's generation_config.json says
@@ -133,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     esub = e.add_subparsers(dest="eval_command", required=True)
     ppl = esub.add_parser("ppl", help="perplexity on held-out text")
     ppl.add_argument("--text", default=None, help="text file (default: the shipped Shakespeare validation text)")
-    ppl.add_argument("--window", type=int, default=None, help="tokens per window (default: max_model_len)")
+    ppl.add_argument("--window", type=positive_int, default=None, help="tokens per window (default: max_model_len)")
     add_engine_args(ppl, dtype="float32")  # scores compare with the model cards' float32 figures
     ppl.set_defaults(func=cmd_eval_ppl)
 

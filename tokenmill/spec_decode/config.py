@@ -48,11 +48,14 @@ class SpeculativeConfig:
         return cfg
 
     def validate(self) -> None:
+        if not isinstance(self.adaptive, bool):  # ("no" would read as true)
+            raise ValueError(f"speculative_config adaptive must be true or false, got {self.adaptive!r}")
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(METHODS)}; got {self.method!r}")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1 and <= {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {k!r}")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config method 'draft_model' needs 'model' (a local model directory)")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
