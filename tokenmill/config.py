@@ -298,13 +298,10 @@ class EngineConfig:
     def _check_sizes(self) -> None:
         """Sizes that would fail deep in torch, or hang: a step budget of 0 schedules nothing, ever."""
         for name in ("block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_threads",
-                     "tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+                     "tensor_parallel_size", "pipeline_parallel_size", "nnodes", "num_kv_blocks"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.num_kv_blocks is not None and (isinstance(self.num_kv_blocks, bool)
-                                               or not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
-            raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
         cores = os.cpu_count() or 1
         if self.num_threads is not None and self.num_threads > 8 * cores:  # (torch crashes on 100,000)
             raise ValueError(f"num_threads {self.num_threads} is far past this machine's {cores} CPUs "

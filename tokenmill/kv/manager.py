@@ -174,17 +174,18 @@ class KVCacheManager:
         out, self._registered = self._registered, []
         return out
 
-    def unregister(self, registered: list[tuple[KVBlock, bytes]]) -> set[int]:
+    def unregister(self, registered: list[tuple[KVBlock, bytes]]) -> dict[str, int]:
         """A failed step's registrations leave the prefix cache (where the block still holds that hash), whoever
-        holds the blocks now. Returns the ids of the blocks that lost their hash."""
+        holds the blocks now. Returns, per request holding one of them, the index of its first such block."""
         dropped = {b.block_id for b, h in registered if self.pool.uncache_if(b, h)}
+        lost = {}
         if dropped:
             for rid, blocks in self.req_blocks.items():
                 n = self._num_cached.get(rid, 0)
                 first = next((i for i in range(n) if blocks[i].block_id in dropped), n)
                 if first < n:
-                    self._num_cached[rid] = first  # registered again once it has recomputed them
-        return dropped
+                    self._num_cached[rid] = lost[rid] = first  # registered again once it has recomputed them
+        return lost
 
     def cache_written(self, req: Request, num_tokens: int) -> None:
         """Register the full blocks among the first `num_tokens` tokens, whose KV is written and whose ids are

@@ -156,8 +156,7 @@ class Scheduler:
         else:
             self.kv.free(req)
         del self.requests[req.request_id]
-        self._blocks_sent.pop(req.request_id, None)
-        self._outputs_sent.pop(req.request_id, None)
+        self._forget_sent(req.request_id)
         self._finished_since_last_step.append(req.request_id)
         if self.spec is not None:
             self.spec.release(req.request_id)
@@ -472,8 +471,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self.kv.free(req, num_valid_tokens=req.num_computed_tokens)  # before this step's tokens: never run
-        self._blocks_sent.pop(req.request_id, None)
-        self._outputs_sent.pop(req.request_id, None)
+        self._forget_sent(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids, req.spec_placeholders = [], False
@@ -660,7 +658,7 @@ class Scheduler:
         that id from ever being scheduled without async scheduling (and never a preemption victim)."""
         # whoever holds those blocks now (a request aborted while the step was in flight freed them, hashes and
         # all; another request may have hit them in the same step)
-        dropped = self.kv.unregister(self._registered_by_step.pop(id(out), []))
+        lost = self.kv.unregister(self._registered_by_step.pop(id(out), []))
         for seq in out.seqs:
             rid = seq.request_id
             left = self.in_flight.pop(rid, 1) - 1
@@ -672,18 +670,17 @@ class Scheduler:
             if seq.num_sampled_positions and self.async_scheduling and req.num_pending:
                 req.num_pending -= 1
             req.num_computed_tokens = min(req.num_computed_tokens, seq.start_pos)
-            # the worker's state may hold the lost step (blocks, placeholder tokens): send it whole next time
-            self._blocks_sent.pop(rid, None)
-            self._outputs_sent.pop(rid, None)
-        if dropped:  # a request that hit a dropped block in that step counts its tokens as computed: recompute
-            for req in self.running:
-                blocks = self.kv.req_blocks.get(req.request_id, ())
-                lost = next((i for i, b in enumerate(blocks[:req.num_computed_tokens // self.kv.block_size])
-                             if b.block_id in dropped), None)
-                if lost is not None:
-                    req.num_computed_tokens = lost * self.kv.block_size
-                    self._blocks_sent.pop(req.request_id, None)
-                    self._outputs_sent.pop(req.request_id, None)
+            self._forget_sent(rid)  # the worker's copy may hold the lost step (blocks, placeholder tokens)
+        for rid, block in lost.items():  # a request that hit a dropped block in that step: it recomputes it
+            req = self.requests.get(rid)
+            if req is not None and block * self.kv.block_size < req.num_computed_tokens:
+                req.num_computed_tokens = block * self.kv.block_size
+                self._forget_sent(rid)
+
+    def _forget_sent(self, rid: str) -> None:
+        """The worker gets the request whole at its next step (NewRequestData), its own copy replaced."""
+        self._blocks_sent.pop(rid, None)
+        self._outputs_sent.pop(rid, None)
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         sp, num_output = req.sampling_params, len(req.output_token_ids)
