@@ -213,3 +213,20 @@ def test_cli_quantize_end_to_end(tiny, calib, tmp_path, capsys):
     assert json.loads((tmp_path / "rtn8" / "config.json").read_text())["quantization_config"] == W8
     assert cli.main(["quantize", "--output", str(tmp_path / "bad"), "--group-size", "128"]) == 2
     assert "mlp.down_proj" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("widths,group", [((256, 704), 64), ((256, 512), 128), ((96, 160), 32)])
+def test_an_unset_group_size_is_128_or_the_largest_that_fits(widths, group):
+    hidden, inter = widths
+    shapes = {"self_attn.q_proj": (hidden, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}
+    opts = ac.QuantizeOptions(method="rtn")
+    ac.check_shapes(shapes, opts)
+    assert opts.group_size == group
+
+
+def test_the_cli_quantizes_the_shipped_model_with_its_defaults(tmp_path):
+    from tokenmill.entrypoints.cli import main
+
+    assert main(["quantize", "--output", str(tmp_path / "q"), "--method", "rtn"]) == 0
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert qc["group_size"] == 64 and qc["bits"] == 4  # 704-wide MLP: 128 does not divide it

@@ -108,7 +108,9 @@ def add_quantize_parser(sub) -> None:
     q.add_argument("--output", required=True, help="new (or empty) output directory")
     q.add_argument("--method", choices=["awq", "rtn"], default="awq", help="rtn: round-to-nearest, no calibration")
     q.add_argument("--bits", type=int, default=4, help="4 (AutoAWQ GEMM) or 8 (tokenmill-w8)")
-    q.add_argument("--group-size", type=int, default=128, help="4-bit quantization group along K: 32, 64 or 128")
+    q.add_argument("--group-size", type=int, default=None,
+                   help="4-bit quantization group along K: 32, 64 or 128 (default: 128, or the largest that "
+                        "divides every layer's input)")
     q.add_argument("--calib-data", default=None,
                    help="calibration text (.txt, or .jsonl with a \"text\" field); default: the shipped "
                         "sample of the tiny model's training split")

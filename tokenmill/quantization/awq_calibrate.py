@@ -77,7 +77,7 @@ class QuantizeOptions:
 
     method: str = "awq"
     bits: int = 4
-    group_size: int = 128
+    group_size: int | None = None  # None: 128, or the largest supported size that divides every layer
     calib_data: str | None = None  # None: the shipped training-split sample
     num_samples: int = 128
     seq_len: int = 512
@@ -104,7 +104,7 @@ def check_options(opts: QuantizeOptions) -> None:
         raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {opts.method!r}")
     if opts.bits not in (4, 8):
         raise ValueError(f"--bits must be 4 or 8, got {opts.bits}")
-    if opts.bits == 4 and opts.group_size not in SUPPORTED_GROUP_SIZES:
+    if opts.bits == 4 and opts.group_size is not None and opts.group_size not in SUPPORTED_GROUP_SIZES:
         raise ValueError(f"--group-size must be one of {', '.join(map(str, SUPPORTED_GROUP_SIZES))} for 4-bit, "
                          f"got {opts.group_size}")
     if opts.method == "awq":
@@ -127,12 +127,21 @@ def linear_shapes(hf_config) -> dict[str, tuple[int, int]]:
     return {name: tuple(layer.get_submodule(name).weight.shape) for name in LINEARS}
 
 
+def fitting_group_sizes(shapes: dict[str, tuple[int, int]]) -> list[int]:
+    return [g for g in SUPPORTED_GROUP_SIZES if all(k % g == 0 for _, k in shapes.values())]
+
+
 def check_shapes(shapes: dict[str, tuple[int, int]], opts: QuantizeOptions) -> None:
+    """Also settles a group size left unset: AutoAWQ's 128 where every layer's input divides by it, else the
+    largest supported size that fits (the shipped model's MLP width, 704, takes 64)."""
     if opts.bits != 4:
         return
+    if opts.group_size is None:
+        fits = fitting_group_sizes(shapes)
+        opts.group_size = fits[-1] if fits else max(SUPPORTED_GROUP_SIZES)
     for name, (n, k) in shapes.items():
         if k % opts.group_size:
-            fits = [g for g in SUPPORTED_GROUP_SIZES if all(kk % g == 0 for _, kk in shapes.values())]
+            fits = fitting_group_sizes(shapes)
             raise ValueError(f"{name} (weight [{n}, {k}] in every decoder layer) has {k} input features, not a "
                              f"multiple of --group-size {opts.group_size}; group sizes that fit this model: "
                              f"{', '.join(map(str, fits)) or 'none'}")
