@@ -301,3 +301,58 @@ def test_16_bit_grey_images_are_scaled_not_clipped_to_white():
     Image.fromarray(grey).save(buf, format="PNG")
     assert np.array_equal(np.asarray(to_rgb(Image.open(io.BytesIO(buf.getvalue())))), want)  # as a PNG reads
     assert np.array_equal(np.asarray(to_rgb(eight)), want)  # 8-bit grey unchanged
+
+
+def _fail_once(owner, name: str, when=lambda *a: True):
+    """`owner.name` raises RuntimeError("injected failure") the first time `when(*args)` holds; returns a
+    list that records that it did."""
+    real, fired = getattr(owner, name), []
+
+    def flaky(*args, **kw):
+        if not fired and when(*args):
+            fired.append(True)
+            raise RuntimeError("injected failure")
+        return real(*args, **kw)
+    setattr(owner, name, flaky)
+    return fired
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("where", ["encode", "prepare", "prefetch", "schedule"])
+def test_the_engine_carries_on_after_a_failed_step_that_was_to_encode_an_image(llava_dirs, where, async_scheduling):
+    """A step that was to encode an image fails (the encoder raised; or the step failed before the worker
+    heard of the image; or, with overlap, the encoder thread raised; or the schedule raised after planning the
+    encode). The scheduler's ledger of the encoder cache said the image was cached (or pending for ever):
+    every later step that needed its rows failed, or its request waited for ever. A caller that carries on
+    gets the tokens of a run without the failure."""
+    path, _ = llava_dirs["llama"]
+    prompts = [_req(mm_prompt(110 + i, [3 + i, 5]), [random_image(111 + i)]) for i in range(3)]
+    alone = make_llm(path, mm_encoder_overlap=False)
+    expected = [alone.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    llm = make_llm(path, mm_encoder_overlap=where == "prefetch", max_num_seqs=2, async_scheduling=async_scheduling)
+    engine = llm.llm_engine
+    runner, sched = engine.core.runner, engine.core.scheduler
+    if where == "encode":
+        fired = _fail_once(runner.encoder, "_encode")
+    elif where == "prepare":
+        fired = _fail_once(runner, "prepare_batch", lambda seqs, *a: any(s.num_new_tokens > 1 for s in seqs))
+    elif where == "prefetch":  # the third request waits for a seat: its image goes to the encoder thread
+        fired = _fail_once(runner.encoder, "_encode", lambda items: items[0].hash == engine_hash[0])
+    else:
+        fired = _fail_once(sched, "_plan_drafts", lambda scheduled: sched.encoder._step_items)
+    ids, done, engine_hash = [], {}, []
+    for p in prompts:
+        ids.append(engine.add_request(None, p, GREEDY))
+    engine_hash.append(sched.requests[ids[2]].mm_items[0].hash)
+    for _ in range(300):
+        try:
+            outs = engine.step()
+        except RuntimeError as e:
+            assert "injected failure" in str(e)
+            continue
+        done.update({o.request_id: o.outputs[0].token_ids for o in outs if o.finished})
+        if not engine.has_unfinished_requests():
+            break
+    assert fired
+    assert [done.get(i) for i in ids] == expected
+    engine.check_invariants()

@@ -187,7 +187,7 @@ class EngineCore:
         if xfer is not None:
             self.scheduler.finish_loads(xfer.poll())
         if encoder is not None:
-            self.scheduler.finish_encodes(encoder.poll())
+            self.scheduler.finish_encodes(*encoder.poll())
         sched = self.scheduler.schedule()
         if xfer is not None:
             try:
@@ -204,7 +204,11 @@ class EngineCore:
             if xfer is not None:  # write-through copies of blocks earlier steps filled (no forward to wait for)
                 xfer.store(sched.kv_backups)
             if encoder is not None:  # no forward this step to hand the encoder its orders (prefetches, frees,
-                encoder.apply(sched)  # encodes of requests preempted in this schedule): they must not be lost
+                try:  # encodes of requests preempted in this schedule): they must not be lost
+                    encoder.apply(sched)
+                except BaseException:
+                    self.scheduler.step_failed(sched)
+                    raise
             if self._deferred is not None:
                 return self._finish_deferred()
             if self._in_flight:
@@ -214,7 +218,7 @@ class EngineCore:
             if xfer is not None and xfer.num_in_flight:
                 xfer.wait(0.01)  # only loads are in flight: sleep until one lands instead of spinning
             if encoder is not None and encoder.num_in_flight:  # only encodes are in flight: sleep until one lands
-                self.scheduler.finish_encodes(encoder.poll(wait_s=0.01))
+                self.scheduler.finish_encodes(*encoder.poll(wait_s=0.01))
             if self.grammar_wait.waiting:  # only grammars are compiling: sleep until one is done
                 return self._admit_compiled(wait_s=0.01)
             return []

@@ -49,6 +49,17 @@ class EncoderCacheManager:
             self.pending.add(h)
         self.ref(h, request_id)
 
+    def drop(self, h: str) -> None:
+        """Forget an image whatever refers to it (its encode may never have run): whoever needs its rows
+        encodes it again, and the worker frees what it holds of it."""
+        if h in self.entries:
+            self.pending.discard(h)
+            self._evict(h)
+
+    def free_again(self, hashes) -> None:
+        """Evictions whose order never reached the worker; an image added back since keeps its new rows."""
+        self._freed.extend(h for h in hashes if h not in self.entries)
+
     def _evict(self, h: str) -> None:
         self.used -= self.entries.pop(h)
         self.refs.pop(h, None)

@@ -27,6 +27,7 @@ class EncoderScheduler:
         self._step_hashes: set[str] = set()  # images encoded inline in this step
         self._step_items: list[MultiModalItem] = []
         self._prefetch: list[MultiModalItem] = []
+        self._inline_only: set[str] = set()  # images the encoder thread failed on: encoded in a step instead
 
     def begin_step(self) -> None:
         self._left = self.budget
@@ -68,6 +69,7 @@ class EncoderScheduler:
                 self.cache.ref(h, req.request_id)
                 continue
             self.cache.add(h, item.length, req.request_id)
+            self._inline_only.discard(h)
             self._step_hashes.add(h)
             self._step_items.append(item)
             self._left -= item.length
@@ -94,6 +96,8 @@ class EncoderScheduler:
             if item.hash in self.cache.entries:
                 self.cache.ref(item.hash, req.request_id)
                 continue
+            if item.hash in self._inline_only:
+                continue
             if not self.cache.room_for(item.length + self.budget):
                 return
             self.cache.add(item.hash, item.length, req.request_id, pending=True)
@@ -102,6 +106,25 @@ class EncoderScheduler:
     def take_prefetch(self) -> list[MultiModalItem]:
         items, self._prefetch = self._prefetch, []
         return items
+
+    def abandon(self, encodes: list[MultiModalItem], prefetches: list[MultiModalItem], frees: list[str]) -> None:
+        """A step that failed (or a schedule that raised) may never have reached the worker's encoder: the
+        images it ordered leave the ledger, to be encoded again when needed (rows the worker did make are
+        freed at the next step), and the rows it was to free are freed at the next step."""
+        self.cache.free_again(frees)
+        for item in encodes + prefetches:
+            self.cache.drop(item.hash)
+
+    def abandon_schedule(self) -> None:
+        """schedule() raised: nothing it planned reaches the worker (its evictions still do)."""
+        self.abandon(self.take_step_encodes(), self.take_prefetch(), [])
+
+    def prefetch_failed(self, hashes: list[str]) -> None:
+        """The encoder thread raised on these images: they are encoded in a step instead, where an error
+        fails that step and reaches its requests (a retry in the thread could fail unseen for ever)."""
+        for h in hashes:
+            self.cache.drop(h)
+        self._inline_only.update(hashes)
 
     def advance(self, req: Request) -> None:
         """Images whose placeholders were all computed by earlier steps no longer need their rows (the ones

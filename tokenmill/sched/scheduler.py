@@ -207,6 +207,8 @@ class Scheduler:
             # computed; their hashes go, so that no later request hits them
             self.kv.unregister(self.kv.take_registered())
             self._drafts = {}  # fitted already (and taken off their requests): none must reach a later step
+            if self.encoder is not None:
+                self.encoder.abandon_schedule()
             raise
         registered = self.kv.take_registered()
         if registered:  # until the step is done: a step that fails takes them back out (step_failed)
@@ -306,10 +308,12 @@ class Scheduler:
         out.encoder_prefetch = self.encoder.take_prefetch()
         out.encoder_frees = self.encoder.cache.take_freed()
 
-    def finish_encodes(self, hashes: list[str]) -> None:
-        """Images the encoder thread finished: their rows are on the worker now."""
+    def finish_encodes(self, hashes: list[str], failed: list[str] = ()) -> None:
+        """Images the encoder thread finished: their rows are on the worker now (or it raised on them)."""
         if hashes:
             self.encoder.cache.finish_pending(hashes)
+        if failed:
+            self.encoder.prefetch_failed(list(failed))
 
     def _may_admit(self) -> bool:
         """Whether waiting requests may join this step (always, under continuous batching)."""
@@ -654,11 +658,14 @@ class Scheduler:
         """`out` never ran (the model raised; the caller aborts what it held): its requests are no longer in
         flight for it, their tokens count as not computed again, and the blocks registered for those tokens
         lose their hashes (their KV was never written: a later request with the same prefix would hit garbage,
-        and the tiers would store it). A request id left marked in flight would keep a later request under
+        and the tiers would store it). The images it was to encode leave the encoder cache's ledger (the worker
+        may never have made their rows). A request id left marked in flight would keep a later request under
         that id from ever being scheduled without async scheduling (and never a preemption victim)."""
         # whoever holds those blocks now (a request aborted while the step was in flight freed them, hashes and
         # all; another request may have hit them in the same step)
         lost = self.kv.unregister(self._registered_by_step.pop(id(out), []))
+        if self.encoder is not None:
+            self.encoder.abandon(out.encoder_inputs, out.encoder_prefetch, out.encoder_frees)
         for seq in out.seqs:
             rid = seq.request_id
             left = self.in_flight.pop(rid, 1) - 1

@@ -3,7 +3,8 @@
     scheduler says                      here
     encoder_frees: [hash]            -> drop those rows
     encoder_prefetch: [item]         -> encode in the encoder thread (overlaps the decode steps that run
-                                        meanwhile); poll() hands finished hashes back to the scheduler
+                                        meanwhile); poll() hands finished (and failed) hashes back to the
+                                        scheduler
     encoder_inputs: [item]           -> encode before this step's forward, images batched by shape
     then                             -> inputs_embeds: token embeddings with each image's rows spliced in
 
@@ -12,6 +13,7 @@
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -21,6 +23,8 @@ import torch
 
 from tokenmill.device_copy import to_device
 from tokenmill.multimodal.inputs import MultiModalItem
+
+logger = logging.getLogger("tokenmill")
 
 
 class EncoderRunner:
@@ -46,22 +50,30 @@ class EncoderRunner:
     def free(self, hashes: list[str]) -> None:
         for h in hashes:
             self.cache.pop(h, None)
+            self._futures.pop(h, None)  # (a prefetch the scheduler gave up on: its rows are never wanted)
 
     def prefetch(self, items: list[MultiModalItem]) -> None:
         for item in items:
             self._futures[item.hash] = self._pool.submit(self._encode_aside, [item])
         self.images_prefetched += len(items)
 
-    def poll(self, wait_s: float = 0.0) -> list[str]:
-        """Hashes the encoder thread finished since the last poll (their rows are in the cache now)."""
+    def poll(self, wait_s: float = 0.0) -> tuple[list[str], list[str]]:
+        """Hashes the encoder thread finished since the last poll (their rows are in the cache now), and
+        those it raised on (logged here; the scheduler has them encoded in a step instead)."""
         if not self._futures:
-            return []
+            return [], []
         if wait_s:
             wait(list(self._futures.values()), timeout=wait_s, return_when=FIRST_COMPLETED)
-        done = [h for h, f in self._futures.items() if f.done()]
-        for h in done:
-            self.cache.update(self._futures.pop(h).result())
-        return done
+        done, failed = [], []
+        for h in [h for h, f in self._futures.items() if f.done()]:
+            try:
+                self.cache.update(self._futures.pop(h).result())
+                done.append(h)
+            except Exception as e:
+                logger.warning("the encoder thread failed on image %s (%s: %s); it is encoded in a step instead",
+                               h[:12], type(e).__name__, e)
+                failed.append(h)
+        return done, failed
 
     @property
     def num_in_flight(self) -> int:
