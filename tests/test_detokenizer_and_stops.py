@@ -49,6 +49,29 @@ def test_slow_tokenizers_decode_incrementally_too(tok, stop):
     assert d.output_text == (text if stop is None else "To be, or ")
 
 
+@pytest.mark.parametrize("slow", [False, True])
+def test_a_prompt_cut_inside_a_character_gives_only_the_output_s_text(slow):
+    """A token-id prompt that ends inside a character (an earlier output cut by max_tokens, sent back as the
+    prompt): the output is the completed character and what follows, never prompt text (the fast path gave
+    ' 你好' for '好') and never less (the slow path lost '好')."""
+    from transformers import AutoTokenizer
+    from tokenmill.config import DEFAULT_MODEL
+
+    shipped = AutoTokenizer.from_pretrained(DEFAULT_MODEL)  # byte-level BPE: CJK characters are split
+    ids = shipped.encode("ROMEO: 你好 and 🙂 ok", add_special_tokens=False)
+    text, cuts = shipped.decode(ids), 0
+    for cut in range(1, len(ids)):
+        prompt_text = shipped.decode(ids[:cut])
+        if not prompt_text.endswith("\ufffd"):
+            continue
+        cuts += 1
+        d = IncrementalDetokenizer(_SlowTokenizer(shipped) if slow else shipped, ids[:cut])
+        for t in ids[cut:]:
+            d.update([t])
+        assert d.output_text == text[len(prompt_text.rstrip("\ufffd")):], cut
+    assert cuts >= 3
+
+
 def test_split_multibyte_characters_are_held_back(tok):
     text = "龍🐉"  # not in the tokenizer's corpus: each character is several byte-level tokens
     ids = tok.encode(text)

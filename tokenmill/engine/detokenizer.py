@@ -2,7 +2,11 @@
 
 Fast tokenizers stream through `tokenizers`' DecodeStream, which holds back bytes until they form
 whole UTF-8 characters and handles merges across token boundaries. The stream is primed with the
-prompt's last tokens so the first generated token decodes in context (leading spaces)."""
+prompt's last tokens so the first generated token decodes in context (leading spaces). It is primed by
+stepping through them, not by DecodeStream(ids=...): that one reads a tail ending inside a character (a
+token-id prompt cut mid-character, e.g. an earlier output cut by max_tokens) as if the half character were
+whole, and then gave prompt text as output once the character was completed. Stepping holds the half
+character back, so only the completed character comes out."""
 from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
@@ -37,7 +41,12 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prompt_tail = list(prompt_token_ids[-_PRIME_TOKENS:])
         if self._backend is not None:
-            self._stream = DecodeStream(ids=self._prompt_tail, skip_special_tokens=skip_special_tokens)
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            for t in self._prompt_tail:
+                self._stream.step(self._backend, t)
+        else:  # the tail's text, less a half character it ends with (the output completes it, as above)
+            self._base_len = len(tokenizer.decode(self._prompt_tail, skip_special_tokens=skip_special_tokens)
+                                 .rstrip("\ufffd"))
 
     def _decode_next(self, token_id: int) -> str:
         if self._backend is not None:
@@ -45,8 +54,7 @@ class IncrementalDetokenizer:
         # slow tokenizers: decode the whole tail and take what is new
         self._ids.append(token_id)
         full = self.tokenizer.decode(self._prompt_tail + self._ids, skip_special_tokens=self._skip)
-        base = self.tokenizer.decode(self._prompt_tail, skip_special_tokens=self._skip)
-        new = full[len(base):][len(self.output_text):]
+        new = full[self._base_len:][len(self.output_text):]
         return "" if new.endswith("\ufffd") else new
 
     def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
