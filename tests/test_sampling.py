@@ -53,6 +53,16 @@ def test_filters_never_emit_excluded_tokens(kw):
         assert len(seen[i]) > 1 or len(allowed[i]) == 1
 
 
+def test_min_p_applies_before_top_p_as_in_vllm_v1():
+    """probs [.4, .3, .2, .1], top_p .5, min_p .6: min_p keeps {0, 1} (.3 >= .6 x .4), renormalized to
+    [.57, .43]; top_p .5 then keeps token 0 alone. The other order (top_p first) kept {0, 1}."""
+    logits = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log()
+    out = filter_logits(logits, torch.tensor([0]), torch.tensor([0.5]), torch.tensor([0.6]), False, True, True)
+    assert torch.isfinite(out[0]).tolist() == [True, False, False, False]
+    out = filter_logits(logits, torch.tensor([0]), torch.tensor([1.0]), torch.tensor([0.6]), False, False, True)
+    assert torch.isfinite(out[0]).tolist() == [True, True, False, False]
+
+
 def test_temperature_sampling_follows_softmax():
     """Chi-square goodness of fit of 20k draws against softmax(logits / T)."""
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -2.0]])

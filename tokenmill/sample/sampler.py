@@ -213,16 +213,18 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     (`topk`) instead of sorting the whole vocabulary (a sort of 150K logits per row costs milliseconds on a
     CPU): exact where every kept token is among them, i.e. every row has a top-k (W = the largest), or on a
     CPU where the W = CANDIDATES most likely tokens of each row without one hold its top-p mass (checked; if
-    not, the sort runs). Rows with neither filter are left as they are. `_sort_filter` is the oracle."""
+    not, the sort runs). Rows with neither filter are left as they are. `_sort_filter` is the oracle.
+    min_p goes first, as in vLLM v1 (top-k and top-p then see what it left: with both, top-p's mass is that of
+    the tokens min_p kept; min_p's own cut, relative to the most likely token, is the same in either order)."""
+    if use_min_p:
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     if (use_k or use_p) and ks is not None:
         narrowed = _top_w_filter(logits, top_k, top_p, ks, ps, use_k, use_p)
         if narrowed is not None:
             logits, use_k, use_p = narrowed, False, False
     if use_k or use_p:
         logits = _sort_filter(logits, top_k, top_p, use_k, use_p)
-    if use_min_p:
-        probs = logits.softmax(dim=-1)
-        logits = logits.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     return logits
 
 
