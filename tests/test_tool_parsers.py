@@ -3,6 +3,7 @@ tool calls, the same whole or streamed in any chunks; the server serves it behin
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -71,18 +72,54 @@ def test_whole_text_splits_into_content_and_calls(parser, text, content, calls):
     assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function" for c in got_calls)
 
 
+def _gather(deltas: list[dict]) -> list[dict]:
+    """The calls a client builds from streamed deltas, joining pieces by index (as OpenAI's SDK does). Checks that
+    each call's first piece carries its id, type and name, and the later ones only more arguments."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        for c in d.get("tool_calls", []):
+            if c["index"] not in calls:
+                assert c["id"].startswith("chatcmpl-tool-") and c["type"] == "function" and c["function"]["name"]
+                calls[c["index"]] = {"id": c["id"], "name": c["function"]["name"],
+                                     "arguments": c["function"]["arguments"], "pieces": 0}
+            else:
+                assert set(c) == {"index", "function"} and set(c["function"]) == {"arguments"}, c
+                calls[c["index"]]["arguments"] += c["function"]["arguments"]
+            calls[c["index"]]["pieces"] += bool(c["function"]["arguments"])
+    assert list(calls) == list(range(len(calls)))
+    return [calls[i] for i in range(len(calls))]
+
+
+def _named(calls: list[dict]) -> list[tuple[str, str]]:
+    """(name, arguments text) of a message's calls or _gather's."""
+    return [(c["function"]["name"], c["function"]["arguments"]) if "function" in c else (c["name"], c["arguments"])
+            for c in calls]
+
+
+def _stream(parser: str, chunks: list[str], parallel: bool = True) -> tuple[AutoToolCalls, list[dict]]:
+    tools = AutoToolCalls(parser, parallel)
+    return tools, [tools.stream_delta(0, chunk, k == len(chunks) - 1) for k, chunk in enumerate(chunks)]
+
+
+def _tokens(text: str) -> list[str]:
+    """Token-like pieces: a word or one other character, each with the whitespace before it (special tags come
+    in pieces too, which the parsers must hold back)."""
+    return re.findall(r"\s*(?:\w+|[^\w\s])|\s+$", text)
+
+
 @pytest.mark.parametrize("parser, text, content, calls", CASES)
 def test_any_chunking_of_a_stream_gives_the_whole_texts_calls(parser, text, content, calls):
-    """Every split into three chunks: the calls are the whole text's, each sent once, and the content sent is
-    the whole text's, exactly (held-back tag prefixes included, once it is clear they are text; whitespace
-    around calls only where there is other content)."""
+    """Every split into three chunks: the calls are the whole text's, each begun once (index, id, name) and its
+    argument pieces joined exactly into the whole text's arguments; the content sent is the whole text's, exactly
+    (held-back tag prefixes included, once it is clear they are text; whitespace around calls only where there is
+    other content)."""
+    whole = AutoToolCalls(parser).message(0, text)
+    assert _calls(whole.get("tool_calls", [])) == calls
     for i in range(len(text) + 1):
         for j in range(i, len(text) + 1, 3):
-            tools = AutoToolCalls(parser)
-            deltas = [tools.stream_delta(0, chunk, k == 2) for k, chunk in enumerate([text[:i], text[i:j], text[j:]])]
-            sent_calls = [c for d in deltas for c in d.get("tool_calls", [])]
-            assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in sent_calls] == calls
-            assert [c["index"] for c in sent_calls] == list(range(len(calls)))
+            tools, deltas = _stream(parser, [text[:i], text[i:j], text[j:]])
+            sent_calls = _gather(deltas)
+            assert _named(sent_calls) == _named(whole.get("tool_calls", [])), (i, j, deltas)
             sent = "".join(d.get("content", "") for d in deltas)
             assert sent == (content if content.strip() or not calls else ""), (i, j, deltas)
             message = tools.message(0, text)
@@ -97,6 +134,162 @@ def test_message_carries_calls_and_content():
     m = AutoToolCalls("hermes").message(0, HERMES[1][0])
     assert m["content"] is None  # only calls: null content, as OpenAI
     assert AutoToolCalls("hermes").message(0, "plain") == {"role": "assistant", "content": "plain"}
+
+
+# arguments as a model writes them: a raw tab in a string (strict JSON's escape in the arguments), brackets and
+# the starts of tags inside strings (held back, then sent once they turn out to be none)
+WRITTEN = ('{"query": "weather in Verona", "days": [1, 2, 3], "opts": {"units": "metric", '
+           '"note": "a \\"quoted\\" }]{ </tool <tool_call [TOOL [ARGS] tab\there"}}')
+ARGS = WRITTEN.replace("\t", "\\t")
+LONG = {  # name: (parser, text, content or None), each with the calls LONG_CALLS: (name, arguments text)
+    "hermes": ("hermes", f'I will check.\n<tool_call>\n{{"name": "search", "arguments": {WRITTEN}}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>', "I will check.\n\n"),
+    "llama3_json": ("llama3_json", f'<|python_tag|>{{"name": "search", "parameters": {WRITTEN}}}; '
+                    '{"name": "now", "parameters": {}}', None),
+    "mistral": ("mistral", f'Sure. [TOOL_CALLS][{{"name": "search", "arguments": {WRITTEN}}}, '
+                '{"name": "now", "arguments": {}}]', "Sure. "),
+    "mistral_v11": ("mistral", f"Sure. [TOOL_CALLS]search[ARGS]{WRITTEN}[TOOL_CALLS]now[ARGS]{{}}", "Sure. "),
+}
+LONG_CALLS = [("search", ARGS), ("now", "{}")]
+
+
+@pytest.mark.parametrize("chunking", ["chars", "tokens"])
+@pytest.mark.parametrize("name", list(LONG))
+def test_arguments_stream_as_they_are_written(name, chunking):
+    """Token by token or a character at a time: a call's first delta carries its index, id, type and name, and its
+    arguments then come in many pieces, as written (held back only while they could be the start of a tag),
+    which join exactly into the whole text's arguments; two calls get indexes 0 and 1; the content is the text
+    outside the calls; the finish reason is tool_calls."""
+    parser, text, content = LONG[name]
+    chunks = list(text) if chunking == "chars" else _tokens(text)
+    assert "".join(chunks) == text
+    tools, deltas = _stream(parser, chunks)
+    calls = _gather(deltas)
+    assert _named(calls) == LONG_CALLS and calls[0]["id"] != calls[1]["id"]
+    assert calls[0]["pieces"] > 10  # it streams
+    assert "".join(d.get("content", "") for d in deltas) == (content or "")
+    whole = AutoToolCalls(parser).message(0, text)
+    assert _named(whole["tool_calls"]) == LONG_CALLS and whole["content"] == content
+    assert json.loads(ARGS)["opts"]["note"].endswith("tab\there")
+    assert tools.finish_reason(0, deltas[-1], "stop") == "tool_calls"
+    starts = [(k, c["index"]) for k, d in enumerate(deltas) for c in d.get("tool_calls", []) if "id" in c]
+    assert [i for _, i in starts] == [0, 1]
+    sent, start, read = "", text.index(WRITTEN), 0
+    for k, d in enumerate(deltas):  # how far the arguments have gone out after each chunk
+        sent += "".join(c["function"]["arguments"] for c in d.get("tool_calls", []) if c["index"] == 0)
+        read += len(chunks[k])
+        if 0 < read - start <= len(WRITTEN):
+            written = WRITTEN[:read - start].replace("\t", "\\t")
+            assert ARGS.startswith(sent) and len(sent) >= len(written) - len("</tool_call>"), (k, sent, written)
+            if read - start < len(WRITTEN) // 2:
+                assert starts[0][0] <= k  # the name went out before half the arguments were written
+
+
+@pytest.mark.parametrize("chunking", ["chars", "tokens", "whole"])
+def test_pythonic_calls_go_out_whole(chunking):
+    """Pythonic calls are Python made JSON: each goes out whole (start and arguments in one piece) once the list is
+    complete, with indexes 0 and 1, and the same arguments as the whole text's."""
+    text = "[search(query='weather in Verona', days=[1, 2]), now()]"
+    chunks = {"chars": list(text), "tokens": _tokens(text), "whole": [text]}[chunking]
+    tools, deltas = _stream("pythonic", chunks)
+    assert [d for d in deltas[:-1] if d] == []
+    calls = _gather(deltas)
+    expected = [("search", '{"query": "weather in Verona", "days": [1, 2]}'), ("now", "{}")]
+    assert _named(calls) == expected == _named(AutoToolCalls("pythonic").message(0, text)["tool_calls"])
+    assert [c["pieces"] for c in calls] == [1, 1] and tools.finish_reason(0, deltas[-1], "length") == "tool_calls"
+
+
+@pytest.mark.parametrize("name", list(LONG))
+def test_a_call_cut_off_is_the_same_whole_and_streamed(name):
+    """Cut off (max_tokens) anywhere: the streamed calls and content are the whole text's. A call whose arguments
+    had begun stays a call, with the arguments written so far; its finish reason stays "length" (it is not whole).
+    Complete calls cut off after them report tool_calls. Text cut off before a call's arguments is content."""
+    parser, text, _ = LONG[name]
+    args_at = text.index(WRITTEN)
+    for cut in range(0, len(text), 3):
+        part = text[:cut]
+        tools = AutoToolCalls(parser)
+        whole = tools.message(0, part)
+        whole_finish = tools.finish_reason(0, whole, "length")
+        for chunks in (list(part), _tokens(part)):
+            streamed, deltas = _stream(parser, chunks or [""])
+            assert _named(_gather(deltas)) == _named(whole.get("tool_calls", [])), (cut, deltas)
+            assert "".join(d.get("content", "") for d in deltas) == (whole["content"] or "")
+            assert streamed.finish_reason(0, deltas[-1], "length") == whole_finish
+        calls = _named(whole.get("tool_calls", []))
+        if cut <= args_at:  # before the arguments begin: no call (the text so far is content)
+            assert calls == [] and whole["content"] == part
+        elif cut < args_at + len(WRITTEN):  # inside the first call's arguments
+            assert calls == [("search", WRITTEN[:cut - args_at].replace("\t", "\\t"))], cut
+        complete = bool(calls) and calls == LONG_CALLS[:len(calls)]
+        assert whole_finish == ("tool_calls" if complete else "length"), cut
+
+
+SHAPES = [  # hermes call objects as models write them: (object, calls: [] where the block is content)
+    ('{"arguments": {"a": 1}, "name": "f"}', [("f", '{"a": 1}')]),  # arguments first: they go with the name
+    ('{"name": "f", "arguments": "{\\"a\\": 1}"}', [("f", '{"a": 1}')]),  # a string's text is the arguments
+    ('{"name": "f"}', [("f", "{}")]),
+    ('{"name":"f","arguments":{"a":1}}', [("f", '{"a":1}')]),  # as written: compact stays compact
+    ('{"name": "f", "arguments": {\n  "a": [1,\n 2]\n}\n}', [("f", '{\n  "a": [1,\n 2]\n}')]),
+    ('{"name": "f", "arguments": {"a": "line\nbreak"}}', [("f", '{"a": "line\\nbreak"}')]),  # raw: escaped
+    ('{"name": "f", "arguments": {"a": 1}', [("f", '{"a": 1}')]),  # the object's own brace forgotten
+    ('{"name": "f", "arguments": {"a": 1}} oops', [("f", '{"a": 1}')]),  # not read after the call
+    ('{"name": "f", "arguments": {"a": 1} oops}', [("f", '{"a": 1}')]),  # malformed after the arguments
+    ('{"name": "f", "arguments": {"a": 1 oops}}', [("f", '{"a": 1 oops}')]),  # a call: arguments as written
+    ('{"name": "f", "arguments": {}}\n{"name": "g", "arguments": {"b": 2}}', [("f", "{}"), ("g", '{"b": 2}')]),
+    ('{"name": "", "arguments": {}}', []),
+    ('{"name": 5, "arguments": {}}', []),
+    ('{"name": ["f"], "arguments": {}}', []),
+    ('{"arguments": {}}', []),
+    ('{"name" "f", "arguments": {}}', []),
+    ('["f", {}]', []),
+]
+
+
+@pytest.mark.parametrize("obj, calls", SHAPES)
+def test_call_object_shapes_whole_and_streamed(obj, calls):
+    text = f"Hi <tool_call>\n{obj}\n</tool_call>"
+    whole = AutoToolCalls("hermes").message(0, text)
+    assert _named(whole.get("tool_calls", [])) == calls
+    assert whole["content"] == ("Hi " if calls else text)
+    for chunks in (list(text), _tokens(text), [text]):
+        tools, deltas = _stream("hermes", chunks)
+        assert _named(_gather(deltas)) == calls
+        assert "".join(d.get("content", "") for d in deltas) == whole["content"]
+        assert tools.finish_reason(0, deltas[-1], "stop") == ("tool_calls" if calls else "stop")
+
+
+def test_text_after_llama3_calls_is_content():
+    """Llama 3's calls are the whole output: a first object that is no call makes it all content; text after
+    complete calls that begins none is content from there on (whole and streamed)."""
+    for text, content, calls in (
+            ('{"name": "f", "parameters": {"a": 1}} and then text', " and then text", [("f", '{"a": 1}')]),
+            ('{"name": "f", "parameters": {}}; {"no": "call"}', '; {"no": "call"}', [("f", "{}")]),
+            ('{"no": "call"}; {"name": "f", "parameters": {}}', '{"no": "call"}; {"name": "f", "parameters": {}}', []),
+            ('<|python_tag|>', "<|python_tag|>", [])):
+        whole = AutoToolCalls("llama3_json").message(0, text)
+        assert (whole["content"], _named(whole.get("tool_calls", []))) == (content, calls)
+        for chunks in (list(text), _tokens(text)):
+            _, deltas = _stream("llama3_json", chunks)
+            assert _named(_gather(deltas)) == calls
+            assert "".join(d.get("content", "") for d in deltas) == content
+
+
+def test_finish_reason_for_calls_cut_by_max_tokens():
+    """Complete calls, then the output ran into max_tokens: tool_calls (the calls are whole and usable, as vLLM);
+    a call cut off in its arguments keeps "length", and an output that stopped inside one keeps "stop": the client
+    must not run it. Whole and streamed agree."""
+    complete = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\nNow I will also'
+    cut = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "g", "arguments": {"b'
+    for text, finish, expected in ((complete, "length", "tool_calls"), (complete, "stop", "tool_calls"),
+                                   (cut, "length", "length"), (cut, "stop", "stop"), (complete, "abort", "abort")):
+        tools = AutoToolCalls("hermes")
+        assert tools.finish_reason(0, tools.message(0, text), finish) == expected
+        tools, deltas = _stream("hermes", _tokens(text))
+        assert tools.finish_reason(0, deltas[-1], finish) == expected
+    tools = AutoToolCalls("hermes", parallel=False)  # the cut call is dropped: the one kept is whole
+    assert tools.finish_reason(0, tools.message(0, cut), "length") == "tool_calls"
+    assert AutoToolCalls("hermes").message(0, cut)["tool_calls"][1]["function"]["arguments"] == '{"b'
 
 
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
@@ -132,8 +325,20 @@ def test_the_server_serves_auto_tool_choice_behind_the_flags(tiny_model_dir, tmp
         with httpx.stream("POST", srv.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as s:
             events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
         deltas = [e["choices"][0] for e in events if e["choices"]]
-        calls = [c for d in deltas for c in d["delta"].get("tool_calls") or []]
-        assert _calls(calls) == [("weather", {"city": "Verona"})] and deltas[-1]["finish_reason"] == "tool_calls"
+        streamed = _gather([d["delta"] for d in deltas])
+        assert _named(streamed) == _named(choice["message"]["tool_calls"]) and streamed[0]["pieces"] > 1, deltas
+        assert deltas[-1]["finish_reason"] == "tool_calls"
+        for max_tokens in (12, 50, 60):  # cut off (here: before, in and after the arguments): streamed as whole
+            cut = {**body, "max_tokens": max_tokens}
+            whole = httpx.post(srv.url + "/v1/chat/completions", json=cut, timeout=60).json()["choices"][0]
+            with httpx.stream("POST", srv.url + "/v1/chat/completions", json={**cut, "stream": True}, timeout=60) as s:
+                deltas = [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line.startswith("data: {")]
+            calls = _named(whole["message"].get("tool_calls") or [])
+            assert _named(_gather([d["delta"] for d in deltas])) == calls
+            assert "".join(d["delta"].get("content") or "" for d in deltas) == (whole["message"]["content"] or "")
+            assert deltas[-1]["finish_reason"] == whole["finish_reason"], (whole, deltas)
+            usable = calls == [("weather", '{"city": "Verona"}')]  # else cut off: no call, or its arguments' start
+            assert whole["finish_reason"] == ("tool_calls" if usable else "length"), whole
         two = CALL_TEXT + "\n" + CALL_TEXT.replace("Verona", "Padua")
         single = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
             **body, "max_tokens": 160, "parallel_tool_calls": False,
@@ -204,8 +409,7 @@ def test_parallel_tool_calls_false_allows_one_call():
     for i in range(0, len(text) + 1, 5):
         tools_ = AutoToolCalls("hermes", parallel=False)
         deltas = [tools_.stream_delta(0, text[:i], False), tools_.stream_delta(0, text[i:], True)]
-        sent = [c for d in deltas for c in d.get("tool_calls", [])]
-        assert [(c["index"], c["function"]["name"]) for c in sent] == [(0, "a")]
+        assert _named(_gather(deltas)) == [("a", "{}")]
         assert tools_.finish_reason(0, deltas[-1], "stop") == "tool_calls"
 
 
