@@ -243,6 +243,9 @@ class Scheduler:
             # slots of pending tokens are never hashed here: their ids are not known yet (a draft model's
             # look-ahead slots are reserved after planning, for the requests that propose: _reserve_lookahead)
             while not self.kv.allocate_slots(req, n, num_draft_tokens=len(drafts) + req.num_pending):
+                if drafts:  # speculation never preempts another request: the step runs without its drafts
+                    n, drafts = n - len(drafts), []
+                    continue
                 if self._blocks_come_back_for(req, n):
                     break  # it waits a step for the blocks of requests ending now, rather than preempt one
                 victim = self._pick_victim()  # `req` itself is a candidate
