@@ -68,6 +68,40 @@ def test_sharegpt(tmp_path, tok):
         sample_requests(ShareGPTDataset(str(path)), 3, tok)
 
 
+GOOD_TURNS = [{"from": "human", "value": "What light through yonder window breaks?"},
+              {"from": "gpt", "value": "It is the east, and Juliet is the sun."}]
+
+
+@pytest.mark.parametrize("bad", [
+    "a string entry", 3, ["a", "list"], {"id": "no conversations"}, {"conversations": "not a list"},
+    {"conversations": [1, 2]}, {"conversations": [{"from": "human"}, {"from": "gpt", "value": "no prompt value"}]},
+    {"conversations": [{"value": ["not", "text"]}, {"value": "reply text here"}]},
+])
+def test_sharegpt_skips_malformed_entries_as_vllm_does(tmp_path, tok, bad):
+    """Entries that are not {"conversations": [{"value": str}, {"value": str}, ...]} raised AttributeError,
+    TypeError or KeyError; they are skipped (vLLM's choice) while a well-formed one is left, else refused."""
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps([bad, {"conversations": GOOD_TURNS}]))
+    reqs = sample_requests(ShareGPTDataset(str(path)), 1, tok)
+    assert reqs[0].prompt == GOOD_TURNS[0]["value"]
+    with pytest.raises(ValueError, match=r"only 1 usable conversations, 2 requested \(1 entries without two"):
+        sample_requests(ShareGPTDataset(str(path)), 2, tok)
+    path.write_text(json.dumps([bad, bad]))
+    with pytest.raises(ValueError, match=f"{path}: no entry has the ShareGPT shape"):
+        sample_requests(ShareGPTDataset(str(path)), 1, tok)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{bad", "not a ShareGPT JSON file"), ('{"conversations": []}', "is a JSON list of conversations, this is a dict"),
+])
+def test_sharegpt_file_that_is_not_a_list_is_refused_naming_it(tmp_path, text, message):
+    """(The CLI prints a ValueError as one `error:` line.)"""
+    path = tmp_path / "sg.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=f"^{path}: .*{message}"):
+        sample_requests(ShareGPTDataset(str(path)), 1)
+
+
 def test_long_document(tok):
     reqs = sample_requests(LongDocumentDataset(doc_len=8192, output_len=16), 2, tok)
     assert all(len(r.prompt) == r.prompt_len == 8192 for r in reqs)

@@ -67,3 +67,57 @@ def test_bad_inputs(tmp_path):
     p.write_text(json.dumps({"hello": 1}))
     with pytest.raises(ValueError, match="neither"):
         render_report([str(p)], str(tmp_path / "o"))
+
+
+def _ok_ladder() -> dict:
+    rung = ladder_rung("static", "baseline", {**_result("x", "inf", 1.0), "peak_rss_mb": 900.0,
+                                              "cpu_utilization": 80.0})
+    return {"kind": LADDER_KIND, "version": 1, "rungs": [rung]}
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{bad", "not a JSON file"),
+    ("[1]", "neither a bench result nor a ladder file (a JSON list"),  # a TypeError
+    ("3", "(a JSON int"),
+    ({"output_throughput": None}, "['output_throughput'] missing or of the wrong type"),
+    ({"completed": "5"}, "['completed'] missing or of the wrong type"),
+    ({"request_rate": "fast"}, "['request_rate'] missing"),
+    ({"label": ["a"]}, "['label'] missing"),  # unhashable
+    ({"p99_ttft_ms": "slow"}, "['p99_ttft_ms'] missing"),
+    ({"latencies": [0.1]}, "['ttfts', 'output_lens', 'itls'] are not lists as long as 'latencies'"),
+    ({"itls": 3}, "per-request samples ['itls']"),
+    ({"ttfts": ["x"] * 5}, "request 0's samples (ttfts, latencies, output_lens, itls) are not numbers"),
+    ({"successes": True}, "['successes / errors']"),
+    ("LADDER", None),
+    ({"rungs": [1]}, "ladder rung 0 is a int, not an object"),  # an AttributeError
+    ({"rungs": [{"name": "x"}]}, "lacks"),
+    ({"p99_ttft_ms": "slow"}, "ladder rung 0 (static): ['p99_ttft_ms'] of the wrong type"),
+    ({"by_length_class": {"long": 3}}, "['by_length_class'] of the wrong type"),
+    ({"pending": "soon"}, "the ladder's 'pending' must be a list"),
+])
+def test_report_names_the_file_and_what_is_wrong(tmp_path, capsys, content, message):
+    """Malformed inputs raised AttributeError / TypeError / KeyError; now one line naming the file."""
+    from tokenmill.entrypoints.cli import main
+
+    if isinstance(content, dict) and ("rungs" in content or message.startswith(("ladder", "['by_length", "the l"))):
+        lad = _ok_ladder()
+        if "rungs" in content:
+            lad.update(content)
+        elif "pending" in content:
+            lad["pending"] = content["pending"]
+        else:
+            lad["rungs"][0].update(content)
+        content = json.dumps(lad)
+    elif isinstance(content, dict):
+        content = json.dumps({**_result("x", 2.0, 1.0), **content})
+    elif content == "LADDER":  # the well-formed files still render
+        content, message = json.dumps(_ok_ladder()), None
+    path = tmp_path / "in.json"
+    path.write_text(content)
+    code = main(["bench", "report", str(path), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    if message is None:
+        assert code == 0, err
+        return
+    assert code == 2 and f"error: {path}: " in err and message in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1

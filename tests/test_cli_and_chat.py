@@ -39,6 +39,7 @@ def test_serve_rejects_a_bad_stream_interval_before_loading(llama_dir):
     (["generate", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 1000000000}', "x"],
      "num_speculative_tokens must be an integer >= 1 and <= 64"),  # hung building per-depth tables
     (["generate", "--kv-cache-memory-gb", "inf", "x"], "must be a finite number"),
+    (["generate", "--limit-mm-per-prompt", "{bad", "x"], "limit_mm_per_prompt is not a JSON object"),
     (["generate", "--num-kv-blocks", "0", "x"], "num_kv_blocks must be a positive integer"),
     (["serve", "--port", "70000"], "must be a TCP port"),  # it listened on 70000 - 65536
     (["serve", "--max-waiting-requests", "0"], "must be >= 1"),  # every request got a 400

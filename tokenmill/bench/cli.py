@@ -5,14 +5,63 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 from tokenmill.bench.metrics import METRICS, format_table, parse_goodput
 
 
-def _floats(s: str) -> list[float]:
-    return [float(x) for x in s.split(",") if x.strip()]
+def _percentiles(s: str) -> list[float]:
+    try:
+        ps = [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be numbers in (0, 100], e.g. 50,90,99, got {s!r}") from None
+    if not ps or not all(0 < p <= 100 for p in ps):  # (nan fails the comparison too)
+        raise argparse.ArgumentTypeError(f"must be numbers in (0, 100], e.g. 50,90,99, got {s!r}")
+    return ps
+
+
+def _key_value(s: str) -> str:
+    if "=" not in s:
+        raise argparse.ArgumentTypeError(f"must be KEY=VALUE, got {s!r}")
+    return s
+
+
+def _json_object(s: str) -> dict:
+    try:
+        value = json.loads(s)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"seed\": 1}}', got {s!r}")
+    return value
+
+
+def check_writable(path: str | None, flag: str, directory: bool = False) -> None:
+    """Refuse an output path before a run rather than after it (missing parent directories are created)."""
+    if not path:
+        return
+    p = Path(path)
+    try:
+        (p if directory else p.parent).mkdir(parents=True, exist_ok=True)
+        if directory:
+            tempfile.TemporaryFile(dir=p).close()
+        else:
+            existed = p.exists()
+            open(p, "a").close()  # "a": an existing file is left as it is
+            if not existed:
+                p.unlink()
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+
+
+def check_limit_mm(args) -> None:
+    """--limit-mm-per-prompt checked up front (a ladder's rungs would each fail on it)."""
+    from tokenmill.multimodal.processor import parse_limits
+
+    parse_limits(getattr(args, "limit_mm_per_prompt", None))
 
 
 def _metrics(s: str) -> list[str]:
@@ -38,13 +87,14 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("results")
     o.add_argument("--percentile-metrics", type=_metrics, default="ttft,tpot,itl,e2el",
                    help="metrics whose percentiles the console table shows (the JSON has all)")
-    o.add_argument("--metric-percentiles", type=_floats, default="50,90,99", help="e.g. 50,90,99")
+    o.add_argument("--metric-percentiles", type=_percentiles, default="50,90,99", help="e.g. 50,90,99")
     o.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs for goodput, e.g. ttft:200 tpot:50 e2el:2000")
     o.add_argument("--result-file", "--result-filename", dest="result_file", default=None,
                    help="write the JSON result here")
     o.add_argument("--label", default=None, help="name of this run in reports")
-    o.add_argument("--metadata", nargs="*", default=None, metavar="KEY=VALUE", help="recorded in the result")
+    o.add_argument("--metadata", nargs="*", type=_key_value, default=None, metavar="KEY=VALUE",
+                   help="recorded in the result")
     o.add_argument("--disable-tqdm", action="store_true")
 
 
@@ -65,13 +115,24 @@ def _finish(args, result: dict, title: str) -> int:
         with open(args.result_file, "w") as f:
             json.dump(result, f, indent=1)
         print(f"result written to {args.result_file}")
-    return 0 if result["completed"] else 1
+    if not result["completed"]:  # otherwise the cause is only in the JSON
+        first = next((e for e in result.get("errors") or [] if e), "")
+        if first.startswith("Traceback"):  # a client-side exception: its last line names it
+            first = first.strip().splitlines()[-1]
+        first = " ".join(first.split())[:300]  # one line
+        print(f"error: all {result['num_prompts']} requests failed; the first: {first or '(no error recorded)'}",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 def cmd_serve(args) -> int:
     from tokenmill.bench.datasets import dataset_from_args, get_tokenizer, sample_requests
     from tokenmill.bench.serve_client import auth_headers, fetch_first_model, run_benchmark
 
+    if args.tokenizer and not os.path.isdir(args.tokenizer):
+        raise ValueError(f"--tokenizer {args.tokenizer}: no such directory (a local tokenizer directory)")
+    check_writable(args.result_file, "--result-file")
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     model = args.model or asyncio.run(fetch_first_model(base_url, auth_headers(args.api_key)))
     tokenizer = get_tokenizer(args.tokenizer or args.model)
@@ -84,7 +145,7 @@ def cmd_serve(args) -> int:
         reqs, base_url, args.served_model_name or model, endpoint=endpoint, tokenizer=tokenizer,
         request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
         seed=args.seed, ignore_eos=args.ignore_eos, sampling=_sampling(args),
-        extra_body=json.loads(args.extra_body) if args.extra_body else None, api_key=args.api_key,
+        extra_body=args.extra_body, api_key=args.api_key,
         num_warmups=args.num_warmups or 0, percentiles=args.metric_percentiles, goodput_slos_ms=slos,
         disable_tqdm=args.disable_tqdm))
     result["tokenizer_id"] = args.tokenizer or (args.model if tokenizer is not None else None)
@@ -96,6 +157,8 @@ def cmd_offline(args) -> int:
     from tokenmill.bench.offline import build_engine, run_offline
     from tokenmill.engine.arg_utils import engine_kwargs
 
+    check_writable(args.result_file, "--result-file")
+    check_limit_mm(args)
     kwargs = engine_kwargs(args)
     engine = build_engine(kwargs)
     reqs = sample_requests(dataset_from_args(args), args.num_prompts, engine.tokenizer, args.seed)
@@ -110,6 +173,7 @@ def cmd_offline(args) -> int:
 def cmd_comm(args) -> int:
     from tokenmill.bench.comm import cmd_comm as run, resolve_backend
 
+    check_writable(args.result_file, "--result-file")
     resolve_backend(args)
     return run(args)
 
@@ -142,7 +206,8 @@ def add_bench_parser(subparsers) -> argparse._SubParsersAction:
     s.add_argument("--tokenizer", default=None, help="local tokenizer directory (exact prompt lengths)")
     s.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
     s.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
-    s.add_argument("--extra-body", default=None, help="JSON merged into every request body")
+    s.add_argument("--extra-body", type=_json_object, default=None,
+                   help="a JSON object merged into every request body")
     add_dataset_args(s)
     _add_run_args(s)
     s.set_defaults(func=cmd_serve)
@@ -174,11 +239,10 @@ def add_bench_parser(subparsers) -> argparse._SubParsersAction:
 
 
 def main(argv=None) -> int:
-    """`python -m tokenmill.bench.cli ...` (the same as `tokenmill bench ...`)."""
-    parser = argparse.ArgumentParser(prog="tokenmill")
-    add_bench_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])])
-    return args.func(args)
+    """`python -m tokenmill.bench.cli ...` (the same as `tokenmill bench ...`, its one-line errors included)."""
+    from tokenmill.entrypoints.cli import main as cli_main
+
+    return cli_main(["bench", *(argv if argv is not None else sys.argv[1:])])
 
 
 if __name__ == "__main__":

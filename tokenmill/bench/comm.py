@@ -147,6 +147,9 @@ def cmd_comm(args) -> int:
         return _report(args, run_rank(args, rank, world))
     if args.world_size % args.nnodes:
         raise ValueError(f"--nnodes {args.nnodes} does not divide --world-size {args.world_size}")
+    if not 0 <= args.node_rank < args.nnodes:  # else its ranks lie past the world: a hang, then a traceback
+        raise ValueError(f"--node-rank must be in [0, {args.nnodes - 1}] with --nnodes {args.nnodes}, "
+                         f"got {args.node_rank}")
     if args.nnodes > 1 and not args.master_port:
         raise ValueError("a multi-node run needs --master-port (and --master-addr) on every node")
     args.master_port = args.master_port or free_port(args.master_addr)
@@ -157,10 +160,19 @@ def cmd_comm(args) -> int:
     try:
         rows = run_rank(args, ranks[0], args.world_size)
     finally:
-        codes = [p.wait(timeout=args.timeout) for p in children]
+        codes = [_wait_or_kill(p, args.timeout) for p in children]
     if any(codes):
         raise RuntimeError(f"bench comm ranks exited with {codes}")
     return _report(args, rows)
+
+
+def _wait_or_kill(p: subprocess.Popen, timeout: float) -> int:
+    """A child rank's exit code; one still running after `timeout` (its peer failed) is killed, not left."""
+    try:
+        return p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        return p.wait()
 
 
 def _report(args, rows) -> int:

@@ -114,9 +114,18 @@ class ShareGPTDataset(Dataset):
 
     def sample(self, num_requests, tokenizer, rng):
         with open(self.path, encoding="utf-8") as f:
-            data = json.load(f)
-        convs = [d.get("conversations") or d.get("conversation") or [] for d in data]
-        pairs = [(c[0]["value"], c[1]["value"]) for c in convs if len(c) >= 2]
+            try:
+                data = json.load(f)
+            except ValueError as e:  # bad JSON, or not UTF-8
+                raise ValueError(f"{self.path}: not a ShareGPT JSON file ({e})") from None
+        if not isinstance(data, list):
+            raise ValueError(f"{self.path}: a ShareGPT file is a JSON list of conversations, "
+                             f"this is a {type(data).__name__}")
+        # as vLLM: entries without two usable turns are skipped; an error only where none is left
+        pairs = [pair for d in data if (pair := _sharegpt_pair(d))]
+        if data and not pairs:
+            raise ValueError(f"{self.path}: no entry has the ShareGPT shape "
+                             '{"conversations": [{"value": PROMPT}, {"value": REPLY}, ...]}')
         rng.shuffle(pairs)
         count = (lambda s: len(tokenizer.encode(s, add_special_tokens=False))) if tokenizer is not None else (
             lambda s: max(1, len(s) // 4))  # no tokenizer: ~4 characters per token
@@ -132,8 +141,19 @@ class ShareGPTDataset(Dataset):
                 continue
             reqs.append(SampleRequest(prompt, p_len, o_len))
         if len(reqs) < num_requests:
-            raise ValueError(f"{self.path}: only {len(reqs)} usable conversations, {num_requests} requested")
+            skipped = len(data) - len(pairs)
+            raise ValueError(f"{self.path}: only {len(reqs)} usable conversations, {num_requests} requested"
+                             + (f" ({skipped} entries without two text turns skipped)" if skipped else ""))
         return reqs
+
+
+def _sharegpt_pair(entry) -> tuple[str, str] | None:
+    """(prompt, reply): the first two turns' "value" texts; None where the entry has no such turns."""
+    conv = (entry.get("conversations") or entry.get("conversation")) if isinstance(entry, dict) else None
+    if not isinstance(conv, list) or len(conv) < 2:
+        return None
+    turns = [t.get("value") if isinstance(t, dict) else None for t in conv[:2]]
+    return (turns[0], turns[1]) if all(isinstance(t, str) for t in turns) else None
 
 
 class LongDocumentDataset(Dataset):

@@ -147,7 +147,9 @@ def ladder_configs(base: dict, scenario: Scenario | None = None, rungs: list | N
 def _run_rung(name: str, engine_kwargs: dict, workload: dict, out_path: str) -> dict:
     """Run one rung in a child process (this module's --rung-worker entry) and read its result."""
     job = {"name": name, "engine_kwargs": engine_kwargs, "workload": workload, "out": out_path}
-    subprocess.run([sys.executable, "-m", "tokenmill.bench.ladder", "--rung-worker", json.dumps(job)], check=True)
+    proc = subprocess.run([sys.executable, "-m", "tokenmill.bench.ladder", "--rung-worker", json.dumps(job)])
+    if proc.returncode:  # the child printed its own error; a second traceback here would say nothing more
+        raise SystemExit(f"error: ladder rung {name!r} failed (exit code {proc.returncode}); its output is above")
     with open(out_path) as f:
         return json.load(f)
 
@@ -327,7 +329,9 @@ _WORKLOAD_ARGS = ("num_prompts", "request_rate", "output_len", "prefix_len", "su
 
 
 def cmd_ladder(args) -> int:
+    from tokenmill.bench.cli import check_limit_mm, check_writable
     from tokenmill.engine.arg_utils import engine_kwargs
+    from tokenmill.models.loader import load_hf_config
 
     sc = SCENARIOS[args.scenario]
     workload = {k: getattr(args, k) for k in _WORKLOAD_ARGS if getattr(args, k) is not None}
@@ -340,6 +344,12 @@ def cmd_ladder(args) -> int:
         rungs = long_text_rungs(budgets, args.host_cache_gb, args.prefill_cap)
     max_model_len = args.max_model_len or (512 if args.scenario == "playbook" else None)
     extra = {k: v for k, v in engine_kwargs(args).items() if k not in _SET_BY_RUNGS and k not in _RUN_LADDER_ARGS}
+    # checked here, once: each rung's own process would fail on them only after the ladder started
+    if not os.path.isdir(args.model):
+        raise ValueError(f"--model {args.model}: no such directory (models load from local directories only)")
+    load_hf_config(args.model)
+    check_limit_mm(args)
+    check_writable(args.result_file, "--result-file")
     run_ladder(args.model, args.result_file, args.scenario, workload, max_model_len, args.max_num_seqs,
                args.num_kv_blocks, args.dtype, args.seed, extra, rungs)
     return 0
@@ -348,4 +358,7 @@ def cmd_ladder(args) -> int:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--rung-worker", required=True)
-    _rung_worker(json.loads(ap.parse_args().rung_worker))
+    try:
+        _rung_worker(json.loads(ap.parse_args().rung_worker))
+    except (ValueError, OSError) as e:  # a setting the engine refused: one line, as the CLI prints it
+        sys.exit(f"error: {e}")

@@ -63,13 +63,57 @@ def ladder_rung(name: str, changes: str, result: dict, config: dict | None = Non
     }
 
 
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _not_numbers(d: dict, keys) -> list[str]:
+    """Those of `keys` that `d` has with a value other than a number or null."""
+    return [k for k in keys if d.get(k) is not None and not _num(d[k])]
+
+
 def validate_ladder(d: dict) -> None:
     if d.get("kind") != LADDER_KIND or not isinstance(d.get("rungs"), list) or not d["rungs"]:
         raise ValueError(f"not a ladder file: needs kind={LADDER_KIND!r} and a non-empty 'rungs' list")
     for i, r in enumerate(d["rungs"]):
+        if not isinstance(r, dict):
+            raise ValueError(f"ladder rung {i} is a {type(r).__name__}, not an object")
         missing = [k for k in ("name", *RUNG_FIELDS) if k not in r]
         if missing:
             raise ValueError(f"ladder rung {i} ({r.get('name', '?')}) lacks {missing}")
+        classes = r.get("by_length_class") or {}
+        bad = _not_numbers(r, (*RUNG_FIELDS, "long_short_p99_ttft_ratio", "long_short_p99_e2el_ratio"))
+        if not isinstance(classes, dict) or not all(isinstance(c, dict) for c in classes.values()):
+            bad.append("by_length_class")
+        else:
+            bad += [f"by_length_class.{c}.{k}" for c, row in classes.items()
+                    for k in _not_numbers(row, ("median_ttft_ms", "p99_ttft_ms", "median_e2el_ms", "p99_e2el_ms"))]
+        if not isinstance(r.get("utilization_kind", ""), str) or not isinstance(r.get("kv_cache") or {}, dict):
+            bad.append("utilization_kind / kv_cache")
+        if bad:
+            raise ValueError(f"ladder rung {i} ({r['name']}): {bad} of the wrong type")
+    pending = d.get("pending") or []
+    if not isinstance(pending, list) or not all(isinstance(x, dict) and "name" in x for x in pending):
+        raise ValueError("the ladder's 'pending' must be a list of {\"name\": ..., \"why\": ...}")
+
+
+# what the report reads of a bench result: needed numbers, then numbers (or null) where present
+RESULT_NUMBERS = ("completed", "request_throughput", "output_throughput")
+RESULT_OPTIONAL_NUMBERS = ("failed", "max_concurrency", "request_goodput", "median_ttft_ms", "p99_ttft_ms",
+                           "median_tpot_ms", "p99_tpot_ms", "p99_itl_ms", "p99_e2el_ms", "peak_rss_mb",
+                           "cpu_utilization")
+
+
+def validate_result(d: dict) -> None:
+    bad = [k for k in RESULT_NUMBERS if not _num(d.get(k))] + _not_numbers(d, RESULT_OPTIONAL_NUMBERS)
+    bad += [k for k in ("label", "backend") if d.get(k) is not None and not isinstance(d[k], str)]
+    try:
+        _rate(d)
+    except (TypeError, ValueError):
+        bad.append("request_rate")
+    if bad:
+        raise ValueError(f"not a usable bench result: {bad} missing or of the wrong type")
+    _samples(d)
 
 
 # -- loading ---------------------------------------------------------------------------------------------------
@@ -83,15 +127,25 @@ def load_inputs(paths: list[str]) -> tuple[list[dict], list[dict]]:
     results, ladders = [], []
     for p in paths:
         with open(p) as f:
-            d = json.load(f)
+            try:
+                d = json.load(f)
+            except ValueError as e:  # bad JSON, or not UTF-8
+                raise ValueError(f"{p}: not a JSON file ({e})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{p}: neither a bench result nor a ladder file (a JSON {type(d).__name__}, "
+                             "not an object)")
         d["_path"] = str(p)
-        if d.get("kind") == LADDER_KIND or "rungs" in d:
-            validate_ladder(d)
-            ladders.append(d)
-        elif "completed" in d and "request_throughput" in d:
-            results.append(d)
-        else:
-            raise ValueError(f"{p}: neither a bench result nor a ladder file")
+        try:
+            if d.get("kind") == LADDER_KIND or "rungs" in d:
+                validate_ladder(d)
+                ladders.append(d)
+            elif "completed" in d and "request_throughput" in d:
+                validate_result(d)
+                results.append(d)
+            else:
+                raise ValueError("neither a bench result nor a ladder file")
+        except ValueError as e:
+            raise ValueError(f"{p}: {e}") from None
     labels = [r.get("label") or r.get("backend") or Path(r["_path"]).stem for r in results]
     for r, lab in zip(results, labels):
         dup = labels.count(lab) > 1
@@ -111,13 +165,21 @@ def _samples(d: dict) -> dict[str, list[float]] | None:
     """Per-request samples in ms, as the metric definitions compute them (successful requests only)."""
     if "latencies" not in d:
         return None
-    n = len(d["latencies"])
-    ok = d.get("successes") or [not e for e in d.get("errors", [""] * n)]
+    n = len(d["latencies"]) if isinstance(d["latencies"], list) else -1
+    ok = d.get("successes") or [not e for e in d.get("errors", [""] * max(n, 0))]
+    uneven = [k for k in ("latencies", "ttfts", "output_lens", "itls")
+              if not isinstance(d.get(k), list) or len(d[k]) != n]
+    if uneven or not isinstance(ok, list) or len(ok) != n:
+        raise ValueError(f"per-request samples {uneven or ['successes / errors']} are not lists as long as "
+                         "'latencies'")
     s = {"ttft": [], "tpot": [], "itl": [], "e2el": []}
     for i in range(n):
         if not ok[i]:
             continue
         ttft, lat, k = d["ttfts"][i], d["latencies"][i], d["output_lens"][i]
+        if not (_num(ttft) and _num(lat) and _num(k) and isinstance(d["itls"][i], list)
+                and all(map(_num, d["itls"][i]))):
+            raise ValueError(f"request {i}'s samples (ttfts, latencies, output_lens, itls) are not numbers")
         s["ttft"].append(ttft * 1000)
         s["e2el"].append(lat * 1000)
         s["itl"] += [g * 1000 for g in d["itls"][i]]
@@ -272,7 +334,7 @@ def _f(v, digits: int = 1) -> str:
 def _results_table(results: list[dict]) -> list[str]:
     cols = [("run", lambda r: r["_name"]), ("kind", lambda r: r.get("kind", "serve")),
             ("rate", lambda r: _fmt_rate(_rate(r))), ("conc.", lambda r: _f(r.get("max_concurrency"))),
-            ("ok/failed", lambda r: f"{r['completed']}/{r['failed']}"),
+            ("ok/failed", lambda r: f"{r['completed']}/{_f(r.get('failed'))}"),
             ("req/s", lambda r: _f(r["request_throughput"], 2)), ("out tok/s", lambda r: _f(r["output_throughput"])),
             ("goodput req/s", lambda r: _f(r.get("request_goodput"), 2)),
             ("TTFT p50/p99 ms", lambda r: f"{_f(r.get('median_ttft_ms'))} / {_f(r.get('p99_ttft_ms'))}"),

@@ -139,12 +139,25 @@ def _fill_output_tokens(results: list[RequestResult], tokenizer) -> None:
 
 
 async def fetch_first_model(base_url: str, headers: dict) -> str:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-        async with s.get(f"{base_url}/v1/models", headers=headers) as r:
-            r.raise_for_status()
-            data = (await r.json())["data"]
+    """The first model the server lists; ValueError (one line, naming the URL) where it lists none."""
+    url = f"{base_url}/v1/models"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+            async with s.get(url, headers=headers) as r:
+                if r.status != 200:
+                    hint = ("; pass --api-key KEY (or set OPENAI_API_KEY)" if r.status in (401, 403) else
+                            "; is it an OpenAI-compatible server? (or name the model with --model)")
+                    raise ValueError(f"{url} answered HTTP {r.status} {r.reason or ''}".rstrip() + hint)
+                body = await r.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise ValueError(f"{url}: {e or type(e).__name__}") from None
+    except json.JSONDecodeError:
+        raise ValueError(f"{url} did not answer with JSON; is it an OpenAI-compatible server?") from None
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+        raise ValueError(f"{url} did not answer with an OpenAI model list ({{\"data\": [{{\"id\": ...}}]}})")
     if not data:
-        raise ValueError(f"{base_url}/v1/models lists no models")
+        raise ValueError(f"{url} lists no models")
     return data[0]["id"]
 
 

@@ -27,7 +27,10 @@ def parse_limits(spec) -> dict[str, int]:
     """`limit_mm_per_prompt` as a dict or JSON text -> {"image": n, "video": m}."""
     if spec is None or spec == "":
         return dict(DEFAULT_LIMITS)
-    value = json.loads(spec) if isinstance(spec, str) else dict(spec)
+    try:
+        value = json.loads(spec) if isinstance(spec, str) else dict(spec)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"limit_mm_per_prompt is not a JSON object ({e}): {spec!r}") from None
     if not isinstance(value, dict) or any(k not in DEFAULT_LIMITS or not isinstance(v, int) or v < 0
                                           for k, v in value.items()):
         raise ValueError(f"limit_mm_per_prompt must map 'image' / 'video' to counts >= 0, got {spec!r}")

@@ -29,6 +29,7 @@ def add_tune_parser(sub) -> None:
 
 
 def cmd_tune(args) -> int:
+    from tokenmill.bench.cli import check_writable
     from tokenmill.bench.datasets import (
         dataset_from_args,
         get_tokenizer,
@@ -51,6 +52,7 @@ def cmd_tune(args) -> int:
     space = searched(args.search.split(",") if args.search else None, fixed, limits)
     if args.max_trials < 1:
         raise ValueError("--max-trials must be >= 1")
+    check_writable(args.output_dir, "--output-dir", directory=True)  # not after every trial has run
     tokenizer = get_tokenizer(args.model)
     reqs = sample_requests(dataset_from_args(args), args.num_prompts, tokenizer, args.seed)
     pcts = tuple(sorted({50.0, 90.0, 99.0, *(s.percentile for s in slos)}))
