@@ -108,6 +108,8 @@ def test_bench_serve_says_why_every_request_failed(fake_server, capsys):
     (["bench", "ladder", "--limit-mm-per-prompt", "{bad"], "limit_mm_per_prompt is not a JSON object"),
     (["bench", "ladder", "--limit-mm-per-prompt", "[1]"], "limit_mm_per_prompt must map"),  # failed in each rung
     (["bench", "ladder", "--result-file", "/proc/x"], "--result-file /proc/x: cannot write there"),
+    (["bench", "ladder", "--scenario", "long-text", "--chunk-budgets", "x"], "must be positive token counts"),
+    (["bench", "ladder", "--num-prompts", "0"], "must be >= 1"),
     (["bench", "offline", "--limit-mm-per-prompt", "{bad"], "limit_mm_per_prompt is not a JSON object"),
     (["bench", "offline", "--result-file", "/proc/x"], "--result-file /proc/x: cannot write there"),
     (["bench", "comm", "--result-file", "/proc/x"], "--result-file /proc/x: cannot write there"),

@@ -7,9 +7,9 @@ import json
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 
+from tokenmill.bench.checks import check_limit_mm, check_writable
 from tokenmill.bench.metrics import METRICS, format_table, parse_goodput
 
 
@@ -37,31 +37,6 @@ def _json_object(s: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"seed\": 1}}', got {s!r}")
     return value
-
-
-def check_writable(path: str | None, flag: str, directory: bool = False) -> None:
-    """Refuse an output path before a run rather than after it (missing parent directories are created)."""
-    if not path:
-        return
-    p = Path(path)
-    try:
-        (p if directory else p.parent).mkdir(parents=True, exist_ok=True)
-        if directory:
-            tempfile.TemporaryFile(dir=p).close()
-        else:
-            existed = p.exists()
-            open(p, "a").close()  # "a": an existing file is left as it is
-            if not existed:
-                p.unlink()
-    except OSError as e:
-        raise ValueError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
-
-
-def check_limit_mm(args) -> None:
-    """--limit-mm-per-prompt checked up front (a ladder's rungs would each fail on it)."""
-    from tokenmill.multimodal.processor import parse_limits
-
-    parse_limits(getattr(args, "limit_mm_per_prompt", None))
 
 
 def _metrics(s: str) -> list[str]:
@@ -240,9 +215,14 @@ def add_bench_parser(subparsers) -> argparse._SubParsersAction:
 
 def main(argv=None) -> int:
     """`python -m tokenmill.bench.cli ...` (the same as `tokenmill bench ...`, its one-line errors included)."""
-    from tokenmill.entrypoints.cli import main as cli_main
-
-    return cli_main(["bench", *(argv if argv is not None else sys.argv[1:])])
+    parser = argparse.ArgumentParser(prog="tokenmill")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])])
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from datetime import datetime
 
 from tokenmill.bench.datasets import Dataset, LongTextDataset, PrefixRepetitionDataset, RandomMMDataset
 from tokenmill.bench.report import LADDER_KIND, ladder_rung
+from tokenmill.entrypoints.openai.cli_args import positive_int
 
 BASELINE = dict(batching="static", kv_layout="contiguous", attention_impl="eager", cpu_linear_kernel="torch",
                 enable_prefix_caching=False)
@@ -277,6 +278,16 @@ def _device() -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
+def _budgets(text: str) -> tuple[int, ...]:
+    try:
+        budgets = tuple(int(b) for b in text.split(",") if b.strip())
+    except ValueError:
+        budgets = ()
+    if not budgets or min(budgets) < 1:
+        raise argparse.ArgumentTypeError(f"must be positive token counts, comma-separated, e.g. 2048,512; got {text!r}")
+    return budgets
+
+
 def add_ladder_parser(sub) -> None:
     from tokenmill.engine.arg_utils import add_engine_args
 
@@ -286,9 +297,9 @@ def add_ladder_parser(sub) -> None:
                         "with 8K-token document questions, the long-prompt levers switched on in turn; multimodal: "
                         "random-mm image requests, the encoder levers switched on in turn")
     w = p.add_argument_group("workload (defaults depend on --scenario)")
-    w.add_argument("--num-prompts", type=int)
+    w.add_argument("--num-prompts", type=positive_int)
     w.add_argument("--request-rate", type=float, help="Poisson arrivals per second")
-    w.add_argument("--output-len", type=int)
+    w.add_argument("--output-len", type=positive_int)
     w.add_argument("--prefix-len", type=int, help="playbook")
     w.add_argument("--suffix-len", type=int, help="playbook")
     w.add_argument("--num-prefixes", type=int, help="playbook")
@@ -303,9 +314,9 @@ def add_ladder_parser(sub) -> None:
     w.add_argument("--mm-num-distinct-images", type=int, help="multimodal: a pool of K images (0: all distinct)")
     w.add_argument("--mm-video-fraction", type=float, help="multimodal: share of requests carrying a video")
     w.add_argument("--mm-video-frames", type=int, help="multimodal: frames of each video")
-    w.add_argument("--chunk-budgets", default="2048,512",
+    w.add_argument("--chunk-budgets", type=_budgets, default="2048,512",
                    help="long-text: the chunked-prefill token budgets tried in turn (comma-separated)")
-    w.add_argument("--prefill-cap", type=int, default=None,
+    w.add_argument("--prefill-cap", type=positive_int, default=None,
                    help="long-text: the long_prefill_token_threshold rung's cap (default: half the first budget)")
     w.add_argument("--host-cache-gb", type=float, default=2.0, help="long-text: the tiered rung's host-RAM tier")
     w.add_argument("--result-file", default="ladder.json")
@@ -329,7 +340,7 @@ _WORKLOAD_ARGS = ("num_prompts", "request_rate", "output_len", "prefix_len", "su
 
 
 def cmd_ladder(args) -> int:
-    from tokenmill.bench.cli import check_limit_mm, check_writable
+    from tokenmill.bench.checks import check_limit_mm, check_writable
     from tokenmill.engine.arg_utils import engine_kwargs
     from tokenmill.models.loader import load_hf_config
 
@@ -340,8 +351,7 @@ def cmd_ladder(args) -> int:
         raise SystemExit(f"error: --{sorted(wrong)[0].replace('_', '-')} is not a setting of the {args.scenario} ladder")
     rungs = None
     if args.scenario == "long-text":
-        budgets = tuple(int(b) for b in args.chunk_budgets.split(",") if b.strip())
-        rungs = long_text_rungs(budgets, args.host_cache_gb, args.prefill_cap)
+        rungs = long_text_rungs(args.chunk_budgets, args.host_cache_gb, args.prefill_cap)
     max_model_len = args.max_model_len or (512 if args.scenario == "playbook" else None)
     extra = {k: v for k, v in engine_kwargs(args).items() if k not in _SET_BY_RUNGS and k not in _RUN_LADDER_ARGS}
     # checked here, once: each rung's own process would fail on them only after the ladder started

@@ -29,7 +29,7 @@ def add_tune_parser(sub) -> None:
 
 
 def cmd_tune(args) -> int:
-    from tokenmill.bench.cli import check_writable
+    from tokenmill.bench.checks import check_writable
     from tokenmill.bench.datasets import (
         dataset_from_args,
         get_tokenizer,
