@@ -468,6 +468,47 @@ def test_chat_n_seed(client):
     assert [c.index for c in a.choices] == [0, 1]
 
 
+def test_chat_streams_one_choice_per_chunk_as_openai_does(client):
+    """n = 3, streamed: every chunk carries one choice (clients read choices[0] alone: several choices in one
+    chunk lost the others' text), and each choice's chunks join to its non-streamed content."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Speak"}], max_tokens=6, n=3, seed=11,
+              temperature=0.9, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert all(len(c.choices) == 1 for c in chunks)
+    text: dict[int, str] = {}
+    for c in chunks:
+        text[c.choices[0].index] = text.get(c.choices[0].index, "") + (c.choices[0].delta.content or "")
+    assert text == {c.index: c.message.content for c in whole.choices}
+    assert sorted(c.choices[0].index for c in chunks if c.choices[0].delta.role) == [0, 1, 2]
+
+
+def test_chat_text_parts_join_by_lines_and_refusal_parts_read_as_text(server):
+    """Text parts go to the template one per line, as vLLM joins them (they ran together: "First.Second."); an
+    assistant's refusal part (OpenAI's, an earlier answer replayed) and input_text / output_text read as text."""
+    parts = [{"type": "text", "text": "First."}, {"type": "input_text", "text": "Second."}]
+    refusal = [{"type": "refusal", "refusal": "No."}]
+    msgs = [{"role": "user", "content": parts}, {"role": "assistant", "content": refusal},
+            {"role": "user", "content": "Why?"}]
+    as_parts = post(server, "/tokenize", {"messages": msgs}).json()["tokens"]
+    joined = [{"role": "user", "content": "First.\nSecond."}, {"role": "assistant", "content": "No."}, msgs[2]]
+    assert as_parts == post(server, "/tokenize", {"messages": joined}).json()["tokens"]
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("tools", [[{"type": "function"}], [{"function": {"parameters": {"type": "object"}}}],
+                                   [{"type": "function", "function": {"name": "f", "parameters": "no schema"}}]])
+@pytest.mark.parametrize("choice", [None, "none", "auto"])
+def test_malformed_tools_get_400_whatever_the_tool_choice(server, tools, choice):
+    """Checked with "required" and named calls only: "none" or no choice sent them to the template as they were."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "tools": tools}
+    if choice is not None:
+        body["tool_choice"] = choice
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
 def test_unicode_round_trip(server, client):
     text = "你好，世界 🚀🌟 naïve"
     ids = post(server, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]

@@ -186,8 +186,21 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(OpenAIBase):
+    """A text part. OpenAI's `refusal` part (an assistant's earlier answer, replayed in the history) and the
+    Responses API's `input_text` / `output_text` read as text, as vLLM reads them."""
     type: Literal["text"]
     text: StrictStr
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_like(cls, v):
+        if isinstance(v, dict) and v.get("type") in _TEXT_LIKE:
+            key = "refusal" if v["type"] == "refusal" else "text"
+            v = {"type": "text", "text": v.get(key)}
+        return v
+
+
+_TEXT_LIKE = ("refusal", "input_text", "output_text")
 
 
 class MediaURL(OpenAIBase):
@@ -206,7 +219,8 @@ class VideoURLPart(OpenAIBase):
     video_url: MediaURL | StrictStr
 
 
-_PART_TAGS = {"text": "<text-part>", "image_url": "<image_url-part>", "video_url": "<video_url-part>"}
+_PART_TAGS = {"text": "<text-part>", "image_url": "<image_url-part>", "video_url": "<video_url-part>",
+              **{t: "<text-part>" for t in _TEXT_LIKE}}
 Part = Annotated[
     Union[Annotated[TextPart, Tag("<text-part>")], Annotated[ImageURLPart, Tag("<image_url-part>")],
           Annotated[VideoURLPart, Tag("<video_url-part>")]],

@@ -15,7 +15,7 @@ from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.entrypoints.openai.serving_engine import ChunkEvents, ServingBase, engine_errors, usage
 from tokenmill.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, Reasoning, ReasoningParser
-from tokenmill.entrypoints.openai.structured import ForcedToolCalls
+from tokenmill.entrypoints.openai.structured import ForcedToolCalls, tool_functions
 from tokenmill.entrypoints.openai.tool_parsers import AutoToolCalls
 from tokenmill.sampling_params import SamplingParams
 
@@ -182,8 +182,8 @@ def _echo(req: ChatCompletionRequest) -> str:
 
 
 def _text_of(parts) -> str:
-    """A message's text parts, joined (as the template gets them)."""
-    return "".join(p.text for p in parts if p.type == "text")
+    """A message's text parts, one per line, as vLLM joins them (as the template gets them)."""
+    return "\n".join(p.text for p in parts if p.type == "text")
 
 
 def _tool_calls(req: ChatCompletionRequest, parser: str | None) -> ForcedToolCalls | AutoToolCalls | None:
@@ -192,6 +192,8 @@ def _tool_calls(req: ChatCompletionRequest, parser: str | None) -> ForcedToolCal
     "none" the tools only go to the template (vLLM's default) and the answer is text."""
     if req.tool_choice is not None and not req.tools:
         raise APIError(400, "'tool_choice' needs 'tools'", "tool_choice")
+    if req.tools:  # whatever the choice (a 400 as OpenAI's and vLLM's, not a template rendering them broken)
+        tool_functions(req.tools)
     if not req.tools or req.tool_choice == "none":
         return None
     if req.tool_choice is None and "tool_choice" in req.model_fields_set:  # an explicit null: "none", as vLLM
@@ -228,12 +230,10 @@ class _ChatEvents(ChunkEvents):
             role = self.serving.role(req)
             roles = [encode({"index": i, "delta": {"role": role, "content": echo}, "logprobs": None,
                              "finish_reason": None}) for i in range(req.n)]
-            if self.continuous_usage:  # (the prompt's ids on the first of these chunks)
-                events += [self.choice_chunk(i, role, self.num_prompt, 0, self.prompt_ids if i == 0 else b"")
-                           for i, role in enumerate(roles)]
-            else:
-                events.append(self.chunk(roles, self.prompt_ids))
-        choices = []  # one chunk for every choice in this delta (unless each carries its own usage)
+            # one choice per chunk, as OpenAI and vLLM send them (clients read choices[0] alone); the prompt's ids
+            # go on the first
+            events += [self.choice_chunk(i, role, self.num_prompt, 0, self.prompt_ids if i == 0 else b"")
+                       for i, role in enumerate(roles)]
         for c in out.outputs:
             if not c.token_ids and c.finish_reason is None:
                 continue
@@ -254,14 +254,7 @@ class _ChatEvents(ChunkEvents):
                       "stop_reason": c.stop_reason}
             if req.return_token_ids:
                 choice["token_ids"] = list(c.token_ids)
-            choice = encode(choice)
-            if self.continuous_usage:
-                events.append(self.choice_chunk(c.index, choice, self.num_prompt, len(c.token_ids)))
-            else:
-                self.num_completion += len(c.token_ids)
-                choices.append(choice)
-        if choices:
-            events.append(self.chunk(choices))
+            events.append(self.choice_chunk(c.index, encode(choice), self.num_prompt, len(c.token_ids)))
         return b"".join(events)
 
     def _tool_delta(self, c, text: str) -> tuple[dict, str | None]:

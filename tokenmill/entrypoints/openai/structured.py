@@ -55,7 +55,7 @@ def requested_grammar(req, tool_grammar: StructuredOutputsParams | None = None) 
         raise bad_request(str(e).replace("'structured_outputs'", f"'{name}'"), name) from None
 
 
-def _functions(tools: list[dict]) -> dict[str, dict]:
+def tool_functions(tools: list[dict]) -> dict[str, dict]:
     """name -> parameters schema, for OpenAI's tool list; a 400 for a malformed one."""
     out = {}
     for tool in tools:
@@ -107,7 +107,7 @@ class ForcedToolCalls:
     the output text turns into."""
 
     def __init__(self, tools: list[dict], tool_choice, parallel: bool = True):
-        functions = _functions(tools)
+        functions = tool_functions(tools)
         if tool_choice == "required":
             self.name = None
             defs = _hoist_defs(functions)
