@@ -72,6 +72,52 @@ def test_a_prompt_cut_inside_a_character_gives_only_the_output_s_text(slow):
     assert cuts >= 3
 
 
+def _byte_fallback_tokenizer():
+    """A SentencePiece-style tokenizer (Metaspace, byte-fallback pieces <0xNN>), trained without CJK text."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from conftest import CORPUS
+
+    t = Tokenizer(models.BPE(byte_fallback=True, unk_token=None))
+    t.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    t.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                   decoders.Strip(" ", 1, 0)])
+    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+    t.train_from_iterator([CORPUS.replace("你好，世界。", "").replace("こんにちは", "")],
+                          trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"] + bytes_,
+                                              show_progress=False))
+    spec = json.loads(t.to_str())
+    spec["added_tokens"] = [a for a in spec["added_tokens"] if not a["content"].startswith("<0x")]
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token="<s>",
+                                   eos_token="</s>")
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "byte-fallback"])
+def test_token_bytes_rebuild_characters_split_across_tokens(kind):
+    """OpenAI's logprobs `bytes`: a token holding part of a character decodes alone to U+FFFD, whose bytes (EF BF
+    BD) were what the server sent; the token's own bytes rebuild the character."""
+    from transformers import AutoTokenizer
+    from tokenmill.config import DEFAULT_MODEL
+    from tokenmill.tokenizer import TokenBytes
+
+    t = AutoTokenizer.from_pretrained(DEFAULT_MODEL) if kind == "byte-level" else _byte_fallback_tokenizer()
+    token_bytes, split = TokenBytes(t), 0
+    for text in ("café — naïve", "日本 😀 end", "你好"):
+        ids = t.encode(text, add_special_tokens=False)
+        pieces = [t.decode([i]) for i in ids]
+        split += sum("\ufffd" in p for p in pieces)  # tokens holding part of a character
+        got = b"".join(bytes(token_bytes(i, p)) for i, p in zip(ids, pieces))
+        if kind == "byte-level":
+            assert got == text.encode()
+        else:  # (a SentencePiece word's bytes are its text alone: the space its piece opens with is not there)
+            assert got.decode().replace(" ", "") == text.replace(" ", "")
+    assert split >= 4
+    special = t.convert_tokens_to_ids("</s>")
+    assert token_bytes(special, "</s>") == list(b"</s>")
+
+
 def test_split_multibyte_characters_are_held_back(tok):
     text = "龍🐉"  # not in the tokenizer's corpus: each character is several byte-level tokens
     ids = tok.encode(text)

@@ -372,6 +372,11 @@ def test_chat_matches_offline(client, offline):
     assert r.usage.prompt_tokens == len(want[0].prompt_token_ids) and r.usage.completion_tokens == 10
     content = r.choices[0].logprobs.content
     assert len(content) == 10 and all(len(t.top_logprobs) == 3 for t in content)
+    # each token's own bytes (a piece of a character's too, not U+FFFD's): together, the answer's (this random
+    # model writes invalid UTF-8 too, which the answer's text holds as U+FFFD)
+    joined = b"".join(bytes(t.bytes) for t in content)
+    assert joined.decode("utf-8", "replace").startswith(r.choices[0].message.content)
+    assert joined.count(b"\xef\xbf\xbd") < r.choices[0].message.content.count("\ufffd")
 
     chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0,
                                                  stream=True, stream_options={"include_usage": True},

@@ -19,6 +19,7 @@ from tokenmill.entrypoints.openai.streaming import SSE_DONE, SSEStream, cancel_o
 from tokenmill.entrypoints.openai.structured import requested_grammar
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import TokenBytes
 
 
 def random_id(prefix: str) -> str:
@@ -138,6 +139,7 @@ class ServingBase:
         self.engine = engine
         self.served_names = served_names
         self.tokenizer = engine.tokenizer
+        self.token_bytes = TokenBytes(self.tokenizer) if self.tokenizer is not None else None
 
     @property
     def model_name(self) -> str:
@@ -286,6 +288,12 @@ class ServingBase:
         return choices, prompt_rows
 
     # -- logprobs ------------------------------------------------------------------------------------------
+    def _bytes(self, tok: int, text: str) -> list[int]:
+        """The token's own bytes (a piece of a character: its real bytes, not those of U+FFFD)."""
+        if self.token_bytes is None:
+            return list(text.encode("utf-8", "backslashreplace"))
+        return self.token_bytes(tok, text)
+
     def token_str(self, tok: int, lp: Logprob | None) -> str:
         if lp is not None and lp.decoded_token is not None:
             return lp.decoded_token
@@ -319,9 +327,9 @@ class ServingBase:
             tok, lp = items[0]
             s = self.token_str(tok, lp)
             top = sorted(items, key=lambda kv: kv[1].rank if kv[1].rank is not None else 0)[:top_n] if top_n else []
-            content.append({"token": s, "logprob": lp.logprob, "bytes": list(s.encode()),
+            content.append({"token": s, "logprob": lp.logprob, "bytes": self._bytes(tok, s),
                             "top_logprobs": [{"token": (ts := self.token_str(t, v)), "logprob": v.logprob,
-                                              "bytes": list(ts.encode())} for t, v in top]})
+                                              "bytes": self._bytes(t, ts)} for t, v in top]})
         return {"content": content}
 
 
