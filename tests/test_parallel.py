@@ -119,21 +119,23 @@ def test_async_scheduling_with_tensor_parallelism_gives_the_single_process_token
         close(llm)
 
 
-def test_other_ranks_compile_a_grammar_before_its_first_step(model_dirs, capfd):
+@pytest.mark.parametrize("debug", [True, False])
+def test_other_ranks_compile_a_grammar_before_its_first_step(model_dirs, capfd, debug):
     """The engine compiles a structured request's grammar on a thread before the request is scheduled; the
-    worker ranks that sample are told to do the same when it arrives, instead of compiling in its first step."""
+    worker ranks that sample are told to do the same when it arrives, instead of compiling in its first step.
+    The workers log at the engine's effective level (a logger left unset gave them level 0: DEBUG lines)."""
     import logging
 
     log = logging.getLogger("tokenmill")
     level = log.level
-    log.setLevel(logging.DEBUG)  # the workers take the engine's level
+    log.setLevel(logging.DEBUG if debug else logging.NOTSET)  # the workers take the engine's level
     try:
         llm = make_llm(model_dirs["llama"][0], tensor_parallel_size=2, **ENGINE)
     finally:
         log.setLevel(level)
     try:
         llm.generate([{"prompt_token_ids": DISTINCT[0]}], REGEX, use_tqdm=False)
-        assert "rank 1: grammar compiled ahead of its request's steps" in capfd.readouterr().err
+        assert ("rank 1: grammar compiled ahead of its request's steps" in capfd.readouterr().err) == debug
     finally:
         close(llm)
 
@@ -415,6 +417,39 @@ def test_shared_memory_collectives_match_their_definition(tmp_path):
             assert torch.equal(results[r][2 * i], total)
             assert torch.equal(results[r][2 * i + 1], gathered)
     assert not groups[0].fits(torch.empty(2048))  # 8 KiB > the 4 KiB slot: gloo's job
+
+
+_SMALL_SHM = """
+import errno, os, sys, types
+import torch.distributed as dist
+from tokenmill.distributed import rendezvous
+limit, real = int(sys.argv[1]), os.posix_fallocate
+def fallocate(fd, offset, n):  # a /dev/shm of `limit` bytes
+    if n > limit:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return real(fd, offset, n)
+os.posix_fallocate = fallocate
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+layout = types.SimpleNamespace(rank=0, tp_rank=0, tp_size=2, pp_rank=0, stage_ranks=lambda stage: [0])
+shm = rendezvous._shm_group(layout, None, 16 << 20, 10)
+print("SLOT", 0 if shm is None else shm.slot_bytes >> 20)
+"""
+
+
+@pytest.mark.parametrize("limit, slot_mib, warning", [(10**9, 16, None), (5 << 20, 1, "slots are 1 MiB"),
+                                                      (1 << 20, 0, "gloo carries every collective")])
+def test_a_small_dev_shm_gets_smaller_slots_or_gloo_not_a_bus_error(limit, slot_mib, warning):
+    """The segment was a sparse file: its pages came on first write, and a long prompt's all-reduce past a full
+    /dev/shm (Docker's default is 64 MiB) killed the rank with SIGBUS, and the server with it. Its pages are
+    reserved at startup now; where they do not fit, the slots halve (to 1 MiB), and below that gloo carries
+    every collective, with a warning naming the fix."""
+    from tokenmill.distributed.rendezvous import free_port
+
+    res = subprocess.run([sys.executable, "-c", _SMALL_SHM, str(limit), str(free_port("127.0.0.1"))],
+                         capture_output=True, text=True, timeout=120)
+    assert f"SLOT {slot_mib}" in res.stdout, res.stderr[-2000:]
+    assert (warning in res.stderr) if warning else "/dev/shm" not in res.stderr
+    assert "--shm-size" in res.stderr or warning is None
 
 
 def test_shared_memory_collective_with_a_silent_peer_times_out_or_cancels(tmp_path):

@@ -46,7 +46,9 @@ def start_local_workers(config: EngineConfig, rdzv: Rendezvous, skip_rank: int |
     threads = config.num_threads or threads_per_rank(len(rdzv.node_ranks(layout.world_size)))
     procs = []
     for rank in ranks:
-        args = WorkerArgs(config, layout.for_rank(rank), rdzv, threads, logging.getLogger("tokenmill").level)
+        # the effective level: an unset logger's own level is 0, which made the workers print DEBUG lines
+        level = logging.getLogger("tokenmill").getEffectiveLevel()
+        args = WorkerArgs(config, layout.for_rank(rank), rdzv, threads, level)
         procs.append((rank, spawn_child("tokenmill.distributed.worker", args)))
     return procs
 

@@ -13,6 +13,7 @@ Settings tokenmill makes before init (each only when the user has not set it):
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ import torch.distributed as dist
 
 from tokenmill.distributed.comm import CommStats, ModelShard, PipelineLink, TensorParallel
 from tokenmill.distributed.layout import ParallelLayout
+
+logger = logging.getLogger("tokenmill")
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -138,23 +141,43 @@ def shm_slot_bytes(config, mc, dtype) -> int:
 
 
 def _shm_group(layout: ParallelLayout, group, slot_bytes: int, timeout_s: float):
+    """The TP group's shared-memory segment, or None (gloo carries every collective) where /dev/shm cannot hold
+    even 1 MiB slots; with too little room for `slot_bytes` it takes smaller ones (larger messages go through
+    gloo)."""
     import uuid
 
     from tokenmill.distributed.shm_comm import ShmGroup
 
     first = layout.stage_ranks(layout.pp_rank)[0]
-    name = [f"/dev/shm/tokenmill-tp-{uuid.uuid4().hex}" if layout.rank == first else None]
     if layout.rank != first:
+        name = [None, 0]
         dist.broadcast_object_list(name, src=first, group=group)
-        shm = ShmGroup(name[0], layout.tp_rank, layout.tp_size, slot_bytes, timeout_s, create=False)
+        if name[0] is None:
+            return None
+        shm = ShmGroup(name[0], layout.tp_rank, layout.tp_size, name[1], timeout_s, create=False)
         dist.barrier(group=group)
         return shm
-    shm = ShmGroup(name[0], layout.tp_rank, layout.tp_size, slot_bytes, timeout_s, create=True)  # before its name
+    path, shm, error = f"/dev/shm/tokenmill-tp-{uuid.uuid4().hex}", None, None
     try:
-        dist.broadcast_object_list(name, src=first, group=group)
-        dist.barrier(group=group)  # everyone has it mapped
+        while shm is None and slot_bytes >= 1 << 20:
+            try:
+                shm = ShmGroup(path, layout.tp_rank, layout.tp_size, slot_bytes, timeout_s, create=True)
+            except OSError as e:  # ENOSPC: /dev/shm is smaller than the segment (Docker's default is 64 MiB)
+                error, slot_bytes = e, slot_bytes // 2
+        if shm is None:
+            logger.warning("/dev/shm has no room for the TP ranks' shared-memory all-reduce (%s); gloo carries "
+                           "every collective (slower). Give the container more: docker run --shm-size 1g, or "
+                           "--ipc=host", error)
+        elif error is not None:
+            logger.warning("/dev/shm is small (%s): the TP ranks' shared-memory slots are %d MiB; larger "
+                           "messages go through gloo (docker run --shm-size 1g gives it room)", error,
+                           slot_bytes >> 20)
+        dist.broadcast_object_list([path if shm is not None else None, slot_bytes], src=first, group=group)
+        if shm is not None:
+            dist.barrier(group=group)  # everyone has it mapped
     finally:
-        os.unlink(name[0])  # the mappings stay; nothing is left in /dev/shm, whatever happens
+        if os.path.exists(path):
+            os.unlink(path)  # the mappings stay; nothing is left in /dev/shm, whatever happens
     return shm
 
 

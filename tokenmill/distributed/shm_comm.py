@@ -43,6 +43,9 @@ class ShmGroup:
         try:
             if create:
                 os.ftruncate(fd, total)  # zero-filled: every flag starts at op 0
+                # every page reserved now: a sparse file's pages come on first write, and a write past a full
+                # /dev/shm is a SIGBUS that kills the rank mid-step (OSError ENOSPC here instead)
+                os.posix_fallocate(fd, 0, total)
             self._mm = mmap.mmap(fd, total)
         finally:
             os.close(fd)
