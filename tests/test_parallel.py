@@ -97,6 +97,29 @@ def test_more_ranks_than_kv_heads_replicates_them(model_dirs, expected):
         close(llm)
 
 
+def test_int8_weights_quantized_at_load_split_as_one_process_has_them(model_dirs):
+    """quantization="int8": a row-parallel rank (o_proj, down_proj) scaled each row by its own columns' max, not
+    the whole row's, so its codes differed from a single process's (logprobs apart by 1e-2, tokens diverging).
+    Now the ranks agree on each row's max: the same codes, the single process's tokens and logprobs."""
+    path = model_dirs["llama"][0]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    prompts = [{"prompt_token_ids": p} for p in DISTINCT]
+
+    def outputs(llm):
+        try:
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+        finally:
+            close(llm)
+        lps = [[next(iter(r.values())).logprob for r in o.prompt_logprobs[1:]] +
+               [next(iter(r.values())).logprob for r in o.outputs[0].logprobs] for o in outs]
+        return [o.outputs[0].token_ids for o in outs], lps
+
+    want_tokens, want_lps = outputs(make_llm(path, quantization="int8", **ENGINE))
+    tokens, lps = outputs(make_llm(path, quantization="int8", tensor_parallel_size=2, **ENGINE))
+    assert tokens == want_tokens
+    assert max(abs(a - b) for x, y in zip(lps, want_lps) for a, b in zip(x, y)) < 1e-4
+
+
 # penalties strong enough that a rank counting a stale placeholder instead of a token picks that token again
 PENALIZED = SamplingParams(temperature=0, max_tokens=24, repetition_penalty=3.0, presence_penalty=2.0, ignore_eos=True)
 

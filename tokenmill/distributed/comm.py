@@ -50,6 +50,13 @@ class TensorParallel:
         self.stats.add(t0, x)
         return x
 
+    def all_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Element-wise max over the ranks, in place (at load: a row-parallel shard's scales are its whole
+        rows')."""
+        if self.size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
+        return x
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's `x` along the last dim, in rank order (vocab-parallel logits)."""
         if self.size == 1:

@@ -89,10 +89,12 @@ def fake_w4(weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = N
     return ((q - zeros[..., None]) * scales[..., None]).view(weight.shape)
 
 
-def quantize_w8(weight: torch.Tensor, clip: torch.Tensor | None = None):
-    """Symmetric per-output-channel int8 of float W [N, K]; `clip` [N] caps |W|. Returns (qweight, scales)."""
+def quantize_w8(weight: torch.Tensor, clip: torch.Tensor | None = None, amax: torch.Tensor | None = None):
+    """Symmetric per-output-channel int8 of float W [N, K]; `clip` [N] caps |W|; `amax` [N], where given, is each
+    row's max |W| (over the whole row where W holds part of it: a row-parallel TP shard). Returns (qweight,
+    scales)."""
     w = weight.detach().to(torch.float32)
-    amax = w.abs().amax(-1)
+    amax = w.abs().amax(-1) if amax is None else amax
     if clip is not None:
         amax = torch.minimum(amax, clip)
     scales = (amax.clamp(min=1e-8) / 127).to(torch.float16).to(torch.float32)

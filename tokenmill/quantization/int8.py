@@ -101,7 +101,10 @@ class Int8LinearMethod(LinearMethod):
             q, s = layer.qweight.data, layer.scales.data
             del layer.qweight, layer.scales
         else:
-            q, s = quantize_w8(layer.weight.data)
+            w, tp = layer.weight.data, getattr(layer, "reduce_over", None)
+            # a row-parallel shard holds part of each row: the scale is the whole row's, as one process has it
+            amax = None if tp is None else tp.all_max(w.float().abs().amax(-1))
+            q, s = quantize_w8(w, amax=amax)
             del layer.weight
         n, k = q.shape
         fast = ctx.device == "cpu" and ctx.cpu_kernel != "torch"
