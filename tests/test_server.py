@@ -514,6 +514,16 @@ def test_malformed_tools_get_400_whatever_the_tool_choice(server, tools, choice)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
 
 
+def test_logprobs_a_grammar_bans_go_out_as_vllms_minus_9999(server):
+    """With a grammar, banned tokens' logprobs are -inf; JSON has none, so they went out as null (which OpenAI's
+    clients refuse as a logprob). vLLM sends -9999.0."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "logprobs": True,
+            "top_logprobs": 5, "structured_outputs": {"choice": ["yes", "no"]}}
+    content = post(server, "/v1/chat/completions", body).json()["choices"][0]["logprobs"]["content"]
+    values = [t["logprob"] for t in content] + [t["logprob"] for c in content for t in c["top_logprobs"]]
+    assert all(isinstance(v, float) and v >= -9999.0 for v in values) and -9999.0 in values, values
+
+
 def test_unicode_round_trip(server, client):
     text = "你好，世界 🚀🌟 naïve"
     ids = post(server, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]

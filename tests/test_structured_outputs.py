@@ -305,9 +305,40 @@ def test_a_grammar_that_fails_in_the_engine_ends_only_its_request(llama_dir, mon
     engine.check_invariants()
 
 
+def test_a_stop_token_that_is_text_stays_text_to_the_grammar():
+    """'"' as a stop token id: the grammar's stops are EOS alone (vLLM's), so '"' stays text the grammar needs;
+    sampled, it ends the request as a stop token, which stop_reason names. (It was one of the grammar's own
+    stops: banned as text, the regex's output came back empty, the schema's as '{', both "stop" with no reason.)"""
+    llm = make_llm(str(SHIPPED), dtype="auto")
+    tok = llm.get_tokenizer()
+    quote = tok.encode('"', add_special_tokens=False)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}}, "required": ["name"]}
+    for spec in (StructuredOutputsParams(regex='"[a-z]{2,5}"'),
+                 StructuredOutputsParams(json=schema, disable_any_whitespace=True)):
+        sp = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=quote, structured_outputs=spec)
+        out = llm.generate([{"prompt_token_ids": tok.encode("ROMEO:")}], sp, use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop" and out.stop_reason == quote[0] and out.token_ids[-1] == quote[0], out
+
+
+def test_logprobs_with_a_grammar_are_over_the_tokens_it_allows():
+    """As vLLM's (it masks the logits before its sampler): a "choice" request's top logprobs are among its
+    choices' tokens (they were the raw logits' top tokens, which the grammar bans: a classifier read nonsense)."""
+    import math
+
+    llm = make_llm(str(SHIPPED), dtype="auto")
+    sp = SamplingParams(temperature=0, max_tokens=5, logprobs=5,
+                        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    out = llm.generate([{"prompt_token_ids": llm.get_tokenizer().encode("ROMEO:")}], sp, use_tqdm=False)[0]
+    first = [lp for lp in out.outputs[0].logprobs[0].values() if lp.logprob > -math.inf]
+    assert first and all("yes".startswith(lp.decoded_token) or "no".startswith(lp.decoded_token) for lp in first)
+    assert math.isclose(sum(math.exp(lp.logprob) for lp in first), 1.0, rel_tol=1e-3) or len(first) == 5
+    assert out.outputs[0].text in ("yes", "no") and math.isfinite(out.outputs[0].cumulative_logprob)
+
+
 def test_a_grammar_its_own_stop_tokens_leave_nothing_to_start_ends_at_once():
-    """"{" as a stop token: a JSON object can never start, the mask allows nothing, and the request stops
-    (before, it sampled token 0 from an all -inf row, broke its matcher and went on unconstrained)."""
+    """"{" as a stop token: it is text to the grammar (its stops are EOS alone), so the object starts with it
+    and the request stops there (before it was the grammar's stop: a JSON object could never start, the mask
+    allowed nothing, and once the request sampled token 0 from an all -inf row and went on unconstrained)."""
     llm = make_llm(str(SHIPPED), dtype="auto")
     tok = llm.get_tokenizer()
     brace = tok.encode("{", add_special_tokens=False)

@@ -467,12 +467,21 @@ class Sampler:
 
     @staticmethod
     def logprob_tensors(raw_logits: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> tuple:
-        """The device half of `logprobs` (async scheduling copies these back with the tokens)."""
+        """The device half of `logprobs` (async scheduling copies these back with the tokens). Raw logits, but a
+        grammar's mask applies, as in vLLM (which masks the logits before its sampler): the distribution is over
+        the tokens the grammar allows (a "choice" request's logprobs classify among its choices)."""
         idx = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if not idx:
             return ()
         top_n = max(rows[i].params.logprobs for i in idx)
-        return token_logprob_tensors(take_rows(raw_logits, idx).log_softmax(dim=-1), take_rows(tokens, idx), top_n)
+        logits = take_rows(raw_logits, idx)
+        masked = [j for j, i in enumerate(idx) if rows[i].token_bitmask is not None]
+        if masked:
+            raw, logits = logits, logits.clone()
+            apply_token_masks(logits, masked, [rows[idx[j]].token_bitmask for j in masked])
+            # a mask that leaves nothing (the sampler then stops the row): its raw logits, not NaNs
+            logits = torch.where(torch.isneginf(logits).all(dim=-1, keepdim=True), raw, logits)
+        return token_logprob_tensors(logits.log_softmax(dim=-1), take_rows(tokens, idx), top_n)
 
     @staticmethod
     def logprob_rows(rows: list[SampleRow], tensors: tuple) -> list[TokenLogprobs | None]:

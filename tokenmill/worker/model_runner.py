@@ -443,7 +443,9 @@ class ModelRunner:
         if st.grammar is None:
             if self.grammars is None:
                 raise RuntimeError("this model runner was built without a grammar compiler (worker/build.py)")
-            st.grammar = self.grammars.matcher(st.sampling_params.structured_outputs, st.sampling_params.stop_ids)
+            # the grammar's stops are EOS alone (vLLM's): a stop token id that is also text stays text to it
+            sp = st.sampling_params
+            st.grammar = self.grammars.matcher(sp.structured_outputs, list(sp.eos_token_ids))
         return st.grammar
 
     def _pending_penalty_tokens(self, seqs: list[ScheduledRequest], rows: list[SampleRow]) -> None:

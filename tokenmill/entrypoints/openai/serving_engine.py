@@ -167,7 +167,7 @@ class ServingBase:
         for i in range(len(ids)):
             row = rows[i] if i < len(rows) else None
             out.append(None if row is None else {
-                str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self.token_str(t, lp)}
+                str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": self.token_str(t, lp)}
                 for t, lp in top_of_row(row, top_n).items()})
         return out
 
@@ -314,8 +314,8 @@ class ServingBase:
                 tok, lp = next(iter(row.items()))
                 s = self.token_str(tok, lp)
                 out["tokens"].append(s)
-                out["token_logprobs"].append(lp.logprob)
-                out["top_logprobs"].append({self.token_str(t, v): v.logprob for t, v in row.items()})
+                out["token_logprobs"].append(_finite(lp.logprob))
+                out["top_logprobs"].append({self.token_str(t, v): _finite(v.logprob) for t, v in row.items()})
             out["text_offset"].append(offset)
             offset += len(s)
         return out
@@ -327,10 +327,16 @@ class ServingBase:
             tok, lp = items[0]
             s = self.token_str(tok, lp)
             top = sorted(items, key=lambda kv: kv[1].rank if kv[1].rank is not None else 0)[:top_n] if top_n else []
-            content.append({"token": s, "logprob": lp.logprob, "bytes": self._bytes(tok, s),
-                            "top_logprobs": [{"token": (ts := self.token_str(t, v)), "logprob": v.logprob,
+            content.append({"token": s, "logprob": _finite(lp.logprob), "bytes": self._bytes(tok, s),
+                            "top_logprobs": [{"token": (ts := self.token_str(t, v)), "logprob": _finite(v.logprob),
                                               "bytes": self._bytes(t, ts)} for t, v in top]})
         return {"content": content}
+
+
+def _finite(logprob: float) -> float:
+    """-inf (a token a grammar or bad words ban) as vLLM sends it, -9999.0: JSON has no infinities (it went out
+    as null, which OpenAI's clients refuse as a logprob)."""
+    return max(logprob, -9999.0)
 
 
 @contextmanager
