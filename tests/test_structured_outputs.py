@@ -45,6 +45,10 @@ def _matches(kind: str, text: str) -> bool:
     return re.fullmatch(r"\([a-c]{1,4}(,[a-c]{1,4}){0,3}\)", text) is not None
 
 
+def _groups(n: int) -> str:
+    return "(" * n + "a" + ")" * n
+
+
 def _params(kind: str, **kw) -> SamplingParams:
     kw.setdefault("temperature", 0.0)
     return SamplingParams(max_tokens=60, structured_outputs=SPECS[kind], **kw)
@@ -178,6 +182,19 @@ def test_a_complete_grammar_ends_the_request_before_min_tokens(llama_dir):
     (dict(regex="(unclosed"), "invalid 'regex'"),
     (dict(grammar="root ::= undefined_rule"), "invalid 'grammar'"),
     (dict(json=_nested(40)), "brackets deep"),  # xgrammar would take seconds to minutes over a deep schema
+    # groups nested deep: xgrammar overflowed its stack in the tens of thousands (a segfault took the server down)
+    (dict(regex=_groups(300)), "the regex nests 300 groups deep"),
+    (dict(json={"type": "string", "pattern": _groups(300)}), "a pattern of the schema nests 300 groups deep"),
+    (dict(grammar=f'root ::= Regex("{_groups(300)}")'), "the grammar nests 301 groups deep"),
+    # keywords xgrammar drops without a word: outputs that finished "stop" broke them
+    (dict(json={"type": "array", "items": {"type": "integer"}, "uniqueItems": True}), "'uniqueItems'"),
+    (dict(json={"type": "array", "contains": {"const": 7}}), "'contains'"),
+    (dict(json={"type": "object", "properties": {"a": {"not": {"type": "string"}}}}), "'not' .at #/properties/a"),
+    (dict(json={"if": {"type": "integer"}, "then": {"minimum": 3}}), "'if'"),
+    (dict(json={"allOf": [{"type": "integer"}, {"minimum": 3}]}), "'allOf' with more than one"),
+    (dict(json={"$ref": "http://example.com/int.json"}), "only references within the schema"),
+    (dict(json={"type": "string", "pattern": "[a-z]+", "maxLength": 3}), "'pattern' with 'maxLength'"),
+    (dict(json={"type": "object", "properties": {"a": {}}, "required": ["b"]}), "'required' names 'b'"),
 ])
 def test_a_grammar_that_does_not_compile_is_refused_and_the_engine_serves_on(llama_dir, spec, message):
     llm = make_llm(llama_dir)
@@ -185,6 +202,19 @@ def test_a_grammar_that_does_not_compile_is_refused_and_the_engine_serves_on(lla
         llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(structured_outputs=StructuredOutputsParams(**spec)),
                      use_tqdm=False)
     assert _generate(llm, [PROMPTS[1]], [MIXED[1]])[0][2] == "stop"
+
+
+def test_schemas_whose_keywords_the_backend_keeps_are_taken(llama_dir):
+    """The keyword check reads keywords where schemas are, not property names ("not", "if" as names), and lets
+    pydantic's one-schema allOf and local $refs through."""
+    schema = {"type": "object", "properties": {"not": {"type": "boolean"}, "if": {"allOf": [{"$ref": "#/$defs/n"}]}},
+              "required": ["not", "if"], "$defs": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "additionalProperties": False}
+    llm = make_llm(llama_dir)
+    sp = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(
+        json=schema, disable_any_whitespace=True))
+    (text, _, reason), = _generate(llm, [PROMPTS[0]], sp)
+    assert reason == "length" or set(json.loads(text)) == {"not", "if"}, text
 
 
 @pytest.mark.parametrize("spec", [{}, dict(json={}, regex="a"), dict(choice=[]), dict(choice=["a", 1]),
@@ -247,6 +277,9 @@ def test_a_slow_grammar_compiles_off_the_engines_steps(llama_dir, monkeypatch):
     the slow one, never runs."""
     import threading
 
+    from tokenmill.engine import grammar_wait
+
+    monkeypatch.setattr(grammar_wait, "compile_threads", lambda: 1)  # "gone" queues behind the slow compile
     llm = make_llm(llama_dir)
     engine = llm.llm_engine
     gate, compiler = threading.Event(), engine.core.runner.grammars  # the engine's (the front end has its own)
@@ -272,6 +305,40 @@ def test_a_slow_grammar_compiles_off_the_engines_steps(llama_dir, monkeypatch):
         outs.update((o.request_id, o) for o in engine.step() if o.finished)
     assert set(outs) == {"regex"} and len(compiles) == 1
     assert _matches("regex", llm.get_tokenizer().decode(outs["regex"].outputs[0].token_ids, skip_special_tokens=True))
+    engine.check_invariants()
+
+
+def test_a_slow_compile_holds_up_no_other_grammar(llama_dir, monkeypatch):
+    """Grammars compile on two threads (at least): a request whose grammar takes long, aborted meanwhile (a
+    running compile cannot be stopped), no longer holds up the next structured request (one thread: it waited
+    the whole compile out, 6 s in a review's run)."""
+    import threading
+
+    from tokenmill.engine import grammar_wait
+
+    monkeypatch.setattr(grammar_wait, "compile_threads", lambda: 2)
+    llm = make_llm(llama_dir)
+    engine = llm.llm_engine
+    gate, compiler = threading.Event(), engine.core.runner.grammars
+    real = compiler.compile
+
+    def slow(spec):
+        if spec is SPECS["regex"] and threading.current_thread().name.startswith("tokenmill-grammar"):
+            gate.wait(30)
+        return real(spec)
+    monkeypatch.setattr(compiler, "compile", slow)
+    engine.add_request("slow", {"prompt_token_ids": PROMPTS[1]}, _params("regex"))
+    engine.add_request("fast", {"prompt_token_ids": PROMPTS[2]}, _params("choice"))
+    finished = []
+    for _ in range(2000):
+        finished += [o.request_id for o in engine.step() if o.finished]
+        if "fast" in finished:
+            break
+    assert finished == ["fast"] and not gate.is_set()
+    engine.abort_request(["slow"])
+    gate.set()
+    while engine.has_unfinished_requests():
+        engine.step()
     engine.check_invariants()
 
 

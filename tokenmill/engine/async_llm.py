@@ -21,6 +21,7 @@ from tokenmill.engine.metrics import ServerMetrics
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.models.loader import load_hf_config
 from tokenmill.outputs import RequestOutput
+from tokenmill.sample.grammar import compile_threads
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill")
@@ -163,7 +164,7 @@ class AsyncLLM:
         self.on_dead: Callable[[str], None] | None = None  # called once the core is gone (the server exits)
         self.num_submitting = 0  # requests between admission and registration (tokenizing)
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-tokenizer")
-        self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-grammar")
+        self._grammar_pool = ThreadPoolExecutor(max_workers=compile_threads(), thread_name_prefix="tokenmill-grammar")
         self.client = CoreClient(config, log_level)
         self._tasks: list[asyncio.Task] = []
 

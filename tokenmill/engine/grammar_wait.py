@@ -8,6 +8,7 @@ import concurrent.futures as cf
 import logging
 
 from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.sample.grammar import compile_threads
 
 logger = logging.getLogger("tokenmill")
 
@@ -23,7 +24,7 @@ class GrammarWait:
 
     def add(self, req: Request) -> None:
         if self._pool is None:
-            self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="tokenmill-grammar")
+            self._pool = cf.ThreadPoolExecutor(compile_threads(), thread_name_prefix="tokenmill-grammar")
         self.waiting[req.request_id] = (req, self._pool.submit(self.compiler.compile, req.sampling_params
                                                                .structured_outputs))
 

@@ -20,6 +20,8 @@ import contextlib
 import functools
 import json
 import logging
+import os
+import re
 import threading
 
 import torch
@@ -265,18 +267,93 @@ def _check_depth(schema: str) -> None:
         raise ValueError(f"the schema nests {deepest} brackets deep; at most {MAX_SCHEMA_DEPTH} are taken")
 
 
+def compile_threads() -> int:
+    """Threads that compile (or parse) grammars side by side, as vLLM's pool: at least two, so that one slow
+    compile, which cannot be stopped once running (even for a request that is gone), holds up no other."""
+    return min(8, max(2, (os.cpu_count() or 2) // 2))
+
+
+# groups nested deeper than this in any regex a request carries (a regex, a schema's patterns, a grammar's
+# Regex("...")) are refused: xgrammar recurses over them and, in the tens of thousands, overflows its stack (a
+# segfault that took the server down); no real pattern comes near it
+MAX_REGEX_NESTING = 256
+
+
+def _check_nesting(text: str, what: str) -> None:
+    """Refuse `text` whose parentheses nest past MAX_REGEX_NESTING (escaped ones left out)."""
+    depth = deepest = 0
+    for m in re.finditer(r"[()]", re.sub(r"\\.", "", text)):
+        depth = depth + 1 if m.group() == "(" else max(0, depth - 1)
+        deepest = max(deepest, depth)
+    if deepest > MAX_REGEX_NESTING:
+        raise ValueError(f"{what} nests {deepest} groups deep; at most {MAX_REGEX_NESTING} are taken")
+
+
+# keywords xgrammar drops without a word (its outputs then break them): refused, naming the keyword, as vLLM
+# refuses the ones it knows of for xgrammar
+_DROPPED_KEYWORDS = ("contains", "minContains", "maxContains", "not", "if", "then", "else", "dependentRequired",
+                     "dependentSchemas", "dependencies")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+
+
+@functools.lru_cache(maxsize=256)
+def _check_schema_keywords(schema: str) -> None:
+    _check_keywords(json.loads(schema), "#")
+
+
+def _check_keywords(node, path: str) -> None:
+    if isinstance(node, list):
+        for i, sub in enumerate(node):
+            _check_keywords(sub, f"{path}/{i}")
+        return
+    if not isinstance(node, dict):
+        return
+    for key in _DROPPED_KEYWORDS:
+        if key in node:
+            raise ValueError(f"'{key}' (at {path}) is not supported by the grammar backend")
+    if node.get("uniqueItems") is True:
+        raise ValueError(f"'uniqueItems' (at {path}) is not supported by the grammar backend")
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        raise ValueError(f"'allOf' with more than one schema (at {path}) is not supported by the grammar backend")
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        raise ValueError(f"'$ref' {ref!r} (at {path}): only references within the schema (#/...) are taken")
+    bounded = [k for k in ("minLength", "maxLength") if k in node]
+    shaped = [k for k in ("pattern", "format") if k in node]
+    if bounded and shaped:
+        raise ValueError(f"'{shaped[0]}' with '{bounded[0]}' (at {path}) is not supported by the grammar backend")
+    required, props = node.get("required"), node.get("properties")
+    if isinstance(required, list) and (isinstance(props, dict) or node.get("additionalProperties") is False):
+        missing = [r for r in required if r not in (props or {})]
+        if missing:
+            raise ValueError(f"'required' names {missing[0]!r} (at {path}), which 'properties' does not define")
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            for name, sub in node[key].items():
+                _check_keywords(sub, f"{path}/{key}/{name}")
+    for key in _SUBSCHEMA_LISTS + _SUBSCHEMAS:
+        if key in node:
+            _check_keywords(node[key], f"{path}/{key}")
+
+
 def _source(spec: StructuredOutputsParams) -> tuple[str, str]:
     """("regex", a regular expression) or ("ebnf", a grammar's text): what xgrammar parses for `spec`."""
     if spec.json is not None:
         schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
         _check_depth(schema)
+        _check_nesting(schema, "a pattern of the schema")
+        _check_schema_keywords(schema)
         return "ebnf", json_grammar(schema, not spec.disable_any_whitespace)
     if spec.json_object:  # an object, as OpenAI's json_object mode (xgrammar's builtin takes any value)
         return "ebnf", json_grammar('{"type": "object"}', not spec.disable_any_whitespace)
     if spec.regex is not None:
+        _check_nesting(spec.regex, "the regex")
         return "regex", spec.regex
     if spec.choice is not None:  # (non-ASCII as is: xgrammar reads \uXXXX surrogate pairs as two characters)
         return "ebnf", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+    _check_nesting(spec.grammar, "the grammar")
     return "ebnf", spec.grammar
 
 
