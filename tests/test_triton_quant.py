@@ -217,3 +217,24 @@ def test_imports_without_triton():
 
 if __name__ == "__main__":
     _child_main(sys.argv[1])
+
+
+def test_a_kernel_that_fails_to_compile_falls_back_to_its_twin(monkeypatch, caplog):
+    """A Triton compile failure on the GPU (the first quantized forward is the KV-sizing step: it killed the
+    engine's startup) trips a latch: one warning, and the layers dequantize and multiply in torch from then on."""
+    from tokenmill.ops.failure_latch import FailureLatch
+
+    def broken():
+        raise RuntimeError("PTX compile failed")
+    monkeypatch.setattr(tq, "_kernels", broken)
+    monkeypatch.setattr(tq, "_failure", FailureLatch(tq._failure.warning))
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 128, generator=g)
+    qweight, scales = awq_format.quantize_w8(w)
+    q4, z4, s4 = awq_format.quantize_w4(w, 32)
+    x = torch.randn(3, 128, generator=g)
+    with caplog.at_level("WARNING", logger="tokenmill"):
+        for _ in range(2):
+            assert torch.equal(tq.int8_gemm(x, qweight, scales), tq.int8_gemm_ref(x, qweight, scales))
+            assert torch.equal(tq.awq_gemm(x, q4, z4, s4, 32), tq.awq_gemm_ref(x, q4, z4, s4, 32))
+    assert sum("Triton quantized GEMMs failed" in r.message for r in caplog.records) == 1 and tq._failure

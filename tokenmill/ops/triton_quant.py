@@ -27,7 +27,10 @@ import torch
 from tokenmill.quantization.awq_format import SUPPORTED_GROUP_SIZES, dequantize_w4, dequantize_w8
 
 from tokenmill.ops import triton_lazy as triton  # cdiv, next_power_of_2; triton loads with the kernels
+from tokenmill.ops.failure_latch import FailureLatch
 
+_failure = FailureLatch("Triton quantized GEMMs failed (%s); quantized layers dequantize and multiply in torch from "
+                        "now on (slower, the same outputs)")
 SMALL_M = 8
 VARIANTS = ("gemm", "gemv")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -140,15 +143,22 @@ def _launch(bits: int, x: torch.Tensor, qweight, qzeros, scales, bias, group: in
     m, k = x2.shape
     if m == 0:
         return x.new_empty(*x.shape[:-1], n)
-    plan = _plan(m, n, k, max_block_k, x.device, variant, split_k)
-    kernels = _kernels()
-    out = torch.empty(plan.split_k, m, n, device=x.device, dtype=x.dtype if plan.split_k == 1 else torch.float32)
-    kernels.qgemm_kernel[plan.grid(m, n)](
-        x2, qweight, qzeros, scales, scales if bias is None else bias.contiguous(), out, m, n, k,
-        x2.stride(0), x2.stride(1), plan.tiles_per_split, num_warps=plan.num_warps,
-        **plan.constexprs(bits, group, x.dtype, bias is not None, kernels.INTERPRETED))
-    y = out[0] if plan.split_k == 1 else out.sum(0).to(x.dtype)
-    return y.view(*x.shape[:-1], n)
+    if not _failure:
+        try:
+            plan = _plan(m, n, k, max_block_k, x.device, variant, split_k)
+            kernels = _kernels()
+            out = torch.empty(plan.split_k, m, n, device=x.device,
+                              dtype=x.dtype if plan.split_k == 1 else torch.float32)
+            kernels.qgemm_kernel[plan.grid(m, n)](
+                x2, qweight, qzeros, scales, scales if bias is None else bias.contiguous(), out, m, n, k,
+                x2.stride(0), x2.stride(1), plan.tiles_per_split, num_warps=plan.num_warps,
+                **plan.constexprs(bits, group, x.dtype, bias is not None, kernels.INTERPRETED))
+            y = out[0] if plan.split_k == 1 else out.sum(0).to(x.dtype)
+            return y.view(*x.shape[:-1], n)
+        except Exception as e:  # a compile failure on this GPU (before anything was written): the twin, for good
+            _failure.trip(e)
+    w = dequantize_w4(qweight, qzeros, scales, group) if bits == 4 else dequantize_w8(qweight, scales)
+    return _matmul_ref(x2, w, bias).view(*x.shape[:-1], n)
 
 
 def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
