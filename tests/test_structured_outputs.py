@@ -204,6 +204,21 @@ def test_a_grammar_that_does_not_compile_is_refused_and_the_engine_serves_on(lla
     assert _generate(llm, [PROMPTS[1]], [MIXED[1]])[0][2] == "stop"
 
 
+def test_lark_grammars_are_taken_as_vllm_takes_them(llama_dir):
+    """A grammar with no "::=" that defines Lark rules ("start: ...") is Lark (they were a 400: xgrammar's EBNF
+    parser refused the lexer syntax); xgrammar turns it into EBNF. A bad one is the same 400 as a bad EBNF."""
+    lark = 'start: greeting " " name\ngreeting: "hello" | "hi"\nname: /[a-c]{1,4}/\n'
+    llm = make_llm(llama_dir)
+    for t in (0.0, 1.0):
+        sp = SamplingParams(temperature=t, seed=4, max_tokens=20,
+                            structured_outputs=StructuredOutputsParams(grammar=lark))
+        (text, _, reason), = _generate(llm, [PROMPTS[0]], sp)
+        assert reason == "stop" and re.fullmatch(r"(hello|hi) [a-c]{1,4}", text), text
+    with pytest.raises(ValueError, match="invalid 'grammar'"):
+        llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(structured_outputs=StructuredOutputsParams(
+            grammar="start: undefined_rule\n")), use_tqdm=False)
+
+
 def test_schemas_whose_keywords_the_backend_keeps_are_taken(llama_dir):
     """The keyword check reads keywords where schemas are, not property names ("not", "if" as names), and lets
     pydantic's one-schema allOf and local $refs through."""

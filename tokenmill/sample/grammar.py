@@ -354,7 +354,21 @@ def _source(spec: StructuredOutputsParams) -> tuple[str, str]:
     if spec.choice is not None:  # (non-ASCII as is: xgrammar reads \uXXXX surrogate pairs as two characters)
         return "ebnf", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
     _check_nesting(spec.grammar, "the grammar")
+    if "::=" not in spec.grammar and _LARK_RULE.search(spec.grammar):
+        return "ebnf", lark_grammar(spec.grammar)
     return "ebnf", spec.grammar
+
+
+# a Lark rule's head ("start: ...", "?expr: ...", "NAME.2: ..."), where no line has EBNF's "::="
+_LARK_RULE = re.compile(r"(?m)^\s*[?!]?[A-Za-z_]\w*(\.\d+)?\s*:")
+
+
+@functools.lru_cache(maxsize=64)
+def lark_grammar(text: str) -> str:
+    """A Lark grammar (vLLM and OpenAI's tools take them) as xgrammar's EBNF text."""
+    import xgrammar
+
+    return str(xgrammar.Grammar.from_lark(text))
 
 
 @functools.lru_cache(maxsize=64)
