@@ -2,6 +2,7 @@
 given at once)."""
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -29,3 +30,16 @@ def check_limit_mm(args) -> None:
     from tokenmill.multimodal.processor import parse_limits
 
     parse_limits(getattr(args, "limit_mm_per_prompt", None))
+
+
+def read_json(path, kind: type, not_json: str, wrong_kind: str):
+    """A JSON file's value, which must be a `kind` (list or dict); else one line naming the file: `not_json`
+    followed by the parser's error, or `wrong_kind` with {type} for what the file holds."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            value = json.load(f)
+        except ValueError as e:  # bad JSON, or not UTF-8
+            raise ValueError(f"{path}: {not_json} ({e})") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"{path}: " + wrong_kind.format(type=type(value).__name__))
+    return value

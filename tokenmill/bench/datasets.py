@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import base64
 import io
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenmill.bench.checks import read_json
 from tokenmill.entrypoints.openai.cli_args import positive_int
 
 _WORDS = ("the quick brown fox jumps over a lazy dog while seven bold wizards quietly judge "
@@ -113,14 +113,8 @@ class ShareGPTDataset(Dataset):
         self.max_prompt_len, self.max_total_len = max_prompt_len, max_total_len
 
     def sample(self, num_requests, tokenizer, rng):
-        with open(self.path, encoding="utf-8") as f:
-            try:
-                data = json.load(f)
-            except ValueError as e:  # bad JSON, or not UTF-8
-                raise ValueError(f"{self.path}: not a ShareGPT JSON file ({e})") from None
-        if not isinstance(data, list):
-            raise ValueError(f"{self.path}: a ShareGPT file is a JSON list of conversations, "
-                             f"this is a {type(data).__name__}")
+        data = read_json(self.path, list, "not a ShareGPT JSON file",
+                         "a ShareGPT file is a JSON list of conversations, this is a {type}")
         # as vLLM: entries without two usable turns are skipped; an error only where none is left
         pairs = [pair for d in data if (pair := _sharegpt_pair(d))]
         if data and not pairs:

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tokenmill.bench.checks import read_json
+
 LADDER_KIND = "tokenmill-ladder"
 RUNG_FIELDS = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "output_throughput",
                "peak_memory_mb", "utilization_pct")
@@ -126,14 +128,8 @@ def load_inputs(paths: list[str]) -> tuple[list[dict], list[dict]]:
     """(results, ladders); each dict gains '_path' and results a unique '_name'."""
     results, ladders = [], []
     for p in paths:
-        with open(p) as f:
-            try:
-                d = json.load(f)
-            except ValueError as e:  # bad JSON, or not UTF-8
-                raise ValueError(f"{p}: not a JSON file ({e})") from None
-        if not isinstance(d, dict):
-            raise ValueError(f"{p}: neither a bench result nor a ladder file (a JSON {type(d).__name__}, "
-                             "not an object)")
+        d = read_json(p, dict, "not a JSON file",
+                      "neither a bench result nor a ladder file (a JSON {type}, not an object)")
         d["_path"] = str(p)
         try:
             if d.get("kind") == LADDER_KIND or "rungs" in d:

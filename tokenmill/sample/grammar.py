@@ -279,6 +279,7 @@ def compile_threads() -> int:
 MAX_REGEX_NESTING = 256
 
 
+@functools.lru_cache(maxsize=256)
 def _check_nesting(text: str, what: str) -> None:
     """Refuse `text` whose parentheses nest past MAX_REGEX_NESTING (escaped ones left out)."""
     depth = deepest = 0
