@@ -565,6 +565,9 @@ GOOD = {"model": MODEL, "prompt": "To be", "max_tokens": 2}
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
      "response_format"),
     ({**GOOD, "guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+    ({**GOOD, "guided_regex": "a+", "guided_whitespace_pattern": " *"}, "guided_regex"),  # (no whitespace regex)
+    ({**GOOD, "response_format": {"type": "structural_tag"}}, "response_format"),
+    ({**GOOD, "response_format": {"type": "structural_tag", "format": {"type": "bogus"}}}, "structural_tag"),
     ({**GOOD, "structured_outputs": {"choice": []}}, "structured_outputs"),
     ({**GOOD, "structured_outputs": {"pattern": "a+"}}, "structured_outputs"),
     ({**GOOD, "allowed_token_ids": [10**6]}, "allowed_token_ids"),
@@ -843,6 +846,11 @@ def test_structured_outputs_and_forced_tool_calls(server, client):
     r = post(server, "/v1/completions", {**GOOD, "max_tokens": 240, "temperature": 0, "response_format": {
         "type": "json_schema", "json_schema": {"schema": WEATHER}}})  # on completions too, as vLLM
     assert _weather_ok(json.loads(r.json()["choices"][0]["text"]))
+    r = post(server, "/v1/completions", {**GOOD, "max_tokens": 240, "temperature": 0, "response_format": {
+        "type": "structural_tag", "format": {"type": "tag", "begin": "<call>", "end": "</call>", "content": {
+            "type": "json_schema", "json_schema": WEATHER}}}})  # vLLM's structural tags (xgrammar's format)
+    text = r.json()["choices"][0]["text"]
+    assert text.startswith("<call>") and text.endswith("</call>") and _weather_ok(json.loads(text[6:-7])), text
     the = post(server, "/tokenize", {"model": MODEL, "prompt": " the", "add_special_tokens": False}).json()["tokens"]
     r = client.completions.create(model=MODEL, prompt="To be", max_tokens=3, extra_body={
         "allowed_token_ids": the[-1:], "ignore_eos": True})

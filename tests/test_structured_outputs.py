@@ -232,8 +232,63 @@ def test_schemas_whose_keywords_the_backend_keeps_are_taken(llama_dir):
     assert reason == "length" or set(json.loads(text)) == {"not", "if"}, text
 
 
+# vLLM's older structural tag: free text, in which every "e" opens a tag whose content is a digit
+DIGIT_TAGS = {"structures": [{"begin": "e<", "schema": {"type": "integer", "minimum": 0, "maximum": 9}, "end": ">"}],
+              "triggers": ["e"]}
+
+
+def test_structural_tags_hold_each_tag_a_trigger_opens(llama_dir):
+    """vLLM's structural tags (xgrammar's): the text is free until a trigger, which opens its tag; the tag's
+    content matches its schema and its end closes it. Both forms, sampled (a random model writes the trigger
+    often), and xgrammar's `format` form with a tag that must open the text."""
+    llm = make_llm(llama_dir)
+    outs = _generate(llm, PROMPTS[:4], [SamplingParams(temperature=1.0, seed=s, max_tokens=40, structured_outputs=
+                                                       StructuredOutputsParams(structural_tag=DIGIT_TAGS))
+                                        for s in range(4)])
+    texts = [t for t, _, _ in outs]
+    assert all(re.fullmatch(r"([^e]|e<[0-9]>)*(e<[0-9]?)?", t, re.S) for t in texts), texts  # (max_tokens may cut)
+    assert sum(t.count("e<") for t in texts) >= 3, texts  # the tags were exercised, not just avoided
+    call = {"format": {"type": "tag", "begin": "<call>", "end": "</call>",
+                       "content": {"type": "regex", "pattern": r"(ab|cd)[0-9]{2,4}-[xyz]"}}}
+    for t in (0.0, 1.0):
+        sp = SamplingParams(temperature=t, seed=2, max_tokens=40, structured_outputs={"structural_tag": call})
+        (text, _, reason), = _generate(llm, [PROMPTS[1]], sp)
+        assert reason == "stop" and re.fullmatch(r"<call>(ab|cd)[0-9]{2,4}-[xyz]</call>", text), text
+
+
+@pytest.mark.parametrize("tag, message", [
+    ({"structures": [{"begin": "<tool>", "schema": {}, "end": "</tool>"}], "triggers": ["<fn"]}, "does not match"),
+    ({"format": {"type": "bogus"}}, "not recognized"),
+    ({"format": {"type": "tag", "begin": "<a>", "end": "</a>", "content": {"type": "json_schema", "json_schema": {
+        "type": "object", "properties": {"x": {"not": {}}}}}}}, "'not' .at #/format/content/json_schema/properties/x"),
+    ({"structures": [{"begin": "e<", "schema": {"type": "array", "uniqueItems": True}, "end": ">"}], "triggers": ["e"]},
+     "'uniqueItems' .at #/structures/0/schema"),
+    ({"format": {"type": "regex", "pattern": _groups(300)}}, "a pattern of the structural tag nests 300"),
+])
+def test_a_structural_tag_the_backend_refuses_is_refused(llama_dir, tag, message):
+    llm = make_llm(llama_dir)
+    with pytest.raises(ValueError, match=message):
+        llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(structured_outputs={"structural_tag": tag}),
+                     use_tqdm=False)
+    assert _generate(llm, [PROMPTS[1]], [MIXED[1]])[0][2] == "stop"
+
+
+def test_vllms_backend_flags_are_taken_and_a_whitespace_pattern_is_refused():
+    """disable_fallback and disable_additional_properties are what tokenmill's one backend does anyway (an object
+    takes only the properties its schema lists); whitespace_pattern cannot be honoured, so it is a clear error."""
+    spec = StructuredOutputsParams(json=SCHEMA, disable_fallback=True, disable_additional_properties=True)
+    assert spec.kind == "json" and spec.disable_fallback and spec.disable_additional_properties
+    with pytest.raises(ValueError, match="'whitespace_pattern' is not supported"):
+        StructuredOutputsParams(json=SCHEMA, whitespace_pattern=r"[\n ]*")
+    with pytest.raises(ValueError, match="'disable_fallback' must be true or false"):
+        StructuredOutputsParams(json=SCHEMA, disable_fallback="yes")
+
+
 @pytest.mark.parametrize("spec", [{}, dict(json={}, regex="a"), dict(choice=[]), dict(choice=["a", 1]),
-                                  dict(regex=""), dict(json_object=False)])
+                                  dict(regex=""), dict(json_object=False), dict(structural_tag={}),
+                                  dict(structural_tag="{"), dict(structural_tag={"structures": [], "triggers": ["a"]}),
+                                  dict(structural_tag={"structures": [{"begin": "a"}], "triggers": ["a"]}),
+                                  dict(structural_tag={"format": "tag"})])
 def test_params_need_exactly_one_well_formed_grammar(spec):
     with pytest.raises(ValueError, match="structured_outputs"):
         StructuredOutputsParams(**spec)

@@ -7,20 +7,30 @@ import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
-_STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+STRUCTURED_FLAGS = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties")
 
 
 @dataclass
 class StructuredOutputsParams:
     """What a request's output must match (vLLM's StructuredOutputsParams): exactly one of a JSON schema (a dict
-    or its JSON text), any JSON object, a regular expression, one of a list of strings, or an EBNF grammar
-    (xgrammar's dialect, GBNF-like). sample/grammar.py compiles it."""
+    or its JSON text), any JSON object, a regular expression, one of a list of strings, an EBNF grammar
+    (xgrammar's dialect, GBNF-like; or Lark), or a structural tag (xgrammar's: free text in which each trigger
+    opens a tagged part of its own schema, as tool calls; a dict or its JSON text). sample/grammar.py compiles
+    it."""
     json: str | dict | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | dict | None = None
     disable_any_whitespace: bool = False  # JSON: no whitespace but xgrammar's default separators
+    # vLLM's, taken for its clients: there is one backend (nothing to fall back from), and a schema's objects
+    # take no property it does not list unless its additionalProperties says so (xgrammar's strict mode)
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+    # vLLM's too, but xgrammar has no whitespace regex: a 400 that says so, rather than a pattern ignored
+    whitespace_pattern: str | None = None
     # the grammar holds the output only after these tokens (a thinking model's "</think>": --reasoning-parser)
     start_after: tuple[int, ...] = ()
 
@@ -32,33 +42,60 @@ class StructuredOutputsParams:
             raise ValueError("invalid sampling parameter 'structured_outputs': 'start_after' must be a list of "
                              "token ids")
         self.start_after = tuple(self.start_after)
-        for flag in ("json_object", "disable_any_whitespace"):  # (null, as clients send unset fields: false)
+        if self.whitespace_pattern is not None:
+            raise ValueError("invalid sampling parameter 'structured_outputs': 'whitespace_pattern' is not supported "
+                             "(the grammar backend has no whitespace regex); 'disable_any_whitespace': true allows "
+                             "none but the separators")
+        for flag in ("json_object",) + STRUCTURED_FLAGS:  # (null, as clients send unset fields: false)
             if getattr(self, flag) is None:
                 setattr(self, flag, False)
             elif type(getattr(self, flag)) is not bool:
                 raise ValueError(f"invalid sampling parameter 'structured_outputs': '{flag}' must be true or false")
-        set_ = [k for k in _STRUCTURED_KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
+        set_ = [k for k in STRUCTURED_KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
         if len(set_) != 1:
             raise ValueError("invalid sampling parameter 'structured_outputs': set exactly one of "
-                             f"{', '.join(_STRUCTURED_KINDS)} (got {', '.join(set_) or 'none'})")
+                             f"{', '.join(STRUCTURED_KINDS)} (got {', '.join(set_) or 'none'})")
         ok = {"json": lambda v: isinstance(v, (str, dict)), "json_object": lambda v: v is True,
               "regex": lambda v: isinstance(v, str) and v, "grammar": lambda v: isinstance(v, str) and v,
-              "choice": lambda v: isinstance(v, list) and v and all(isinstance(c, str) and c for c in v)}
+              "choice": lambda v: isinstance(v, list) and v and all(isinstance(c, str) and c for c in v),
+              "structural_tag": _is_structural_tag}
         if not ok[self.kind](getattr(self, self.kind)):
             raise ValueError(f"invalid sampling parameter 'structured_outputs': '{self.kind}' must be "
                              + {"json": "a JSON schema (an object or its JSON text)", "json_object": "true",
                                 "regex": "a non-empty string", "grammar": "a non-empty string",
-                                "choice": "a non-empty list of non-empty strings"}[self.kind])
-        if isinstance(self.json, dict):  # kept as text: a deeply nested dict cannot be pickled to worker ranks
-            try:
-                self.json = _json.dumps(self.json)
-            except (TypeError, ValueError, RecursionError):
-                raise ValueError("invalid sampling parameter 'structured_outputs': 'json' must be a JSON schema "
-                                 "(an object or its JSON text)") from None
+                                "choice": "a non-empty list of non-empty strings",
+                                "structural_tag": "an object (or its JSON text) with 'format', or with "
+                                                  "'structures' and 'triggers'"}[self.kind])
+        for key in ("json", "structural_tag"):  # kept as text: a deeply nested dict cannot be pickled to ranks
+            if isinstance(getattr(self, key), dict):
+                try:
+                    setattr(self, key, _json.dumps(getattr(self, key)))
+                except (TypeError, ValueError, RecursionError):
+                    raise ValueError(f"invalid sampling parameter 'structured_outputs': '{key}' must be a JSON "
+                                     "object or its JSON text") from None
 
     @property
     def kind(self) -> str:
-        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) is not None and getattr(self, k) is not False)
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) is not None and getattr(self, k) is not False)
+
+
+def _is_structural_tag(value) -> bool:
+    """A structural tag's shape, as vLLM and xgrammar take it: {"format": ...} (xgrammar's structural tag), or
+    vLLM's older {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}; the text of either."""
+    if isinstance(value, str):
+        try:
+            value = _json.loads(value)
+        except (ValueError, RecursionError):
+            return False
+    if not isinstance(value, dict):
+        return False
+    if "format" in value:
+        return isinstance(value["format"], dict)
+    structures, triggers = value.get("structures"), value.get("triggers")
+    return (isinstance(structures, list) and bool(structures) and isinstance(triggers, list) and bool(triggers)
+            and all(isinstance(t, str) and t for t in triggers)
+            and all(isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+                    and isinstance(s.get("schema", {}), dict) for s in structures))
 
 
 @dataclass
@@ -160,7 +197,7 @@ class SamplingParams:
             try:
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
             except TypeError:
-                raise bad("structured_outputs", f"takes {', '.join(_STRUCTURED_KINDS)} or disable_any_whitespace, "
+                raise bad("structured_outputs", f"takes {', '.join(STRUCTURED_KINDS + STRUCTURED_FLAGS)}, "
                           f"got {', '.join(map(str, self.structured_outputs))}") from None
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")

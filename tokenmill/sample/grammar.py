@@ -354,10 +354,48 @@ def _source(spec: StructuredOutputsParams) -> tuple[str, str]:
         return "regex", spec.regex
     if spec.choice is not None:  # (non-ASCII as is: xgrammar reads \uXXXX surrogate pairs as two characters)
         return "ebnf", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+    if spec.structural_tag is not None:
+        return "ebnf", structural_tag_grammar(spec.structural_tag)
     _check_nesting(spec.grammar, "the grammar")
     if "::=" not in spec.grammar and _LARK_RULE.search(spec.grammar):
         return "ebnf", lark_grammar(spec.grammar)
     return "ebnf", spec.grammar
+
+
+@functools.lru_cache(maxsize=64)
+def structural_tag_grammar(text: str) -> str:
+    """A structural tag (xgrammar's {"format": ...}, or vLLM's older structures and triggers) as EBNF text,
+    after the checks every schema and pattern it holds gets; its JSON parts' whitespace runs are bounded as
+    our JSON grammars' are, unless the tag sets its own bound."""
+    import xgrammar
+
+    _check_depth(text)
+    _check_nesting(text, "a pattern of the structural tag")
+    tag = json.loads(text)
+    if "format" in tag:
+        fmt = _bounded_schemas(tag["format"], "#/format")
+    else:  # vLLM's older form: free text in which each trigger opens one of the structures (xgrammar's reading)
+        for i, item in enumerate(tag["structures"]):
+            _check_keywords(item.get("schema", {}), f"#/structures/{i}/schema")
+        fmt = {"type": "triggered_tags", "triggers": tag["triggers"], "tags": [
+            {"type": "tag", "begin": item["begin"], "end": item["end"],
+             "content": {"type": "json_schema", "json_schema": item.get("schema", {}),
+                         "max_whitespace_cnt": MAX_JSON_WHITESPACE}} for item in tag["structures"]]}
+    g = xgrammar.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": fmt}))
+    return str(g).replace(_BOUNDED_STRING_CHARS, _JSON_STRING_CHARS)
+
+
+def _bounded_schemas(node, path: str):
+    """`node` (a structural tag's format) with the keyword check run on each JSON schema part, and those parts'
+    whitespace bounded (a small model left free pads JSON with whitespace until max_tokens)."""
+    if isinstance(node, list):
+        return [_bounded_schemas(sub, f"{path}/{i}") for i, sub in enumerate(node)]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema":
+        _check_keywords(node.get("json_schema"), f"{path}/json_schema")
+        return {"max_whitespace_cnt": MAX_JSON_WHITESPACE, **node}
+    return {key: _bounded_schemas(sub, f"{path}/{key}") for key, sub in node.items()}
 
 
 # a Lark rule's head ("start: ...", "?expr: ...", "NAME.2: ..."), where no line has EBNF's "::="

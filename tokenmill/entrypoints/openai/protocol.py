@@ -117,8 +117,12 @@ class JsonSchemaFormat(OpenAIBase):
 
 
 class ResponseFormat(OpenAIBase):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # vLLM's "structural_tag": xgrammar's `format`, or the older `structures` ({begin, schema, end}) + `triggers`
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[StrictStr] | None = None
 
 
 class _SamplingFields(OpenAIBase):
@@ -173,6 +177,7 @@ class _SamplingFields(OpenAIBase):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
+    guided_whitespace_pattern: StrictStr | None = None  # (with a guided_* field: a 400, see StructuredOutputsParams)
     response_format: ResponseFormat | None = None  # OpenAI's (chat); vLLM takes it on completions too
 
 

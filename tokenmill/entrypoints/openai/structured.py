@@ -2,6 +2,8 @@
 
     response_format {"type": "json_object"}               -> any JSON object
     response_format {"type": "json_schema", ...schema}   -> that schema
+    response_format {"type": "structural_tag", ...}      -> vLLM's structural tag (format, or structures
+                                                             and triggers)
     structured_outputs {...} / guided_json, guided_regex,  -> as vLLM takes them (one per request)
       guided_choice, guided_grammar
     tool_choice {"type": "function", "function": {name}} -> that tool's parameters; the text is its arguments
@@ -16,7 +18,7 @@ from typing import Any
 
 from tokenmill.entrypoints.openai.errors import APIError, bad_request
 from tokenmill.entrypoints.openai.tool_parsers import call_dict
-from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.sampling_params import STRUCTURED_FLAGS, STRUCTURED_KINDS, StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -29,14 +31,20 @@ def requested_grammar(req, tool_grammar: StructuredOutputsParams | None = None) 
     for name, kind in _GUIDED.items():
         if getattr(req, name) is not None:
             asked.append((name, {kind: getattr(req, name)}))
+            if req.guided_whitespace_pattern is not None:  # (a 400: the backend has no whitespace regex)
+                asked[-1][1]["whitespace_pattern"] = req.guided_whitespace_pattern
     fmt = req.response_format
     if fmt is not None and fmt.type != "text":
         if fmt.type == "json_object":
             asked.append(("response_format", {"json_object": True}))
-        elif fmt.json_schema is None or fmt.json_schema.json_schema is None:
+        elif fmt.type == "json_schema" and (fmt.json_schema is None or fmt.json_schema.json_schema is None):
             raise APIError(400, "response_format 'json_schema' needs json_schema.schema", "response_format")
-        else:
+        elif fmt.type == "json_schema":
             asked.append(("response_format", {"json": fmt.json_schema.json_schema}))
+        else:  # structural_tag, checked where the engine checks structured_outputs' (a 400 naming response_format)
+            tag = {"format": fmt.format} if fmt.format is not None else \
+                {"structures": fmt.structures, "triggers": fmt.triggers}
+            asked.append(("response_format", {"structural_tag": tag}))
     if tool_grammar is not None:
         asked.append(("tool_choice", tool_grammar))
     if not asked:
@@ -49,8 +57,7 @@ def requested_grammar(req, tool_grammar: StructuredOutputsParams | None = None) 
     try:
         return StructuredOutputsParams(**spec)
     except TypeError:
-        raise APIError(400, f"'{name}' takes json, json_object, regex, choice, grammar or disable_any_whitespace",
-                       name) from None
+        raise APIError(400, f"'{name}' takes {', '.join(STRUCTURED_KINDS + STRUCTURED_FLAGS)}", name) from None
     except ValueError as e:
         raise bad_request(str(e).replace("'structured_outputs'", f"'{name}'"), name) from None
 
