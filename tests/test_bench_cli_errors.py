@@ -123,6 +123,20 @@ def test_bench_modes_refuse_bad_input_before_anything_runs(capsys, argv, message
     assert "[ladder] rung" not in out and "Benchmark Result" not in out
 
 
+def test_bench_offline_names_a_bad_dataset_before_loading_the_model(capsys, tmp_path, monkeypatch):
+    import tokenmill.bench.offline as offline
+
+    def no_load(kwargs):
+        raise AssertionError("the model was loaded before the dataset was read")
+
+    monkeypatch.setattr(offline, "build_engine", no_load)
+    bad = tmp_path / "sharegpt.json"
+    bad.write_text('{"conversations": []}')
+    code, out, err = _run(["bench", "offline", "--model", DEFAULT_MODEL, "--dataset-name", "sharegpt",
+                           "--dataset-path", str(bad), "--num-prompts", "2"], capsys)
+    assert code == 2 and "a ShareGPT file is a JSON list of conversations" in err and "Traceback" not in err, err
+
+
 def test_bench_comm_kills_a_child_rank_that_outlives_its_timeout():
     """Rank 0 failed (its peers wait for it for ever): the child ranks are killed, not left running."""
     import subprocess

@@ -130,13 +130,17 @@ def cmd_serve(args) -> int:
 def cmd_offline(args) -> int:
     from tokenmill.bench.datasets import dataset_from_args, sample_requests
     from tokenmill.bench.offline import build_engine, run_offline
+    from tokenmill.config import EngineConfig
     from tokenmill.engine.arg_utils import engine_kwargs
+    from tokenmill.engine.input_processor import config_tokenizer
 
     check_writable(args.result_file, "--result-file")
     check_limit_mm(args)
     kwargs = engine_kwargs(args)
+    # the workload first, with the engine's tokenizer alone: a bad dataset file is named before the weights load
+    reqs = sample_requests(dataset_from_args(args), args.num_prompts, config_tokenizer(EngineConfig(**kwargs)),
+                           args.seed)
     engine = build_engine(kwargs)
-    reqs = sample_requests(dataset_from_args(args), args.num_prompts, engine.tokenizer, args.seed)
     result = run_offline(reqs, kwargs, engine=engine, request_rate=args.request_rate, burstiness=args.burstiness,
                          seed=args.seed, ignore_eos=args.ignore_eos, sampling=_sampling(args),
                          num_warmups=1 if args.num_warmups is None else args.num_warmups,
