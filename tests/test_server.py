@@ -567,7 +567,12 @@ GOOD = {"model": MODEL, "prompt": "To be", "max_tokens": 2}
     ({**GOOD, "guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
     ({**GOOD, "guided_regex": "a+", "guided_whitespace_pattern": " *"}, "guided_regex"),  # (no whitespace regex)
     ({**GOOD, "response_format": {"type": "structural_tag"}}, "response_format"),
-    ({**GOOD, "response_format": {"type": "structural_tag", "format": {"type": "bogus"}}}, "structural_tag"),
+    # a grammar the engine refuses names the field it came in (it named its kind, or a quoted schema keyword)
+    ({**GOOD, "response_format": {"type": "structural_tag", "format": {"type": "bogus"}}}, "response_format"),
+    ({**GOOD, "structured_outputs": {"json": {"properties": {"a": {"not": {}}}}}}, "structured_outputs"),
+    ({**GOOD, "guided_json": {"type": "string", "pattern": "[a", "maxLength": 3}}, "guided_json"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"if": {}}}}}}]}, "tools"),
     ({**GOOD, "structured_outputs": {"choice": []}}, "structured_outputs"),
     ({**GOOD, "structured_outputs": {"pattern": "a+"}}, "structured_outputs"),
     ({**GOOD, "allowed_token_ids": [10**6]}, "allowed_token_ids"),
@@ -842,7 +847,7 @@ def test_structured_outputs_and_forced_tool_calls(server, client):
     r = client.completions.create(model=MODEL, prompt="To be", max_tokens=40, temperature=0.8, seed=1,
                                   extra_body={"guided_regex": "[a-c]{3}-[0-9]{2}"})
     assert re.fullmatch("[a-c]{3}-[0-9]{2}", r.choices[0].text)
-    _assert_error(post(server, "/v1/completions", {**GOOD, "guided_regex": "(unclosed"}), 400, "regex")
+    _assert_error(post(server, "/v1/completions", {**GOOD, "guided_regex": "(unclosed"}), 400, "guided_regex")
     r = post(server, "/v1/completions", {**GOOD, "max_tokens": 240, "temperature": 0, "response_format": {
         "type": "json_schema", "json_schema": {"schema": WEATHER}}})  # on completions too, as vLLM
     assert _weather_ok(json.loads(r.json()["choices"][0]["text"]))

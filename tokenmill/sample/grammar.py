@@ -418,12 +418,16 @@ def _parse(kind: str, text: str) -> None:
     xgrammar.Grammar.from_regex(text) if kind == "regex" else xgrammar.Grammar.from_ebnf(text)
 
 
+class GrammarError(ValueError):
+    """A grammar tokenmill refuses (the server's 400 names the request field it came in)."""
+
+
 @contextlib.contextmanager
 def _refusing(spec: StructuredOutputsParams):
     try:
         yield
     except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse errors are RuntimeErrors
-        raise ValueError(f"invalid '{spec.kind}' for structured outputs: {_first_line(e)}") from None
+        raise GrammarError(f"invalid '{spec.kind}' for structured outputs: {_first_line(e)}") from None
 
 
 def _check_tokens_concatenate(tok, info) -> None:

@@ -15,7 +15,7 @@ from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.entrypoints.openai.serving_engine import ChunkEvents, ServingBase, engine_errors, usage
 from tokenmill.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, Reasoning, ReasoningParser
-from tokenmill.entrypoints.openai.structured import ForcedToolCalls, tool_functions
+from tokenmill.entrypoints.openai.structured import ForcedToolCalls, grammar_field, tool_functions
 from tokenmill.entrypoints.openai.tool_parsers import AutoToolCalls
 from tokenmill.sampling_params import SamplingParams
 
@@ -119,7 +119,8 @@ class OpenAIServingChat(ServingBase):
             params.skip_special_tokens = False
         reasoning = self._reasoning(params, prompt["prompt"])
         rid, subs = await self.submit([prompt], params, req.priority, "chatcmpl", "messages",
-                                      self.client_request_id(req, raw))
+                                      self.client_request_id(req, raw),
+                                      grammar_field(req, forced.grammar if forced is not None else None))
         created = int(time.time())
         if req.stream:
             with self.aborted_on_error(subs):

@@ -11,6 +11,7 @@ from starlette.responses import Response
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.protocol import CompletionRequest
 from tokenmill.entrypoints.openai.serving_engine import ChunkEvents, ServingBase, top_of_row, usage
+from tokenmill.entrypoints.openai.structured import grammar_field
 
 
 def _prompts(p) -> list:
@@ -48,7 +49,7 @@ class OpenAIServingCompletion(ServingBase):
         params = self.sampling_params(req, req.max_tokens or (1 if req.max_tokens == 0 else None), req.logprobs,
                                       max(wanted) if wanted else None)
         rid, subs = await self.submit(prompts, params, req.priority, "cmpl",
-                                      request_id=self.client_request_id(req, raw))
+                                      request_id=self.client_request_id(req, raw), grammar_field=grammar_field(req))
         created = int(time.time())
         if req.stream:
             with self.aborted_on_error(subs):

@@ -17,6 +17,7 @@ from tokenmill.engine.core_client import EngineDeadError
 from tokenmill.entrypoints.openai.errors import APIError, bad_request, error_dict
 from tokenmill.entrypoints.openai.streaming import SSE_DONE, SSEStream, cancel_on_disconnect, sse
 from tokenmill.entrypoints.openai.structured import requested_grammar
+from tokenmill.sample.grammar import GrammarError
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import TokenBytes
@@ -204,10 +205,12 @@ class ServingBase:
             raise bad_request(e) from None
 
     async def submit(self, prompts: list, params: SamplingParams, priority: int, prefix: str, field: str = "prompt",
-                     request_id: str | None = None) -> tuple[str, list[tuple[str, str | None, list[int]]]]:
+                     request_id: str | None = None, grammar_field: str | None = None,
+                     ) -> tuple[str, list[tuple[str, str | None, list[int]]]]:
         """Submit every prompt or none. Returns the response id and (request id, prompt text, prompt ids).
-        `field`: what errors about the prompt name (chat: 'messages'). `request_id`: the client's (vLLM's
-        X-Request-Id or `request_id`), the response's id; the engine's ids stay unique (a client may reuse one)."""
+        `field`: what errors about the prompt name (chat: 'messages'); `grammar_field`: what a refused grammar's
+        error names (the field it came in). `request_id`: the client's (vLLM's X-Request-Id or `request_id`), the
+        response's id; the engine's ids stay unique (a client may reuse one)."""
         if priority and self.engine.config.scheduling_policy != "priority":  # it would be ignored (vLLM refuses too)
             raise APIError(400, "'priority' needs the server started with --scheduling-policy priority", "priority")
         if len(prompts) * params.n > self.engine.max_waiting_requests:
@@ -216,7 +219,7 @@ class ServingBase:
         rid = random_id(prefix) if request_id is None else f"{prefix}-{request_id}"
         base = rid if request_id is None else f"{rid}-{uuid.uuid4().hex[:12]}"
         sub_ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
-        with engine_errors(field):
+        with engine_errors(field, grammar_field=grammar_field):
             done = await self.engine.add_requests(list(zip(sub_ids, prompts)), params, priority, strict_max_tokens=True)
         return rid, [(sub_id, text, ids) for sub_id, (text, ids) in zip(sub_ids, done)]
 
@@ -340,16 +343,19 @@ def _finite(logprob: float) -> float:
 
 
 @contextmanager
-def engine_errors(field: str = "prompt", only_field: bool = False):
+def engine_errors(field: str = "prompt", only_field: bool = False, grammar_field: str | None = None):
     """The engine's refusals as HTTP errors: bad input 400 (its field as `param`; the engine's 'prompt' called
     `field`; with `only_field`, every refusal names `field`: the images of 'messages', whose errors quote other
-    words), queue full 429, no engine (dead, or the server is shutting down) 503."""
+    words; a refused grammar names `grammar_field`, the field it came in), queue full 429, no engine (dead, or
+    the server is shutting down) 503."""
     try:
         yield
     except QueueFullError as e:
         raise APIError(429, str(e), code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
     except EngineDeadError as e:
         raise APIError(503, str(e)) from None
+    except GrammarError as e:
+        raise bad_request(e, grammar_field) from None
     except ValueError as e:
         if "'prompt'" in str(e) or only_field:
             raise bad_request(str(e).replace("'prompt'", f"'{field}'"), field) from None

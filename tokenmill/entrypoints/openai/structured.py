@@ -25,6 +25,31 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 
 def requested_grammar(req, tool_grammar: StructuredOutputsParams | None = None) -> StructuredOutputsParams | None:
     """The one grammar a request asks for (None: none); a 400 for two, or for one that is malformed."""
+    asked = _asked(req, tool_grammar)
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise APIError(400, f"one grammar per request: got {', '.join(name for name, _ in asked)}", asked[1][0])
+    name, spec = asked[0]
+    if isinstance(spec, StructuredOutputsParams):
+        return spec
+    try:
+        return StructuredOutputsParams(**spec)
+    except TypeError:
+        raise APIError(400, f"'{name}' takes {', '.join(STRUCTURED_KINDS + STRUCTURED_FLAGS)}", name) from None
+    except ValueError as e:
+        raise bad_request(str(e).replace("'structured_outputs'", f"'{name}'"), name) from None
+
+
+def grammar_field(req, tool_grammar: StructuredOutputsParams | None = None) -> str | None:
+    """The request field its grammar came in (what a 400 for a grammar the engine refuses names; a forced call's
+    grammar is made of the tools' schemas)."""
+    asked = _asked(req, tool_grammar)
+    return None if not asked else "tools" if asked[0][0] == "tool_choice" else asked[0][0]
+
+
+def _asked(req, tool_grammar: StructuredOutputsParams | None) -> list[tuple[str, Any]]:
+    """(field, grammar) for every field of `req` that asks for a grammar."""
     asked: list[tuple[str, Any]] = []
     if req.structured_outputs is not None:
         asked.append(("structured_outputs", req.structured_outputs))
@@ -47,19 +72,7 @@ def requested_grammar(req, tool_grammar: StructuredOutputsParams | None = None) 
             asked.append(("response_format", {"structural_tag": tag}))
     if tool_grammar is not None:
         asked.append(("tool_choice", tool_grammar))
-    if not asked:
-        return None
-    if len(asked) > 1:
-        raise APIError(400, f"one grammar per request: got {', '.join(name for name, _ in asked)}", asked[1][0])
-    name, spec = asked[0]
-    if isinstance(spec, StructuredOutputsParams):
-        return spec
-    try:
-        return StructuredOutputsParams(**spec)
-    except TypeError:
-        raise APIError(400, f"'{name}' takes {', '.join(STRUCTURED_KINDS + STRUCTURED_FLAGS)}", name) from None
-    except ValueError as e:
-        raise bad_request(str(e).replace("'structured_outputs'", f"'{name}'"), name) from None
+    return asked
 
 
 def tool_functions(tools: list[dict]) -> dict[str, dict]:
