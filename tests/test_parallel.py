@@ -373,6 +373,26 @@ def test_stopped_engine_processes_exit_when_their_parent_is_killed(tiny_model_di
             server.terminate()
 
 
+@pytest.mark.parametrize("popen_can", [True, False], ids=["popen-group", "python-3.10"])
+def test_a_child_gets_a_process_group_of_its_own(tmp_path, monkeypatch, popen_can):
+    """Where Popen cannot give the child its own group (Python 3.10 has no `process_group`), the child makes
+    one itself: without it a stopped child outlived its dead parent (the test above)."""
+    from tokenmill import child_process
+
+    (tmp_path / "group_child.py").write_text(
+        "import os, sys\nfrom tokenmill.child_process import read_payload\n"
+        "out = read_payload()\n"
+        "open(out, 'w').write(f'{os.getpgrp() == os.getpid()} {os.getpgrp() != int(os.environ[\"PARENT_PGRP\"])}')\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("PARENT_PGRP", str(os.getpgrp()))
+    if not popen_can:
+        monkeypatch.setattr(child_process, "_OWN_GROUP", {})
+    proc = child_process.spawn_child("group_child", str(tmp_path / "out.txt"))
+    proc.stdin.close()
+    assert proc.wait(timeout=30) == 0
+    assert (tmp_path / "out.txt").read_text() == "True True"
+
+
 def test_bench_comm_measures_every_op_and_size(tmp_path):
     import json
 

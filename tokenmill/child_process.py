@@ -6,11 +6,12 @@ when its parent dies could not run its EOF watcher and would stay stopped, holdi
 its group is then orphaned with a stopped member, and for that the kernel sends it SIGHUP and SIGCONT: it
 exits (or, with SIGHUP ignored, wakes to the EOF). Terminal signals (Ctrl-C, Ctrl-Z) go to the foreground
 group only, that is to the parent, which owns shutdown; a child ignores SIGTTOU, so that its log lines reach a
-terminal set to `stty tostop` instead of stopping it. (Python 3.10 has no `process_group`: there children
-share the parent's group, as before.)
+terminal set to `stty tostop` instead of stopping it. (Python 3.10's Popen has no `process_group`: there the
+child makes its group itself, first thing.)
 """
 from __future__ import annotations
 
+import os
 import pickle
 import signal
 import struct
@@ -30,6 +31,8 @@ def spawn_child(module: str, payload) -> subprocess.Popen:
 
 def read_payload():
     """The child's side: the payload its parent wrote to our stdin."""
+    if os.getpgrp() != os.getpid():  # (Python 3.10: Popen could not give us a group of our own)
+        os.setpgid(0, 0)
     signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # (a background group's write to a `tostop` terminal)
     stdin = sys.stdin.buffer
     (size,) = struct.unpack("<Q", stdin.read(8))
