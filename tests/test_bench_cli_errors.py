@@ -1,6 +1,7 @@
 """`tokenmill bench ...` (and tune's output directory): bad input gets one line on stderr and exit code 2 before
 any benchmark runs, never a traceback; a run whose every request failed says why."""
 import asyncio
+import shutil
 import threading
 
 import pytest
@@ -135,6 +136,11 @@ def test_bench_offline_names_a_bad_dataset_before_loading_the_model(capsys, tmp_
     code, out, err = _run(["bench", "offline", "--model", DEFAULT_MODEL, "--dataset-name", "sharegpt",
                            "--dataset-path", str(bad), "--num-prompts", "2"], capsys)
     assert code == 2 and "a ShareGPT file is a JSON list of conversations" in err and "Traceback" not in err, err
+    broken = tmp_path / "model"  # and a bad config.json is named as such, not as the tokenizer's failure
+    shutil.copytree(DEFAULT_MODEL, broken)
+    (broken / "config.json").write_text('{"model_type": ')
+    code, out, err = _run(["bench", "offline", "--model", str(broken), "--num-prompts", "2"], capsys)
+    assert code == 2 and "config.json" in err and "tokenizer" not in err and "Traceback" not in err, err
 
 
 def test_bench_comm_kills_a_child_rank_that_outlives_its_timeout():

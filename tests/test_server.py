@@ -565,7 +565,12 @@ GOOD = {"model": MODEL, "prompt": "To be", "max_tokens": 2}
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
      "response_format"),
     ({**GOOD, "guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
-    ({**GOOD, "guided_regex": "a+", "guided_whitespace_pattern": " *"}, "guided_regex"),  # (no whitespace regex)
+    ({**GOOD, "guided_json": {"type": "object"}, "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
+    ({**GOOD, "response_format": {"type": "json_object"}, "guided_whitespace_pattern": " *"},
+     "guided_whitespace_pattern"),  # (no whitespace regex: with JSON a 400, rather than a pattern ignored)
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "structural_tag", "structures": [{"begin": "<a>", "end": "</a>", "schema": {"not": {}}}],
+        "triggers": ["<a"]}}, "response_format"),
     ({**GOOD, "response_format": {"type": "structural_tag"}}, "response_format"),
     # a grammar the engine refuses names the field it came in (it named its kind, or a quoted schema keyword)
     ({**GOOD, "response_format": {"type": "structural_tag", "format": {"type": "bogus"}}}, "response_format"),

@@ -275,13 +275,54 @@ def test_a_structural_tag_the_backend_refuses_is_refused(llama_dir, tag, message
 
 def test_vllms_backend_flags_are_taken_and_a_whitespace_pattern_is_refused():
     """disable_fallback and disable_additional_properties are what tokenmill's one backend does anyway (an object
-    takes only the properties its schema lists); whitespace_pattern cannot be honoured, so it is a clear error."""
+    takes only the properties its schema lists); whitespace_pattern cannot be honoured, so with JSON it is a clear
+    error (with a regex it means nothing, and is ignored, as in vLLM)."""
     spec = StructuredOutputsParams(json=SCHEMA, disable_fallback=True, disable_additional_properties=True)
     assert spec.kind == "json" and spec.disable_fallback and spec.disable_additional_properties
-    with pytest.raises(ValueError, match="'whitespace_pattern' is not supported"):
-        StructuredOutputsParams(json=SCHEMA, whitespace_pattern=r"[\n ]*")
+    for kind in (dict(json=SCHEMA), dict(json_object=True), dict(structural_tag=DIGIT_TAGS)):
+        with pytest.raises(ValueError, match="'whitespace_pattern' is not supported"):
+            StructuredOutputsParams(**kind, whitespace_pattern=r"[\n ]*")
+    assert StructuredOutputsParams(regex="a+", whitespace_pattern=" *").kind == "regex"
     with pytest.raises(ValueError, match="'disable_fallback' must be true or false"):
         StructuredOutputsParams(json=SCHEMA, disable_fallback="yes")
+
+
+def _tag_accepts(tag: dict, text: str) -> bool:
+    from xgrammar.testing import _is_grammar_accept_string
+    from tokenmill.sample.grammar import structural_tag_grammar
+
+    return _is_grammar_accept_string(structural_tag_grammar(json.dumps(tag)), text)
+
+
+def test_structural_tags_read_as_vllm_reads_them():
+    """structures before format where a tag has both (vLLM's order); JSON whitespace inside tags bounded as in our
+    JSON grammars (a small model padded a tag's JSON with whitespace until max_tokens) unless the tag sets its
+    own; a schema inside a tag gets the depth bound a schema alone gets; a part that carries a schema is read as
+    one, not walked as a format (qwen_xml_parameter's schema kept as given, its keywords checked)."""
+    both = {**DIGIT_TAGS, "format": {"type": "const_string", "value": "FMT"}}
+    assert _tag_accepts(both, "xa e<7>") and not _tag_accepts(both, "FMT e")  # (the format alone: "FMT" only)
+    obj = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    call = {"format": {"type": "tag", "begin": "<c>", "end": "</c>", "content": {"type": "json_schema",
+                                                                             "json_schema": obj}}}
+    padded = "<c>{" + " " * 30 + '"a": 1}</c>'
+    assert _tag_accepts(call, "<c>{" + " " * 24 + '"a": 1}</c>') and not _tag_accepts(call, padded)
+    call["format"]["content"]["max_whitespace_cnt"] = 40
+    assert _tag_accepts(call, padded)
+    legacy = {"structures": [{"begin": "<c>", "end": "</c>", "schema": obj}], "triggers": ["<c"]}
+    assert _tag_accepts(legacy, 'x<c>{"a": 1}</c>y') and not _tag_accepts(legacy, "x" + padded)
+    deep = {"type": "integer"}
+    for _ in range(60):
+        deep = {"type": "array", "items": deep}
+    assert _tag_accepts({"format": {"type": "triggered_tags", "triggers": ["<c"], "tags": [
+        {"type": "tag", "begin": "<c>", "end": "</c>", "content": {"type": "json_schema", "json_schema": deep}}]}},
+        "x")
+    xml = {"format": {"type": "qwen_xml_parameter", "json_schema": {
+        "type": "object", "properties": {"a": {"const": {"type": "json_schema"}}}, "required": ["a"]}}}
+    from tokenmill.sample.grammar import structural_tag_grammar
+    assert "max_whitespace_cnt" not in structural_tag_grammar(json.dumps(xml))
+    xml["format"]["json_schema"]["properties"]["a"] = {"not": {}}
+    with pytest.raises(ValueError, match="'not' .at #/format/json_schema/properties/a"):
+        structural_tag_grammar(json.dumps(xml))
 
 
 @pytest.mark.parametrize("spec", [{}, dict(json={}, regex="a"), dict(choice=[]), dict(choice=["a", 1]),

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+JSON_KINDS = ("json", "json_object", "structural_tag")  # the kinds whose JSON a whitespace pattern would shape
 STRUCTURED_FLAGS = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties")
 
 
@@ -29,7 +30,8 @@ class StructuredOutputsParams:
     # take no property it does not list unless its additionalProperties says so (xgrammar's strict mode)
     disable_fallback: bool = False
     disable_additional_properties: bool = False
-    # vLLM's too, but xgrammar has no whitespace regex: a 400 that says so, rather than a pattern ignored
+    # vLLM's too, but xgrammar has no whitespace regex: with JSON, a 400 that says so, rather than a pattern
+    # ignored (with a regex, a choice or a grammar it would mean nothing, and is ignored, as in vLLM)
     whitespace_pattern: str | None = None
     # the grammar holds the output only after these tokens (a thinking model's "</think>": --reasoning-parser)
     start_after: tuple[int, ...] = ()
@@ -42,10 +44,6 @@ class StructuredOutputsParams:
             raise ValueError("invalid sampling parameter 'structured_outputs': 'start_after' must be a list of "
                              "token ids")
         self.start_after = tuple(self.start_after)
-        if self.whitespace_pattern is not None:
-            raise ValueError("invalid sampling parameter 'structured_outputs': 'whitespace_pattern' is not supported "
-                             "(the grammar backend has no whitespace regex); 'disable_any_whitespace': true allows "
-                             "none but the separators")
         for flag in ("json_object",) + STRUCTURED_FLAGS:  # (null, as clients send unset fields: false)
             if getattr(self, flag) is None:
                 setattr(self, flag, False)
@@ -59,6 +57,10 @@ class StructuredOutputsParams:
               "regex": lambda v: isinstance(v, str) and v, "grammar": lambda v: isinstance(v, str) and v,
               "choice": lambda v: isinstance(v, list) and v and all(isinstance(c, str) and c for c in v),
               "structural_tag": _is_structural_tag}
+        if self.whitespace_pattern is not None and self.kind in JSON_KINDS:  # (elsewhere whitespace means nothing)
+            raise ValueError("invalid sampling parameter 'structured_outputs': 'whitespace_pattern' is not supported "
+                             "(the grammar backend has no whitespace regex); 'disable_any_whitespace': true allows "
+                             "none but the separators")
         if not ok[self.kind](getattr(self, self.kind)):
             raise ValueError(f"invalid sampling parameter 'structured_outputs': '{self.kind}' must be "
                              + {"json": "a JSON schema (an object or its JSON text)", "json_object": "true",
@@ -89,13 +91,13 @@ def _is_structural_tag(value) -> bool:
             return False
     if not isinstance(value, dict):
         return False
-    if "format" in value:
-        return isinstance(value["format"], dict)
-    structures, triggers = value.get("structures"), value.get("triggers")
+    if value.get("structures") is None:  # (vLLM reads "structures" first, where a tag has both)
+        return isinstance(value.get("format"), dict)
+    structures, triggers = value["structures"], value.get("triggers")
     return (isinstance(structures, list) and bool(structures) and isinstance(triggers, list) and bool(triggers)
             and all(isinstance(t, str) and t for t in triggers)
             and all(isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
-                    and isinstance(s.get("schema", {}), dict) for s in structures))
+                    and isinstance(s.get("schema", {}), (dict, bool)) for s in structures))
 
 
 @dataclass

@@ -133,13 +133,15 @@ def cmd_offline(args) -> int:
     from tokenmill.config import EngineConfig
     from tokenmill.engine.arg_utils import engine_kwargs
     from tokenmill.engine.input_processor import config_tokenizer
+    from tokenmill.models.loader import load_hf_config
 
     check_writable(args.result_file, "--result-file")
     check_limit_mm(args)
     kwargs = engine_kwargs(args)
     # the workload first, with the engine's tokenizer alone: a bad dataset file is named before the weights load
-    reqs = sample_requests(dataset_from_args(args), args.num_prompts, config_tokenizer(EngineConfig(**kwargs)),
-                           args.seed)
+    config = EngineConfig(**kwargs)
+    load_hf_config(config.model)  # (a bad config.json is named as such: the tokenizer reads it too)
+    reqs = sample_requests(dataset_from_args(args), args.num_prompts, config_tokenizer(config), args.seed)
     engine = build_engine(kwargs)
     result = run_offline(reqs, kwargs, engine=engine, request_rate=args.request_rate, burstiness=args.burstiness,
                          seed=args.seed, ignore_eos=args.ignore_eos, sampling=_sampling(args),

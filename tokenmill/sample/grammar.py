@@ -249,8 +249,8 @@ def json_grammar(schema: str, any_whitespace: bool) -> str:
 MAX_SCHEMA_DEPTH = 64
 
 
-def _check_depth(schema: str) -> None:
-    """Refuse a schema nested past MAX_SCHEMA_DEPTH, counted over its text's brackets (outside strings)."""
+def _check_depth(schema: str, limit: int = MAX_SCHEMA_DEPTH) -> None:
+    """Refuse a schema nested past `limit`, counted over its text's brackets (outside strings)."""
     depth = deepest = 0
     in_string = escaped = False
     for ch in schema:
@@ -263,8 +263,8 @@ def _check_depth(schema: str) -> None:
             deepest = max(deepest, depth)
         elif ch in "]}":
             depth -= 1
-    if deepest > MAX_SCHEMA_DEPTH:
-        raise ValueError(f"the schema nests {deepest} brackets deep; at most {MAX_SCHEMA_DEPTH} are taken")
+    if deepest > limit:
+        raise ValueError(f"the schema nests {deepest} brackets deep; at most {limit} are taken")
 
 
 def compile_threads() -> int:
@@ -369,32 +369,38 @@ def structural_tag_grammar(text: str) -> str:
     our JSON grammars' are, unless the tag sets its own bound."""
     import xgrammar
 
-    _check_depth(text)
+    _check_depth(text, 2 * MAX_SCHEMA_DEPTH)  # (the tag's own nesting; each schema in it gets the plain bound)
     _check_nesting(text, "a pattern of the structural tag")
     tag = json.loads(text)
-    if "format" in tag:
-        fmt = _bounded_schemas(tag["format"], "#/format")
-    else:  # vLLM's older form: free text in which each trigger opens one of the structures (xgrammar's reading)
-        for i, item in enumerate(tag["structures"]):
-            _check_keywords(item.get("schema", {}), f"#/structures/{i}/schema")
+    if tag.get("structures") is not None:  # vLLM's older form (read first, as vLLM does, where both are given):
+        for i, item in enumerate(tag["structures"]):  # free text in which each trigger opens a structure
+            _check_schema(item.get("schema", {}), f"#/structures/{i}/schema")
         fmt = {"type": "triggered_tags", "triggers": tag["triggers"], "tags": [
             {"type": "tag", "begin": item["begin"], "end": item["end"],
              "content": {"type": "json_schema", "json_schema": item.get("schema", {}),
                          "max_whitespace_cnt": MAX_JSON_WHITESPACE}} for item in tag["structures"]]}
+    else:
+        fmt = _bounded_schemas(tag["format"], "#/format")
     g = xgrammar.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": fmt}))
     return str(g).replace(_BOUNDED_STRING_CHARS, _JSON_STRING_CHARS)
 
 
+def _check_schema(schema, path: str) -> None:
+    _check_depth(json.dumps(schema))
+    _check_keywords(schema, path)
+
+
 def _bounded_schemas(node, path: str):
-    """`node` (a structural tag's format) with the keyword check run on each JSON schema part, and those parts'
-    whitespace bounded (a small model left free pads JSON with whitespace until max_tokens)."""
+    """`node` (a structural tag's format) with the checks run on each schema it holds (a part carrying
+    "json_schema", read as a leaf), and the JSON parts' whitespace bounded (a small model left free pads JSON
+    with whitespace until max_tokens)."""
     if isinstance(node, list):
         return [_bounded_schemas(sub, f"{path}/{i}") for i, sub in enumerate(node)]
     if not isinstance(node, dict):
         return node
-    if node.get("type") == "json_schema":
-        _check_keywords(node.get("json_schema"), f"{path}/json_schema")
-        return {"max_whitespace_cnt": MAX_JSON_WHITESPACE, **node}
+    if "json_schema" in node:
+        _check_schema(node["json_schema"], f"{path}/json_schema")
+        return {"max_whitespace_cnt": MAX_JSON_WHITESPACE, **node} if node.get("type") == "json_schema" else node
     return {key: _bounded_schemas(sub, f"{path}/{key}") for key, sub in node.items()}
 
 

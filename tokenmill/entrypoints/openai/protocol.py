@@ -177,7 +177,7 @@ class _SamplingFields(OpenAIBase):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
-    guided_whitespace_pattern: StrictStr | None = None  # (with a guided_* field: a 400, see StructuredOutputsParams)
+    guided_whitespace_pattern: StrictStr | None = None  # (with a JSON grammar: a 400, see structured.py)
     response_format: ResponseFormat | None = None  # OpenAI's (chat); vLLM takes it on completions too
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from tokenmill.entrypoints.openai.errors import APIError, bad_request
 from tokenmill.entrypoints.openai.tool_parsers import call_dict
-from tokenmill.sampling_params import STRUCTURED_FLAGS, STRUCTURED_KINDS, StructuredOutputsParams
+from tokenmill.sampling_params import JSON_KINDS, STRUCTURED_FLAGS, STRUCTURED_KINDS, StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -34,11 +34,16 @@ def requested_grammar(req, tool_grammar: StructuredOutputsParams | None = None) 
     if isinstance(spec, StructuredOutputsParams):
         return spec
     try:
-        return StructuredOutputsParams(**spec)
+        params = StructuredOutputsParams(**spec)
     except TypeError:
         raise APIError(400, f"'{name}' takes {', '.join(STRUCTURED_KINDS + STRUCTURED_FLAGS)}", name) from None
     except ValueError as e:
         raise bad_request(str(e).replace("'structured_outputs'", f"'{name}'"), name) from None
+    if req.guided_whitespace_pattern is not None and params.kind in JSON_KINDS:  # (elsewhere it means nothing)
+        raise APIError(400, "'guided_whitespace_pattern' is not supported (the grammar backend has no whitespace "
+                            "regex); 'disable_any_whitespace': true allows none but the separators",
+                       "guided_whitespace_pattern")
+    return params
 
 
 def grammar_field(req, tool_grammar: StructuredOutputsParams | None = None) -> str | None:
@@ -56,8 +61,6 @@ def _asked(req, tool_grammar: StructuredOutputsParams | None) -> list[tuple[str,
     for name, kind in _GUIDED.items():
         if getattr(req, name) is not None:
             asked.append((name, {kind: getattr(req, name)}))
-            if req.guided_whitespace_pattern is not None:  # (a 400: the backend has no whitespace regex)
-                asked[-1][1]["whitespace_pattern"] = req.guided_whitespace_pattern
     fmt = req.response_format
     if fmt is not None and fmt.type != "text":
         if fmt.type == "json_object":
@@ -67,8 +70,8 @@ def _asked(req, tool_grammar: StructuredOutputsParams | None) -> list[tuple[str,
         elif fmt.type == "json_schema":
             asked.append(("response_format", {"json": fmt.json_schema.json_schema}))
         else:  # structural_tag, checked where the engine checks structured_outputs' (a 400 naming response_format)
-            tag = {"format": fmt.format} if fmt.format is not None else \
-                {"structures": fmt.structures, "triggers": fmt.triggers}
+            tag = {"structures": fmt.structures, "triggers": fmt.triggers} if fmt.structures is not None else \
+                {"format": fmt.format}
             asked.append(("response_format", {"structural_tag": tag}))
     if tool_grammar is not None:
         asked.append(("tool_choice", tool_grammar))
