@@ -97,3 +97,29 @@ def test_prefix_caching_switch(enable):
     a = _req("a", range(9))
     kv.allocate_slots(a, 9)
     assert len(kv.find_cached_prefix(_req("b", range(9)))) == (2 if enable else 0)
+
+
+def test_a_failed_step_keeps_the_prefix_hits_earlier_steps_computed():
+    """A step that fails takes back out of the prefix cache only the blocks it registered itself: a request
+    that hit a prefix computed in an earlier step registered nothing, and the prefix (a shared system prompt)
+    stays cached for everyone; before, it was dropped and its holders rolled back to recompute it."""
+    from tokenmill.sched.scheduler import Scheduler
+
+    kv = KVCacheManager(16, 4, True)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    system = list(range(100, 116))  # four full blocks
+
+    def ok(out):
+        sched.update(out, {s.request_id: [7] for s in out.seqs if s.num_sampled_positions})
+
+    sched.add_request(_req("a", system + [1, 2], max_tokens=50, temperature=0))
+    ok(sched.schedule())
+    cached = len(kv.pool._cached)
+    sched.add_request(_req("b", system + [3, 4], max_tokens=5, temperature=0))
+    out = sched.schedule()
+    assert {(s.request_id, s.start_pos) for s in out.seqs} == {("a", 18), ("b", 16)}  # b hit a's four blocks
+    sched.step_failed(out)
+    assert len(kv.pool._cached) == cached == 4 and sched.requests["a"].num_computed_tokens == 18
+    out = sched.schedule()  # b is admitted again with the same hit
+    assert ("b", 16) in {(s.request_id, s.start_pos) for s in out.seqs}
+    kv.check_invariants()

@@ -118,6 +118,24 @@ def test_the_fingerprint_covers_what_changes_the_kv(tmp_path):
     assert model_fingerprint(**kw) != model_fingerprint(**kw, mm_encoder_quantization="w8a8")
 
 
+def test_the_weights_identity_sees_a_change_between_the_files_ends(tmp_path):
+    """A fine-tune whose first and last MiB match its base's (a LoRA merged into the middle layers, the
+    embeddings and head frozen) had its base's identity: a shared disk or Redis tier would serve it the
+    base's KV."""
+    from tokenmill.kv.tiers.fingerprint import weights_identity
+    base = torch.randn(3 << 20, generator=torch.Generator().manual_seed(0)).numpy().tobytes()  # 12 MiB
+    tuned = bytearray(base)
+    tuned[6 << 20:(6 << 20) + (1 << 18)] = bytes(1 << 18)  # 256 KiB in the middle
+    ids = []
+    for name, data in (("base", base), ("tuned", bytes(tuned)), ("again", base)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+        (d / "model.safetensors").write_bytes(data)
+        ids.append(weights_identity(str(d), "safetensors", 0))
+    assert ids[0] != ids[1] and ids[0] == ids[2]
+
+
 def test_a_header_that_agrees_with_itself_but_not_with_its_shape_is_corrupt():
     import struct
     import zlib
@@ -301,6 +319,84 @@ def test_preemption_inside_the_step_unregisters_blocks_it_never_computed():
     assert kv.allocate_slots(r, 10)  # registers two full blocks whose KV this step would compute
     kv.free(r, num_valid_tokens=0)  # preempted before the step ran
     assert kv.find_cached_prefix(Request("b", list(range(10)), SamplingParams())) == []
+    kv.check_invariants()
+
+
+def _tiered_scheduler():
+    """A scheduler over 8 blocks of 4 tokens with a host tier and its transfer worker, and a step that runs
+    the transfers as the engine core does (the model itself is not needed here)."""
+    from tokenmill.sched.scheduler import Scheduler
+    from tokenmill.worker.kv_transfer import KVTransferWorker
+
+    chain = TierChain([HostTier(1 << 30)])
+    kv = KVCacheManager(8, 4, True, chain)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    xfer = KVTransferWorker(torch.zeros(1, 2, 8, 4, 1, 2), chain, 2.0)
+
+    def step(fail_before_loads: bool = False):
+        sched.finish_loads(xfer.poll())
+        out = sched.schedule()
+        xfer.cancel(out.kv_load_cancels)
+        xfer.store(out.kv_stores)
+        if fail_before_loads:  # the core's failure path when a store raises (a device OOM in the gather)
+            sched.loads_not_started(out.kv_loads)
+            sched.step_failed(out)
+            return out
+        xfer.start_loads(out.kv_loads)
+        sched.update(out, {q.request_id: [7] for q in out.seqs if q.num_sampled_positions})
+        return out
+    return kv, sched, xfer, step
+
+
+def _evict_tail_of(doc, kv, sched, step):
+    """`doc` computed, then pushed out by other traffic: its tail blocks go to the host tier, its head stays."""
+    sched.add_request(Request("a", doc, SamplingParams(max_tokens=1, temperature=0)))
+    step()
+    sched.add_request(Request("b", list(range(500, 524)), SamplingParams(max_tokens=1, temperature=0)))
+    step()
+
+
+def test_a_tier_load_after_pool_hits_is_used_not_recomputed():
+    """A prompt whose head is still in the pool and whose tail a tier holds (the usual shape: the tail is
+    evicted first) runs only what neither holds once its load lands; it was prefilled whole again, the load
+    thrown away while the tier counted it as a hit."""
+    kv, sched, xfer, step = _tiered_scheduler()
+    doc = list(range(100, 120))  # five blocks
+    _evict_tail_of(doc, kv, sched, step)
+    sched.add_request(Request("c", doc, SamplingParams(max_tokens=1, temperature=0)))
+    out = step()
+    (load,) = out.kv_loads
+    assert load.request_id == "c" and sched.loading["c"].num_computed_tokens > 0  # pool hits, then the load
+    for _ in range(250):  # until the load lands and c is admitted
+        time.sleep(0.02)
+        out = step()
+        if out.seqs:
+            break
+    assert [(q.request_id, q.start_pos) for q in out.seqs] == [("c", 16)]  # the last block's tokens only
+    kv.check_invariants()
+
+
+def test_a_step_that_fails_before_its_loads_start_frees_them():
+    """A step that fails after the scheduler made its tier loads but before the transfer worker got them
+    (a store's copy raised): the loads end at once, nothing loaded. Their blocks were held for good, and every
+    later request with that prefix waited on a load that would never report."""
+    kv, sched, xfer, step = _tiered_scheduler()
+    doc = list(range(100, 120))
+    _evict_tail_of(doc, kv, sched, step)
+    sched.add_request(Request("c", doc, SamplingParams(max_tokens=1, temperature=0)))
+    out = step(fail_before_loads=True)
+    assert [load.request_id for load in out.kv_loads] == ["c"]
+    assert not sched.loading and "c" in sched.requests
+    sched.abort(list(sched.requests))  # what the engine core does after a failed step
+    assert sched.num_unfinished == 0 and kv.num_free_blocks == 8
+    sched.add_request(Request("d", doc, SamplingParams(max_tokens=1, temperature=0)))
+    for _ in range(20):  # d is served: by a load of its own, then the pool
+        out = step()
+        if any(q.request_id == "d" for q in out.seqs):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("a request with the failed load's prefix was never scheduled")
     kv.check_invariants()
 
 

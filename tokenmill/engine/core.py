@@ -190,12 +190,17 @@ class EngineCore:
             self.scheduler.finish_encodes(*encoder.poll())
         sched = self.scheduler.schedule()
         if xfer is not None:
+            started = False
             try:
                 # cancels first: a cancel for an aborted request must not reach a new load under its reused id
                 xfer.cancel(sched.kv_load_cancels)
-                xfer.store(sched.kv_stores)  # before the forward, which may overwrite the evicted blocks
+                # before the forward and the loads, which may overwrite the evicted blocks
+                xfer.store(sched.kv_stores)
                 xfer.start_loads(sched.kv_loads)
+                started = True
             except BaseException:
+                if not started:
+                    self.scheduler.loads_not_started(sched.kv_loads)
                 self.scheduler.step_failed(sched)
                 raise
         if sched.is_empty:

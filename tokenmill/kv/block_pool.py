@@ -98,12 +98,15 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self._free[b.block_id] = b
 
-    def cache(self, block: KVBlock, block_hash: bytes, parent_hash: bytes | None = None) -> None:
-        if block_hash in self._cached:  # same prefix computed twice concurrently: keep the first
-            return
+    def cache(self, block: KVBlock, block_hash: bytes, parent_hash: bytes | None = None) -> bool:
+        """Whether `block` was cached by this call (False: the hash was cached already, by this block, as a
+        prefix hit, or by another that computed the same prefix: the first is kept)."""
+        if block_hash in self._cached:
+            return False
         block.block_hash = block_hash
         self._cached[block_hash] = block
         self._emit(BlockStored(block.block_id, block_hash, parent_hash))
+        return True
 
     def uncache_if(self, block: KVBlock, block_hash: bytes) -> bool:
         """Forget `block_hash` if `block` still holds it (its KV was never computed); False where it moved on

@@ -163,8 +163,9 @@ class KVCacheManager:
         if full > done:
             hashes = self._hashes(req, full * self.block_size)
             for i in range(done, full):
-                self.pool.cache(blocks[i], hashes[i], hashes[i - 1] if i else None)
-                if blocks[i].block_hash == hashes[i]:
+                # only what this step caches: a prefix hit's block holds KV an earlier step computed, which a
+                # failure of this step must not take out of the cache
+                if self.pool.cache(blocks[i], hashes[i], hashes[i - 1] if i else None):
                     self._registered.append((blocks[i], hashes[i]))
             self._num_cached[req.request_id] = full
 

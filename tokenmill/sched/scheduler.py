@@ -184,8 +184,17 @@ class Scheduler:
             self.kv.tiers.count_hits(res.tiers, self.kv.block_size)
             req.kv_load_failed = res.failed
             req.kv_loaded = True
+            # admitted afresh: its pool hits and the loaded blocks are found as prefix hits (the start of the
+            # load, set for its allocation, made admission read it as mid-prefill and recompute it all)
+            req.num_computed_tokens = 0
             req.status = RequestStatus.WAITING
             self.waiting.add(req, front=True)
+
+    def loads_not_started(self, loads: list[KVLoad]) -> None:
+        """Loads a failed step never handed to the transfer worker: over at once, nothing loaded (their blocks
+        would stay held and their prefix skipped by every later request, waiting for a result that never
+        comes)."""
+        self.finish_loads([KVLoadResult(load.request_id, 0, [], True) for load in loads])
 
     # -- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

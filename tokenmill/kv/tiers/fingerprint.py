@@ -9,6 +9,9 @@ import os
 
 _FORMAT_VERSION = 1
 _SAMPLE = 1 << 20  # bytes hashed from each end of each weight file
+# and this many windows of _WINDOW bytes spread evenly between the ends: a fine-tune whose ends match its
+# base's (a LoRA merged into the MLPs; embeddings, head and norms frozen) changes bytes all through the file
+_WINDOWS, _WINDOW = 256, 4096
 
 
 # files beside the weights that change what the model computes: its shapes, rope, norms (config.json) and
@@ -17,10 +20,10 @@ _CONFIG_FILES = ("config.json", "preprocessor_config.json")
 
 
 def weights_identity(model_dir: str, load_format: str, seed: int) -> str:
-    """Cheap but content-based: config.json (and the image preprocessor's), plus each weight file's name, size
-    and first and last MiB (the safetensors header names every tensor; the sampled bytes tell retrained weights
-    apart); dummy weights: the seed they are drawn from. Hashing whole checkpoints would cost seconds per GB at
-    every start."""
+    """Cheap but content-based: config.json (and the image preprocessor's), plus each weight file's name, size,
+    first and last MiB (the safetensors header names every tensor) and 256 windows of 4 KiB spread evenly
+    between (the sampled bytes tell retrained weights apart); dummy weights: the seed they are drawn from.
+    Hashing whole checkpoints would cost seconds per GB at every start."""
     h = hashlib.blake2b(digest_size=16)
     for name in _CONFIG_FILES:
         path = os.path.join(model_dir, name)
@@ -34,6 +37,10 @@ def weights_identity(model_dir: str, load_format: str, seed: int) -> str:
         h.update(f"{os.path.basename(path)}:{size}".encode())
         with open(path, "rb") as f:
             h.update(f.read(_SAMPLE))
+            middle = size - 2 * _SAMPLE
+            for i in range(_WINDOWS if middle > 0 else 0):
+                f.seek(_SAMPLE + middle * i // _WINDOWS)
+                h.update(f.read(_WINDOW))
             f.seek(max(0, size - _SAMPLE))
             h.update(f.read(_SAMPLE))
     return h.hexdigest()
