@@ -265,3 +265,35 @@ def test_the_offline_apis_boundary_gives_value_errors(llama_dir):
     out = llm.chat([{"role": "user", "content": "x"}], sp, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
     llm.llm_engine.check_invariants()
+
+
+def test_the_offline_api_takes_what_vllms_does(llama_dir):
+    """What a vLLM user passes offline: text parts in a text model's chat (they failed in the template), a
+    tuple of params, lora_request=None, detokenize=False and vLLM's other params; booleans where numbers go
+    are refused up front (logprobs=True failed the whole batch's step), and a priority the FCFS scheduler would
+    ignore is refused, as the server and vLLM refuse it."""
+    llm = make_llm(llama_dir)
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+                     sp, use_tqdm=False)[0]
+    joined = llm.chat([{"role": "user", "content": "a\nb"}], sp, use_tqdm=False)[0]
+    assert parts.prompt_token_ids == joined.prompt_token_ids and parts.outputs[0].text == joined.outputs[0].text
+    with pytest.raises(ValueError, match="text parts only"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], sp,
+                 use_tqdm=False)
+    outs = llm.generate([[5, 6], [7, 8]], (sp, sp), use_tqdm=False, lora_request=None)
+    raw = llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, detokenize=False,
+                                                logprobs=1, spaces_between_special_tokens=False,
+                                                extra_args={"tag": 1}), use_tqdm=False)[0].outputs[0]
+    assert raw.token_ids == outs[0].outputs[0].token_ids and raw.text == ""
+    assert all(lp.decoded_token is None for row in raw.logprobs for lp in row.values())
+    for bad in (dict(logprobs=True), dict(prompt_logprobs=True), dict(top_k=True), dict(min_tokens=True),
+                dict(stop_token_ids=[True]), dict(detokenize=False, stop=["x"]), dict(detokenize=0)):
+        with pytest.raises(ValueError, match="invalid sampling parameter"):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="LoRA"):
+        llm.generate([[5, 6]], sp, use_tqdm=False, lora_request=object())
+    with pytest.raises(ValueError, match="scheduling_policy='priority'"):
+        llm.generate([[5, 6], [7, 8]], sp, use_tqdm=False, priority=[1, 0])
+    assert len(llm.generate([[5, 6], [7, 8]], sp, use_tqdm=False, priority=[0, 0])) == 2
+    llm.llm_engine.check_invariants()

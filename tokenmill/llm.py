@@ -30,7 +30,10 @@ class LLM:
         return SamplingParams(**self.llm_engine.input_processor.sampling_defaults)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_request=None) -> list[RequestOutput]:
+        if lora_request is not None:  # (vLLM's argument; None is what every caller without LoRA passes)
+            raise ValueError("LoRA adapters are not supported (lora_request must be None)")
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -39,10 +42,15 @@ class LLM:
                              f"{type(prompts).__name__}")
         prompts = list(prompts)
         params = sampling_params or self.get_default_sampling_params()
+        if isinstance(params, tuple):  # any sequence, as vLLM takes
+            params = list(params)
         if isinstance(params, list) and len(params) != len(prompts):
             raise ValueError("'sampling_params' list must have one entry per prompt")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError("'priority' list must have one entry per prompt")
+        if priority is not None and any(priority) and self.llm_engine.config.scheduling_policy != "priority":
+            # it would be ignored (vLLM refuses it too, as the server does)
+            raise ValueError("'priority' needs scheduling_policy='priority'")
         engine = self.llm_engine
         ids = []
         try:

@@ -81,6 +81,10 @@ class StructuredOutputsParams:
         return next(k for k in STRUCTURED_KINDS if getattr(self, k) is not None and getattr(self, k) is not False)
 
 
+def _not_int(value) -> bool:
+    return not isinstance(value, int) or isinstance(value, bool)
+
+
 def _is_structural_tag(value) -> bool:
     """A structural tag's shape, as vLLM and xgrammar take it: {"format": ...} (xgrammar's structural tag), or
     vLLM's older {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}; the text of either."""
@@ -125,6 +129,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must match (sample/grammar.py)
     allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these ids
     bad_words: list[str] | None = None  # vLLM's: words (each one or more tokens) the output never contains
+    detokenize: bool = True  # vLLM's: False leaves outputs as token ids (text ""); no stop strings then
+    spaces_between_special_tokens: bool = True  # vLLM's; fast tokenizers (every shipped one) never add them
+    extra_args: dict | None = None  # vLLM's: carried with the request for custom code, unread by the engine
     # Filled in by the engine from generation_config.json; not a user knob.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
     # Filled in by the engine's tokenizer from bad_words: each word's token ids, as written and after a space
@@ -149,7 +156,7 @@ class SamplingParams:
             raise bad("temperature", f"must be >= 0, got {self.temperature!r}")
         if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
+        if _not_int(self.top_k) or not 0 <= self.top_k < 2**31:
             raise bad("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
@@ -162,7 +169,7 @@ class SamplingParams:
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
                                             or not 1 <= self.max_tokens < 2**31):
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if _not_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
@@ -171,11 +178,12 @@ class SamplingParams:
             raise bad("seed", f"must be a 64-bit integer, got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 0 or v > 20):
-                raise bad(name, f"must be an integer in [0, 20], got {v!r}")
+            if v is not None and (_not_int(v) or v < 0 or v > 20):  # (True was taken as 1, and failed the step)
+                raise bad(name, f"must be an integer in [0, 20] (-1, vLLM's whole vocabulary, is not taken), "
+                                f"got {v!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(_not_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.truncate_prompt_tokens is not None and (type(self.truncate_prompt_tokens) is not int
                                                         or self.truncate_prompt_tokens < -1
@@ -195,6 +203,13 @@ class SamplingParams:
         if self.bad_words is not None and (not isinstance(self.bad_words, list)
                                            or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
             raise bad("bad_words", "must be a list of non-empty strings")
+        for flag in ("detokenize", "spaces_between_special_tokens"):
+            if type(getattr(self, flag)) is not bool:
+                raise bad(flag, f"must be true or false, got {getattr(self, flag)!r}")
+        if not self.detokenize and self.stop:
+            raise bad("stop", "stop strings need detokenize=True (as in vLLM)")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise bad("extra_args", "must be a dict")
         if isinstance(self.structured_outputs, dict):  # as vLLM's offline API also takes it
             try:
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)

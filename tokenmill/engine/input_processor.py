@@ -81,6 +81,25 @@ def config_tokenizer(config):
                                                                   config.trust_remote_code)
 
 
+# OpenAI's part types that hold text ("refusal": an assistant's earlier answer replayed) and their text's key
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
+def _text_parts_joined(message):
+    """A text model's message with list content (OpenAI's parts) as its text parts one per line, as vLLM joins
+    them and the server does; a part of another kind is refused (the template would fail on the list)."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get(_TEXT_PARTS[kind]), str):
+            raise ValueError(f"this model takes text parts only ({{'type': 'text', 'text': ...}}); got {kind!r}")
+        texts.append(part[_TEXT_PARTS[kind]])
+    return {**message, "content": "\n".join(texts)}
+
+
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_ids: tuple[int, ...], mm=None,
                  chat_media=None):
@@ -145,6 +164,8 @@ class InputProcessor:
             resolve_image, resolve_video, limits = self.chat_media
             conversation, mm_data = parse_chat_messages(conversation, resolve_image=resolve_image,
                                                         resolve_video=resolve_video, limits=limits)
+        else:
+            conversation = [_text_parts_joined(m) for m in conversation]
         text = self.chat_text(conversation, add_generation_prompt, chat_template, tools, template_kwargs,
                               continue_final_message)
         prompt = {"prompt": text, "prompt_token_ids": self.encode_chat(text)}

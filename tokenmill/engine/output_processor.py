@@ -59,7 +59,7 @@ class OutputProcessor:
         p, ids = req.params, req.prompt_token_ids
         comps = []
         for i, cid in enumerate(req.child_ids):
-            detok = None if self.tokenizer is None else IncrementalDetokenizer(
+            detok = None if self.tokenizer is None or not p.detokenize else IncrementalDetokenizer(
                 self.tokenizer, ids, p.skip_special_tokens, p.stop, p.include_stop_str_in_output, p.min_tokens)
             comps.append(_Completion(i, cid, detok, logprobs=[] if p.logprobs is not None else None,
                                      cumulative_logprob=0.0 if p.logprobs is not None else None))
@@ -114,7 +114,7 @@ class OutputProcessor:
 
     def _apply(self, st: _RequestState, c: _Completion, o: EngineCoreOutput, now: float) -> str | None:
         if o.prompt_logprobs:
-            st.prompt_logprobs.extend(self._logprob_dict(r) for r in o.prompt_logprobs)
+            st.prompt_logprobs.extend(self._logprob_dict(r, st.params.detokenize) for r in o.prompt_logprobs)
         if not o.new_token_ids:
             if o.finish_reason is not None:  # ended by the core without a token (a grammar that failed there)
                 c.finish_reason = o.finish_reason
@@ -131,7 +131,7 @@ class OutputProcessor:
                 ids = ids[:c.detok.num_used]  # tokens past the stop string (one step may bring several)
         c.token_ids.extend(ids)
         for row in o.logprobs[:len(ids)]:
-            c.logprobs.append(self._logprob_dict(row))
+            c.logprobs.append(self._logprob_dict(row, st.params.detokenize))
             c.cumulative_logprob += row[0][1]
         c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
         if stop is not None:
@@ -140,11 +140,11 @@ class OutputProcessor:
             return stop if newly else None
         return None
 
-    def _logprob_dict(self, row: TokenLogprobs) -> dict[int, Logprob]:
+    def _logprob_dict(self, row: TokenLogprobs, detokenize: bool = True) -> dict[int, Logprob]:
         out = {}
         for tok, lp, rank in row:
             if tok not in out:
-                text = self.tokenizer.decode([tok]) if self.tokenizer is not None else None
+                text = self.tokenizer.decode([tok]) if self.tokenizer is not None and detokenize else None
                 out[tok] = Logprob(lp, rank, text)
         return out
 
