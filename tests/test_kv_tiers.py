@@ -376,6 +376,32 @@ def test_a_tier_load_after_pool_hits_is_used_not_recomputed():
     kv.check_invariants()
 
 
+def test_a_tier_load_leaves_the_blocks_running_prefills_still_need():
+    """A tier load takes only blocks that the running chunked prefills do not still need (as admission does):
+    it took them all, and the prefill's next chunks then evicted the loaded blocks before their request could
+    use them (it recomputed all but one)."""
+    kv, sched, xfer, step = _tiered_scheduler()
+    doc = list(range(100, 120))
+    sched.add_request(Request("a", doc, SamplingParams(max_tokens=1, temperature=0)))
+    step()
+    sched.add_request(Request("b", list(range(500, 532)), SamplingParams(max_tokens=1, temperature=0)))
+    step()  # b's eight blocks push all of a's out to the host tier
+    sched.max_num_batched_tokens, sched.prefill_cap = 12, 8  # r's 28 tokens go in chunks of 8
+    sched.add_request(Request("r", list(range(700, 728)), SamplingParams(max_tokens=1, temperature=0)))
+    step()
+    sched.add_request(Request("c", doc, SamplingParams(max_tokens=1, temperature=0)))
+    first_c = None
+    for _ in range(100):
+        out = step()
+        assert not (out.kv_loads and "r" in sched.requests), "a load took the blocks r's prefill still needs"
+        first_c = next((q.start_pos for q in out.seqs if q.request_id == "c"), None)
+        if first_c is not None:
+            break
+        time.sleep(0.02)
+    assert first_c == 16  # its four loaded blocks were there to use
+    kv.check_invariants()
+
+
 def test_a_step_that_fails_before_its_loads_start_frees_them():
     """A step that fails after the scheduler made its tier loads but before the transfer worker got them
     (a store's copy raised): the loads end at once, nothing loaded. Their blocks were held for good, and every

@@ -110,10 +110,11 @@ class KVCacheManager:
         max_blocks = (req.num_tokens - 1) // self.block_size
         return self.tiers.lookup(req.block_hashes[num_pool_blocks:max_blocks])
 
-    def allocate_for_load(self, req: Request, cached: list[KVBlock], num_blocks: int) -> bool:
-        """Adopt the pool hits and take `num_blocks` fresh blocks for a tier load; their hashes are
-        registered only once the load lands (finish_load)."""
-        if not self.allocate_slots(req, num_blocks * self.block_size, cached, register=False):
+    def allocate_for_load(self, req: Request, cached: list[KVBlock], num_blocks: int, reserved: int = 0) -> bool:
+        """Adopt the pool hits and take `num_blocks` fresh blocks for a tier load, leaving `reserved` free; their
+        hashes are registered only once the load lands (finish_load)."""
+        if not self.fits(num_blocks, cached, reserved) or not self.allocate_slots(
+                req, num_blocks * self.block_size, cached, register=False):
             return False
         self._num_cached[req.request_id] = len(cached)
         return True

@@ -352,7 +352,7 @@ class Scheduler:
             fresh = req.num_computed_tokens == 0
             cached = self.kv.find_cached_prefix(req) if fresh else []
             if fresh and not req.kv_loaded and not req.kv_load_failed:
-                started = self._start_tier_load(req, cached)
+                started = self._start_tier_load(req, cached, debt)
                 if started is not None:
                     if started:
                         if req.status is RequestStatus.WAITING_FOR_KV:  # (one waiting on another's load: at admission)
@@ -417,9 +417,10 @@ class Scheduler:
             return 0
         return n
 
-    def _start_tier_load(self, req: Request, cached: list) -> bool | None:
+    def _start_tier_load(self, req: Request, cached: list, reserved: int = 0) -> bool | None:
         """None: no tier holds the next blocks; True: a load started (or another request is loading them,
-        and this one waits to find them in the pool); False: no free blocks for it."""
+        and this one waits to find them in the pool); False: no free blocks for it beyond the `reserved` ones
+        that running prefills still need (taking those would preempt them)."""
         tiers = self.kv.find_tier_prefix(req, len(cached))
         if not tiers:
             return None
@@ -428,7 +429,7 @@ class Scheduler:
         if hashes[0] in self._loading_hashes:
             return True  # skipped this step; the other load's blocks will be pool hits
         req.num_computed_tokens = start * self.kv.block_size
-        if not self.kv.allocate_for_load(req, cached, len(tiers)):
+        if not self.kv.allocate_for_load(req, cached, len(tiers), reserved):
             req.num_computed_tokens = 0
             return False
         self.waiting.remove(req)
