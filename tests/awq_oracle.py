@@ -40,15 +40,17 @@ def rtn_scales_zeros(w: torch.Tensor, group: int):
 
 
 def write_autoawq_checkpoint(src: str, dst: str, group: int, config_overrides: dict | None = None,
-                             drop: tuple[str, ...] = ()) -> str:
+                             drop: tuple[str, ...] = (), keep_float: tuple[str, ...] = ()) -> str:
     """Quantize `src`'s linear layers with RTN and pack them with autoawq into `dst`; also write the
-    dequantized float model (what the checkpoint means) to `dst`-float. Returns that float directory."""
+    dequantized float model (what the checkpoint means) to `dst`-float. Returns that float directory.
+    `keep_float`: module names left in float and listed in modules_to_not_convert (AutoAWQ's)."""
     WQLinear_GEMM = autoawq_linear_class()
     sd = load_file(os.path.join(src, "model.safetensors"))
     qsd, fsd = {}, {}
     for name, t in sd.items():
         parts = name.split(".")
-        if len(parts) > 2 and parts[-2] in LINEARS and parts[-1] == "weight":
+        if len(parts) > 2 and parts[-2] in LINEARS and parts[-1] == "weight" \
+                and not any(k in name for k in keep_float):
             base = name[: -len(".weight")]
             s, z = rtn_scales_zeros(t, group)
             n, k = t.shape
@@ -73,7 +75,8 @@ def write_autoawq_checkpoint(src: str, dst: str, group: int, config_overrides: d
     with open(os.path.join(dst, "config.json")) as f:
         cfg = json.load(f)
     cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
-                                  "version": "gemm", **(config_overrides or {})}
+                                  "version": "gemm", **({"modules_to_not_convert": list(keep_float)} if keep_float
+                                                        else {}), **(config_overrides or {})}
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(cfg, f)
     return float_dir

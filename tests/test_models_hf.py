@@ -80,3 +80,25 @@ def test_sharded_checkpoint_loads(model_dirs, tmp_path):
                                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                                            use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 8)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_llama_with_attention_and_mlp_biases_matches_transformers(tmp_path, tp):
+    """Llama's attention_bias biases o_proj too, and mlp_bias the MLP's three projections: such checkpoints
+    failed to load (o_proj.bias had no parameter). Greedy tokens and prompt logprobs as transformers gives them,
+    on the default CPU path (one-call decode step) and split over two tensor-parallel ranks (the row-parallel
+    biases added once)."""
+    from conftest import SHAPE, _llama, save_random_model
+    hf = save_random_model(str(tmp_path), _llama(**SHAPE, head_dim=32, attention_bias=True, mlp_bias=True))
+    llm = make_llm(str(tmp_path), tensor_parallel_size=tp, **({"allow_cpu_oversubscription": True} if tp > 1 else {}))
+    prompts = random_prompts([1, 19, 33], seed=4)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0),
+                        use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, p, 12, suppress_eos=False)
+        if len(p) > 1:
+            with torch.no_grad():
+                ref = hf(torch.tensor([p])).logits[0].float().log_softmax(-1)
+            ours = torch.tensor([out.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))])
+            torch.testing.assert_close(ours, ref[torch.arange(len(p) - 1), torch.tensor(p[1:])], atol=1e-4, rtol=1e-4)

@@ -241,6 +241,57 @@ def test_awq_checkpoint_missing_qzeros_names_the_tensor(model_dirs, tmp_path, te
         make_llm(str(tmp_path / "awq"))
 
 
+@pytest.mark.parametrize("keep", [("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+                                   "model.layers.0.self_attn.v_proj"), ("gate_proj", "up_proj"), ("mlp",)])
+def test_modules_kept_in_float_by_their_checkpoint_names(model_dirs, tmp_path, keep):
+    """modules_to_not_convert as AutoAWQ and transformers write it, with the checkpoint's projection names: the
+    merged layer holding them runs in float (they failed to load); the tokens are transformers' on the same
+    weights. Naming some parts of a merged layer but not all is refused by name."""
+    float_dir = write_autoawq_checkpoint(model_dirs["llama"][0], str(tmp_path / "awq"), 32, keep_float=keep)
+    hf = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
+    prompts = random_prompts([3, 20], seed=6)
+    for p, toks in zip(prompts, generate(make_llm(str(tmp_path / "awq")), prompts)):
+        assert toks == hf_greedy(hf, p, 16)
+
+
+def test_modules_kept_in_float_must_cover_a_merged_layer(model_dirs, tmp_path):
+    write_autoawq_checkpoint(model_dirs["llama"][0], str(tmp_path / "awq"), 32, keep_float=("k_proj",))
+    with pytest.raises(ValueError, match="keeps k_proj of model.layers.0.self_attn.qkv_proj unquantized but not"):
+        make_llm(str(tmp_path / "awq"))
+
+
+def test_awq_settings_kept_where_older_tools_keep_them(awq_dirs, tmp_path):
+    """AutoAWQ's older layout (quant_config.json beside a config.json without quantization_config) loads as
+    the same checkpoint; a null `bits` defers to AutoAWQ's `w_bit`; llm-compressor's older compression_config
+    and AutoGPTQ's quantize_config.json are refused by name (their int8 / packed tensors were read as float
+    weights, or failed on a tensor name)."""
+    import shutil
+
+    src = awq_dirs["llama"][0]
+    want = generate(make_llm(src), random_prompts([9], seed=7))
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    settings = cfg.pop("quantization_config")
+    for name, extra, quant_file in (("old", {}, ("quant_config.json", {k: v for k, v in settings.items()
+                                                                      if k != "quant_method"})),
+                                    ("nulls", {"quantization_config": {**settings, "bits": None, "w_bit": 4}}, None),
+                                    ("ct", {"compression_config": {"quant_method": "compressed-tensors"}}, None),
+                                    ("gptq", {}, ("quantize_config.json", {"bits": 4, "group_size": 32}))):
+        path = str(tmp_path / name)
+        shutil.copytree(src, path)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump({**cfg, **extra}, f)
+        if quant_file is not None:
+            with open(os.path.join(path, quant_file[0]), "w") as f:
+                json.dump(quant_file[1], f)
+        if name in ("old", "nulls"):
+            assert generate(make_llm(path), random_prompts([9], seed=7)) == want
+        else:
+            with pytest.raises(ValueError, match="'compressed-tensors' is not supported" if name == "ct"
+                               else "'gptq' is not supported"):
+                make_llm(path)
+
+
 def test_awq_on_a_float_checkpoint_says_to_quantize(llama_dir):
     with pytest.raises(ValueError, match="tokenmill quantize"):
         make_llm(llama_dir, quantization="awq")

@@ -45,6 +45,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     sliding_window: int | None
+    # Llama's attention_bias also biases o_proj (Qwen2's q/k/v biases do not); Llama's mlp_bias, the MLP's
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
     # LLaVA-style models: the placeholder token of an image and the encoder rows each image becomes
     # (0 / None for text-only models); the text fields above are the language model's
     image_token_id: int | None = None
@@ -94,6 +97,7 @@ class ModelConfig:
         sliding = getattr(hf_config, "sliding_window", None)
         if getattr(hf_config, "use_sliding_window", True) is False:
             sliding = None
+        qwen2 = architecture.startswith("Qwen2") or text_type == "qwen2"  # (q/k/v biases always; no other)
         return cls(
             hf_config=hf_config,
             architecture=architecture,
@@ -110,9 +114,10 @@ class ModelConfig:
             rope_scaling=dict(scaling) if scaling else None,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             # Qwen2 always has q/k/v bias; Llama/Mistral only when attention_bias is set.
-            attention_bias=bool(getattr(hf_config, "attention_bias", False)) or architecture.startswith("Qwen2")
-            or text_type == "qwen2",
+            attention_bias=bool(getattr(hf_config, "attention_bias", False)) or qwen2,
             sliding_window=sliding,
+            o_proj_bias=bool(getattr(hf_config, "attention_bias", False)) and not qwen2,
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)) and not qwen2,
         )
 
 

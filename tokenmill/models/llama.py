@@ -39,8 +39,8 @@ class Attention(nn.Module):
         split = {"q": (self.q_size, tp.rank * self.q_size), "k": kv, "v": kv}
         self.qkv_proj = MergedLinear(cfg.hidden_size, {}, bias=cfg.attention_bias, method=linear_method(quant, qkv),
                                      prefix=qkv, tp=tp, split=split)
-        self.o_proj = RowParallelLinear(cfg.num_heads * self.hd, cfg.hidden_size, method=linear_method(quant, o),
-                                        prefix=o, tp=tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * self.hd, cfg.hidden_size, bias=cfg.o_proj_bias,
+                                        method=linear_method(quant, o), prefix=o, tp=tp)
         self.scale = self.hd ** -0.5
 
     def forward(self, x, cos, sin, kv_cache, meta, backend: AttentionBackend):
@@ -59,9 +59,9 @@ class MLP(nn.Module):
         super().__init__()
         gu, down = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size},
-                                         method=linear_method(quant, gu), prefix=gu, tp=tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, method=linear_method(quant, down),
-                                           prefix=down, tp=tp)
+                                         bias=cfg.mlp_bias, method=linear_method(quant, gu), prefix=gu, tp=tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias,
+                                           method=linear_method(quant, down), prefix=down, tp=tp)
 
     def forward(self, x):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -216,8 +216,8 @@ class LlamaForCausalLM(nn.Module):
                 if f".{piece}." in name:
                     name, shard = name.replace(f".{piece}.", f".{merged}."), sid
                     break
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+            if name not in params:  # (named as the checkpoint names it: the merged name is ours)
+                raise ValueError(f"checkpoint tensor {original!r} has no matching parameter in {type(self).__name__}")
             place(params[name], tensor, shard, original)
             if shard is not None:
                 pieces.setdefault(name, set()).add(shard)

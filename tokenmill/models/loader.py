@@ -25,9 +25,37 @@ def load_hf_config(path: str):
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"no config.json in model directory {path!r}")
     try:
-        return AutoConfig.from_pretrained(path, local_files_only=True)
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers' own kinds (a bad JSON file, a field of the wrong type, ...)
         raise ValueError(f"{os.path.join(path, 'config.json')}: {type(e).__name__}: {e}") from e
+    if getattr(config, "quantization_config", None) is None:
+        config.quantization_config = _quantization_elsewhere(config, path)
+    return config
+
+
+# quantization settings kept outside config.json's quantization_config by older tools: (file, its method)
+_QUANT_FILES = (("quant_config.json", "awq"), ("quantize_config.json", "gptq"))
+
+
+def _quantization_elsewhere(config, path: str) -> dict | None:
+    """llm-compressor's older `compression_config` key, AutoAWQ's older quant_config.json or AutoGPTQ's
+    quantize_config.json: read as the checkpoint's quantization, so that it loads (AWQ) or is refused by name,
+    never read as float weights."""
+    older = getattr(config, "compression_config", None)
+    if older is not None:
+        return dict(older) if isinstance(older, dict) else older.to_dict()
+    for name, method in _QUANT_FILES:
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            try:
+                with open(file) as f:
+                    settings = json.load(f)
+            except ValueError as e:
+                raise ValueError(f"{file}: not a JSON file ({e})") from e
+            if not isinstance(settings, dict):
+                raise ValueError(f"{file}: not a JSON object of quantization settings")
+            return {"quant_method": method, **settings}
+    return None
 
 
 def safetensors_files(path: str) -> list[str]:

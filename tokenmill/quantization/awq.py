@@ -128,6 +128,10 @@ class Int4LinearMethod(AWQLinearMethod):
         super().process_after_loading(layer, ctx)
 
 
+# the checkpoint's projections each merged layer holds
+_MERGED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
 class AWQConfig(QuantizationConfig):
     name = "awq"
 
@@ -141,7 +145,16 @@ class AWQConfig(QuantizationConfig):
         return cls(bits, group, ("lm_head", *skip))
 
     def linear_method(self, prefix):
-        if any(s and s in prefix for s in self.skip):
+        # a merged layer (qkv_proj, gate_up_proj) is skipped when the checkpoint skips each of its parts, which
+        # is how AutoAWQ and transformers name them ("v_proj" no longer matches "qkv_proj" by its letters)
+        head, _, last = prefix.rpartition(".")
+        names = [f"{head}.{part}" for part in _MERGED_PARTS[last]] if last in _MERGED_PARTS else [prefix]
+        skipped = [any(s and s in name for s in self.skip) for name in names]
+        if any(skipped) and not all(skipped):
+            kept = [n.rpartition(".")[2] for n, k in zip(names, skipped) if k]
+            raise ValueError(f"modules_to_not_convert keeps {', '.join(kept)} of {prefix} unquantized but not the "
+                             "rest; tokenmill runs them as one merged layer, quantized or not")
+        if all(skipped):
             return UnquantizedLinearMethod()
         if self.bits == 8:
             return Int8LinearMethod(from_checkpoint=True, activations=False)

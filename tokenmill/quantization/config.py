@@ -53,8 +53,19 @@ def resolve_quantization(requested: str | None, hf_config, model_path: str = "")
     return "awq"
 
 
+def _setting(ckpt: dict, *keys: str) -> int:
+    """The first of `keys` that is set (a null is unset: AutoAWQ's w_bit / q_group_size may stand behind it)."""
+    value = next((ckpt[k] for k in keys if ckpt.get(k) is not None), 0)
+    try:
+        if isinstance(value, bool) or int(value) != float(value):
+            raise ValueError
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"AWQ quantization_config: {keys[0]!r} must be an integer, got {value!r}") from None
+
+
 def awq_settings(ckpt: dict) -> tuple[int, int, bool, str]:
-    bits, group = int(ckpt.get("bits", ckpt.get("w_bit", 0))), int(ckpt.get("group_size", ckpt.get("q_group_size", 0)))
+    bits, group = _setting(ckpt, "bits", "w_bit"), _setting(ckpt, "group_size", "q_group_size")
     zero_point = bool(ckpt.get("zero_point", True))
     version = str(ckpt.get("version", VERSION_W4)).lower()
     if bits == 4:
