@@ -123,3 +123,66 @@ def test_a_failed_step_keeps_the_prefix_hits_earlier_steps_computed():
     out = sched.schedule()  # b is admitted again with the same hit
     assert ("b", 16) in {(s.request_id, s.start_pos) for s in out.seqs}
     kv.check_invariants()
+
+
+def _sched(num_blocks, **kw):
+    from tokenmill.sched.scheduler import Scheduler
+
+    kv = KVCacheManager(num_blocks, 4, enable_caching=False)
+    return kv, Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, **kw)
+
+
+def _run_step(sched):
+    out = sched.schedule()
+    sched.update(out, {s.request_id: [7] for s in out.seqs if s.num_sampled_positions})
+    return out
+
+
+def test_a_prompt_waiting_for_room_is_not_starved_by_shorter_ones_behind_it():
+    """Shorter prompts may pass a prompt that waits for KV room for PASS_STEPS steps, then only with room beyond
+    what it needs: a steady stream of them kept the free blocks below its need for as long as they came (1,000
+    steps and more)."""
+    from tokenmill.sched.scheduler import PASS_STEPS
+
+    kv, sched = _sched(16)
+    n = 0
+
+    def short():
+        nonlocal n
+        n += 1
+        sched.add_request(_req(f"s{n}", [5, 6, 7, 10 + n % 50], max_tokens=12, temperature=0, ignore_eos=True))
+    short(), short()
+    for step in range(1000):
+        if step == 10:
+            sched.add_request(_req("L", range(10, 58), max_tokens=4, temperature=0, ignore_eos=True))
+        if step % 4 == 0:
+            short()  # one short request every four steps, for the whole run
+        _run_step(sched)
+        if step > 10 and "L" not in sched.requests:
+            break
+    assert "L" not in sched.requests, f"L still waits after {step} steps: {sched.requests['L'].status}"
+    assert step < 10 + PASS_STEPS + 60, step  # the window, then the running shorts drain
+    kv.check_invariants()
+
+
+def test_a_preempted_requests_recompute_is_capped_like_a_prefill():
+    """long_prefill_token_threshold and max_long_partial_prefills hold for the recompute of a preempted
+    request's prompt and output, not its prompt only: the rest of it ran in one uncapped chunk, beside another
+    long prompt that max_long_partial_prefills=1 should have held back."""
+    kv, sched = _sched(20, long_prefill_token_threshold=8, max_long_partial_prefills=1)
+    sched.add_request(_req("B", [5, 6, 7, 8], max_tokens=40, temperature=0, ignore_eos=True))
+    sched.add_request(_req("A", [9, 10, 11, 12], max_tokens=50, temperature=0, ignore_eos=True))
+    preempted = added = False
+    for _ in range(200):
+        out = _run_step(sched)
+        preempted |= bool(out.preempted_ids)
+        chunks = [(s.request_id, s.num_new_tokens) for s in out.seqs if s.num_new_tokens > 1]
+        assert all(k <= 8 for _, k in chunks), chunks
+        assert sum(k == 8 for _, k in chunks) <= 1, chunks  # one long (capped) prefill at a time
+        if preempted and not added:
+            sched.add_request(_req("C", range(20, 40), max_tokens=4, temperature=0, ignore_eos=True))
+            added = True
+        if not sched.requests:
+            break
+    assert preempted and not sched.requests
+    kv.check_invariants()

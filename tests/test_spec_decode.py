@@ -204,10 +204,12 @@ def test_drafts_that_do_not_fit_are_dropped_rather_than_preempt(llama_dir):
         return ok
     kv.allocate_slots = allocate_slots
     assert _tokens(llm, prompts, sp) == plain
-    dropped = sum(a[0] == b[0] and a[1] and not a[2] and not b[1] and b[2] for a, b in zip(calls, calls[1:]))
-    assert dropped > 0  # steps that ran without the drafts that did not fit
-    preempted = plain_llm.llm_engine.get_stats().num_preemptions
-    assert 0 < _check(llm).num_preemptions <= preempted, preempted
+    # every allocation that failed with drafts is retried at once without them (the drafts dropped), never
+    # answered by a preemption; the pool is tight enough that requests' own tokens do preempt
+    failed = [i for i, (_, drafted, ok) in enumerate(calls) if drafted and not ok]
+    assert failed and all(i + 1 < len(calls) and calls[i + 1][0] == calls[i][0] and not calls[i + 1][1]
+                          for i in failed)
+    assert _check(llm).num_preemptions > 0 and plain_llm.llm_engine.get_stats().num_preemptions > 0
 
 
 def _proposer(name: str, llama_dir: str) -> dict:

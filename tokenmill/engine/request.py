@@ -56,6 +56,7 @@ class Request:
     first_scheduled_time: float | None = None
     kv_load_failed: bool = False  # a tier load fell short once: recompute instead of trying again
     kv_loaded: bool = False  # back from a tier load; its next prefix lookup finds the loaded blocks
+    blocked_since: int | None = None  # the scheduler step since which it has waited for KV room (None: not)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify at its next step
     spec_placeholders: bool = False  # those drafts are placeholders (DraftPolicy's priced looks)
     mm_items: list = field(default_factory=list)  # multimodal/inputs.py MultiModalItem, in prompt order

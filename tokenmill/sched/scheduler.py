@@ -36,6 +36,9 @@ from tokenmill.multimodal.encoder_scheduler import EncoderScheduler
 from tokenmill.sched.output import KVLoad, KVLoadResult, NewRequestData, ScheduledRequest, SchedulerOutput
 from tokenmill.spec_decode.adaptive import DraftPolicy
 
+# steps in which shorter prompts may pass a prompt that waits for KV room; then they get only room beyond its need
+PASS_STEPS = 64
+
 
 class WaitingQueue:
     """FCFS deque, or a heap on (priority, arrival) for the priority policy."""
@@ -120,6 +123,7 @@ class Scheduler:
         self.in_flight: dict[str, int] = {}  # request id -> steps in flight that hold it
         self.async_scheduling = False
         self._num_added = 0
+        self.num_steps = 0  # schedule() calls
         self.num_run_ahead = 0  # requests scheduled while an earlier step held them (async scheduling)
         self.sync_output_tokens = False
         self._outputs_sent: dict[str, int] = {}
@@ -198,6 +202,7 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
         out = SchedulerOutput(finished_ids=self._finished_since_last_step)
         self._finished_since_last_step = []
         if self.encoder is not None:
@@ -241,7 +246,7 @@ class Scheduler:
             n = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
-            if req.num_computed_tokens < req.num_prompt_tokens:
+            if req.num_computed_tokens < req.num_tokens - 1:  # a prefill (or a preempted one's recompute)
                 n = min(n, self.prefill_cap)
             if req.mm_items:
                 n, _ = self.encoder.plan(req, n)
@@ -365,9 +370,17 @@ class Scheduler:
             if is_long and long_prefills >= self.max_long_prefills:
                 continue  # shorter prompts behind it may pass
             if self.chunked:
-                if not self.kv.fits(self.kv.blocks_still_needed(req, req.num_tokens) - len(cached), cached, debt):
+                need = self.kv.blocks_still_needed(req, req.num_tokens) - len(cached)
+                if not self.kv.fits(need, cached, debt):
+                    # shorter prompts may pass it for a while; after PASS_STEPS they may only use room beyond
+                    # what it needs (a steady stream of them kept the free blocks below its need for as long as
+                    # they came: a thousand steps and more)
+                    if req.blocked_since is None:
+                        req.blocked_since = self.num_steps
+                    if self.num_steps - req.blocked_since >= PASS_STEPS:
+                        debt += need
                     blocked = True
-                    continue
+                    continue  # (the stamp stays: preempted later, it has waited long enough already)
                 if blocked and n > min(budget, self.prefill_cap):
                     continue
                 n = min(n, self.prefill_cap)
@@ -403,8 +416,9 @@ class Scheduler:
         return budget
 
     def _is_long_prefill(self, req: Request) -> bool:
-        """A running prompt whose prefill still has more than one capped chunk to go."""
-        return req.num_prompt_tokens - req.num_computed_tokens > self.prefill_cap
+        """A running prefill (a prompt's, or the recompute of a preempted request's prompt and output) with more
+        than one capped chunk to go."""
+        return req.num_tokens - req.num_computed_tokens > self.prefill_cap
 
     def _plan_admitted_encodes(self, req: Request, n: int, scheduled: dict[str, int]) -> int:
         """A joining request's tokens and inline encodes; 0 tokens when it must wait for its images (the
