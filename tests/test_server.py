@@ -294,6 +294,8 @@ def test_a_clients_request_id_names_the_response(server):
     streamed = post(server, "/v1/chat/completions", {**chat, "stream": True}, {"X-Request-Id": "s9"})
     assert '"id":"chatcmpl-s9"' in streamed.text and streamed.headers["x-request-id"] == "s9"
     _assert_error(post(server, "/v1/completions", {**body, "request_id": ""}), 400, "request_id")
+    r = post(server, "/v1/completions", body, {"X-Request-Id": ""})  # (a proxy that always sends the header)
+    assert r.status_code == 200 and len(r.json()["id"]) > len("cmpl-") + 8 and len(r.headers["x-request-id"]) == 32
     assert httpx.get(server.url + "/health", timeout=10).headers.get("x-request-id")
 
 

@@ -265,6 +265,35 @@ def test_malformed_http_gets_an_openai_style_400(server):
     assert httpx.get(server.url + "/health").status_code == 200  # and the server keeps serving
 
 
+def _raw_exchange(server, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        try:
+            s.sendall(request)
+        except (BrokenPipeError, ConnectionResetError):  # the server answered and closed mid-send
+            pass
+        raw = b""
+        try:
+            while chunk := s.recv(65536):
+                raw += chunk
+        except ConnectionResetError:
+            pass
+    return raw
+
+
+def test_an_oversized_request_head_is_a_431_not_a_stall(server):
+    """httptools bounded nothing before the body: a 128 MiB header was read whole, at a cost growing with its
+    square on the event loop (every stream stalled for seconds). Past 64 KiB the head is a JSON 431 and the
+    connection closes; a 32 KiB header, and requests kept alive after it, are served."""
+    t = time.perf_counter()
+    raw = _raw_exchange(server, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Junk: " + b"a" * (8 << 20) + b"\r\n\r\n")
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431"), raw[:200]
+    assert json.loads(body)["error"]["code"] == 431 and time.perf_counter() - t < 10
+    ok = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"b" * (32 << 10) + b"\r\n\r\n"
+    raw = _raw_exchange(server, ok + ok[:-4] + b"\r\nConnection: close\r\n\r\n")  # two, kept alive
+    assert raw.count(b"HTTP/1.1 200") == 2, raw[:300]
+
+
 def test_health_is_json(server):
     r = httpx.get(server.url + "/health")
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")

@@ -235,10 +235,11 @@ class ServingBase:
 
     @staticmethod
     def client_request_id(req, raw) -> str | None:
-        """vLLM's: the X-Request-Id header, else the body's `request_id`, else none (a random id)."""
+        """vLLM's: the X-Request-Id header, else the body's `request_id`, else none (a random id). An empty header
+        is none (a proxy may always send one; the response header gets a new id for it too)."""
         header = raw.headers.get("x-request-id") if raw is not None else None
-        if header is not None and not 0 < len(header) <= 256:
-            raise APIError(400, "the X-Request-Id header must be 1 to 256 characters", "request_id")
+        if header is not None and len(header) > 256:
+            raise APIError(400, "the X-Request-Id header must be at most 256 characters", "request_id")
         return header or req.request_id
 
     def abort_all(self, subs) -> None:
