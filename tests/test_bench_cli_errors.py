@@ -28,6 +28,8 @@ def fake_server():
         await resp.prepare(request)
         for text in ("hi", " there"):
             await resp.write(b'data: {"choices": [{"index": 0, "text": "%s"}]}\n\n' % text.encode())
+        if request.match_info["kind"] == "zero":  # a server whose usage says no tokens came
+            await resp.write(b'data: {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 0}}\n\n')
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -93,6 +95,17 @@ def test_bench_serve_runs_with_good_flags(fake_server, tmp_path, capsys):
     code, out, err = _run([*SERVE, "--base-url", fake_server + "/ok", "--extra-body", '{"seed": 1}', "--metadata",
                            "a=b=c", "--metric-percentiles", "50,100", "--result-file", str(res)], capsys)
     assert code == 0 and "P100 TTFT" in out and res.exists(), err
+
+
+def test_bench_serve_counts_tokens_itself_where_usage_says_none(fake_server, tmp_path, capsys):
+    """A usage chunk with completion_tokens 0 (or null) under text that came: the tokens are counted from the text
+    (as vLLM does), not reported as 0 from "usage"."""
+    import json
+
+    res = tmp_path / "r.json"
+    code, out, err = _run([*SERVE, "--base-url", fake_server + "/zero", "--result-file", str(res)], capsys)
+    data = json.loads(res.read_text())
+    assert code == 0 and all(n > 0 for n in data["output_lens"]) and "usage" not in data["output_lens_source"], data
 
 
 def test_bench_serve_says_why_every_request_failed(fake_server, capsys):

@@ -67,3 +67,26 @@ def test_cli_writes_result(tmp_path):
     res = json.loads(out.read_text())
     assert res["label"] == "cli" and res["completed"] == 3 and res["total_output_tokens"] == 9
     assert res["dataset"]["dataset_name"] == "random"
+
+
+def test_engine_counters_cover_the_measured_run_only():
+    """The kv_cache and spec_decode blocks are the run's: the warm-up's counts (and an earlier run's, on a passed-in
+    engine) stayed in, so every accepted draft of a short run could be the warm-up's, and its missed prompt tokens
+    lowered the hit rate. Here a second run on the same engine reports exactly the engine's counters' deltas."""
+    from tokenmill.bench.datasets import PrefixRepetitionDataset
+
+    kw = dict(KW, enable_prefix_caching=True, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    eng = build_engine(kw)
+    reqs = sample_requests(PrefixRepetitionDataset(48, 8, 2, 12), 4, eng.tokenizer, seed=0)
+    run = dict(engine=eng, ignore_eos=True, sampling={"temperature": 0.0}, disable_tqdm=True)
+    run_offline(reqs, kw, num_warmups=1, **run)
+    a = eng.get_stats()
+    res = run_offline(reqs, kw, num_warmups=0, **run)
+    b = eng.get_stats()
+    spec = res["spec_decode"]
+    assert spec["num_drafts"] == b.spec_num_drafts - a.spec_num_drafts > 0
+    assert spec["num_accepted_tokens"] == b.spec_num_accepted_tokens - a.spec_num_accepted_tokens
+    assert sum(spec["accepted_per_pos"]) == spec["num_accepted_tokens"]
+    hits, queries = b.prefix_cache_hits - a.prefix_cache_hits, b.prefix_cache_queries - a.prefix_cache_queries
+    assert res["kv_cache"]["prefix_cache_hit_rate"] == pytest.approx(hits / queries) and queries > 0

@@ -121,3 +121,30 @@ def test_report_names_the_file_and_what_is_wrong(tmp_path, capsys, content, mess
         return
     assert code == 2 and f"error: {path}: " in err and message in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_missing_p99_is_a_gap_not_the_median_under_a_p99_title(tmp_path, monkeypatch):
+    """Runs made with --metric-percentiles 50,90 have no p99: the rate sweep plotted their median as "P99 TTFT",
+    and the side-by-side bars drew the missing figure as 0."""
+    import math
+
+    import matplotlib.axes
+
+    from tokenmill.bench import report
+
+    runs = []
+    for rate in (1.0, 2.0):
+        r = _result("x", rate, 1.0)
+        runs.append({k: v for k, v in r.items() if not k.startswith("p99_")})
+    plotted, bars = [], []
+    real_plot, real_bar = matplotlib.axes.Axes.plot, matplotlib.axes.Axes.bar
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda ax, xs, ys, *a, **k: (
+        plotted.append((ax.get_title(), list(ys))), real_plot(ax, xs, ys, *a, **k))[1])
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", lambda ax, xs, hs, *a, **k: (
+        bars.append(list(hs)), real_bar(ax, xs, hs, *a, **k))[1])
+    assert report.plot_rate_sweep(runs, tmp_path) == "throughput_vs_rate.png"
+    assert len(plotted) == 3 and all(math.isnan(y) for _, ys in plotted[1:] for y in ys), plotted
+    fig, ax = report._plt().subplots()
+    report._bars(ax, ["a", "b"], [None, 3.0], "P99 E2EL")
+    labels = [t.get_text() for t in ax.texts]
+    assert labels == ["n/a", "3"], labels

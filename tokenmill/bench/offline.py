@@ -109,6 +109,7 @@ def run_offline(requests: list[SampleRequest], engine_kwargs: dict | None = None
         warm = {engine.add_request(f"warmup-{i}", warm_prompt, params[0]) for i in range(num_warmups)}
         _drain(engine, warm)
     counters = _encoder_counters(engine) if multimodal else None
+    before = engine.get_stats() if hasattr(engine, "get_stats") else None  # (the warm-up's counts stay out)
     images = [0] * len(requests)
 
     n = len(requests)
@@ -185,25 +186,42 @@ def run_offline(requests: list[SampleRequest], engine_kwargs: dict | None = None
         "percentiles": list(percentiles), "goodput_slos_ms": goodput_slos_ms or None,
     }
     result.update(compute_metrics(results, duration, list(percentiles), goodput_slos_ms))
-    if hasattr(engine, "get_stats"):
-        st = engine.get_stats()
-        result["kv_cache"] = {"prefix_cache_hit_rate": st.prefix_cache_hit_rate,
-                              "num_preemptions": st.num_preemptions, "tiers": st.kv_tiers}
-        if st.spec_num_drafts:
-            result["spec_decode"] = {"num_drafts": st.spec_num_drafts, "num_draft_tokens": st.spec_num_draft_tokens,
-                                     "num_accepted_tokens": st.spec_num_accepted_tokens,
-                                     "accepted_per_pos": st.spec_accepted_per_pos,
-                                     "acceptance_rate": st.spec_acceptance_rate,
-                                     "mean_acceptance_length": st.spec_mean_acceptance_length}
-        if st.comm_ops:
-            result["comm"] = {"seconds": st.comm_seconds, "ops": st.comm_ops, "bytes": st.comm_bytes,
-                              "ms_per_step": 1e3 * st.comm_seconds / max(1, st.num_steps)}
+    if before is not None:
+        result.update(_engine_blocks(before, engine.get_stats()))
     if multimodal:
         done_images = sum(c for c, r in zip(images, results) if r.success)
         result["multimodal"] = _multimodal_block(counters, _encoder_counters(engine), done_images, duration)
     result.update(mon.summary())
     result.update(per_request_fields(results))
     return result
+
+
+# a tier's gauges (occupancy now), reported as they are; its other fields are counters, differenced
+_TIER_GAUGES = ("blocks", "bytes", "capacity_bytes")
+
+
+def _engine_blocks(before, after) -> dict:
+    """The run's kv_cache, spec_decode and comm blocks: the engine's counters after the run less before it
+    (the warm-up, and earlier runs on a passed-in engine, stay out, as `bench serve` takes /metrics deltas)."""
+    def d(name):
+        return getattr(after, name) - getattr(before, name)
+    queries, hits = d("prefix_cache_queries"), d("prefix_cache_hits")
+    tiers = {name: {k: v if k in _TIER_GAUGES else v - before.kv_tiers.get(name, {}).get(k, 0)
+                    for k, v in stats.items()} for name, stats in after.kv_tiers.items()}
+    out = {"kv_cache": {"prefix_cache_hit_rate": hits / queries if queries else 0.0,
+                        "num_preemptions": d("num_preemptions"), "tiers": tiers}}
+    drafts, draft_tokens, accepted = d("spec_num_drafts"), d("spec_num_draft_tokens"), d("spec_num_accepted_tokens")
+    if drafts:
+        per_pos = [a - (before.spec_accepted_per_pos[i] if i < len(before.spec_accepted_per_pos) else 0)
+                   for i, a in enumerate(after.spec_accepted_per_pos)]
+        out["spec_decode"] = {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+                              "accepted_per_pos": per_pos,
+                              "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+                              "mean_acceptance_length": 1.0 + accepted / drafts}
+    if d("comm_ops"):
+        out["comm"] = {"seconds": d("comm_seconds"), "ops": d("comm_ops"), "bytes": d("comm_bytes"),
+                       "ms_per_step": 1e3 * d("comm_seconds") / max(1, d("num_steps"))}
+    return out
 
 
 def _jsonable(v) -> bool:

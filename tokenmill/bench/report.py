@@ -233,8 +233,9 @@ def plot_rate_sweep(results: list[dict], out: Path) -> str | None:
         runs = sorted(runs, key=_rate)
         xs = [inf_x if math.isinf(_rate(r)) else _rate(r) for r in runs]
         axes[0].plot(xs, [r["output_throughput"] for r in runs], "o-", label=name)
-        axes[1].plot(xs, [r.get("p99_ttft_ms", r.get("median_ttft_ms")) for r in runs], "o-", label=name)
-        axes[2].plot(xs, [r.get("p99_tpot_ms", r.get("median_tpot_ms")) for r in runs], "o-", label=name)
+        # (a run without p99 (--metric-percentiles 50,90) leaves a gap: its median, plotted here, was titled P99)
+        axes[1].plot(xs, [r.get("p99_ttft_ms", math.nan) for r in runs], "o-", label=name)
+        axes[2].plot(xs, [r.get("p99_tpot_ms", math.nan) for r in runs], "o-", label=name)
     for ax, t in zip(axes, ["output tokens/s", "P99 TTFT (ms)", "P99 TPOT (ms)"]):
         ax.set_xlabel("request rate (req/s); rightmost = inf" if any(
             math.isinf(_rate(r)) for v in series.values() for r in v) else "request rate (req/s)")
@@ -248,16 +249,17 @@ def plot_rate_sweep(results: list[dict], out: Path) -> str | None:
 
 
 def _bars(ax, names: list[str], values: list, title: str) -> None:
-    vals = [v if isinstance(v, (int, float)) and v is not None else 0.0 for v in values]
+    # a figure a run does not have (no p99, no E2EL in a vLLM file) is no bar and "n/a", not a bar of 0
+    known = [isinstance(v, (int, float)) and not isinstance(v, bool) for v in values]
+    vals = [v if k else 0.0 for v, k in zip(values, known)]
     bars = ax.bar(range(len(names)), vals, color=[f"C{i % 10}" for i in range(len(names))])
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
-    for b, v in zip(bars, values):
-        if isinstance(v, (int, float)):
-            ax.annotate(f"{v:.3g}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
-                        va="bottom", fontsize=7)
+    for b, v, k in zip(bars, values, known):
+        ax.annotate(f"{v:.3g}" if k else "n/a", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
+                    va="bottom", fontsize=7)
 
 
 def plot_side_by_side(results: list[dict], out: Path) -> str | None:

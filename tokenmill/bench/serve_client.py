@@ -113,7 +113,8 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict, 
                     text.append(_chunk_text(choices, chat))
                 elif usage := msg.get("usage"):
                     out.output_tokens = usage.get("completion_tokens") or 0
-                    out.output_tokens_source = "usage"
+                    if out.output_tokens:  # (0 or null: counted from the text instead, as vLLM does)
+                        out.output_tokens_source = "usage"
                     if usage.get("prompt_tokens") is not None:
                         out.prompt_len = usage["prompt_tokens"]
             out.generated_text = "".join(text)
