@@ -210,6 +210,8 @@ def test_text_model_refuses_images(model_dirs):
 
 @pytest.mark.parametrize("kw, message", [
     ({"mm_encoder_budget": TOKENS_PER_IMAGE - 1}, "below one image"),
+    # a prompt with more image rows than the budget waited for ever without chunked prefill
+    ({"mm_encoder_budget": TOKENS_PER_IMAGE, "enable_chunked_prefill": False}, "without chunked prefill"),
     ({"mm_encoder_cache_tokens": TOKENS_PER_IMAGE}, "at least two steps"),
     ({"limit_mm_per_prompt": '{"audio": 1}'}, "limit_mm_per_prompt"),
     ({"speculative_config": {"method": "draft_model", "model": "x", "num_speculative_tokens": 2}}, "draft model"),

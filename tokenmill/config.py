@@ -446,6 +446,12 @@ class EngineConfig:
         if self.mm_encoder_budget < per_image:
             raise ValueError(f"mm_encoder_budget={self.mm_encoder_budget} is below one image's {per_image} encoder "
                              f"rows")
+        if not self.enable_chunked_prefill and self.mm_encoder_budget < self.max_num_batched_tokens:
+            # a prompt then runs whole, its images encoded in its one step: one with more image rows than the
+            # budget would wait for ever
+            raise ValueError(f"mm_encoder_budget={self.mm_encoder_budget} is below max_num_batched_tokens="
+                             f"{self.max_num_batched_tokens}: without chunked prefill a prompt's images are all "
+                             f"encoded in its one step (leave mm_encoder_budget unset, or enable chunked prefill)")
         if self.mm_encoder_cache_tokens < 2 * self.mm_encoder_budget:
             raise ValueError(f"mm_encoder_cache_tokens={self.mm_encoder_cache_tokens} must hold at least two steps' "
                              f"encoder budget ({2 * self.mm_encoder_budget})")
