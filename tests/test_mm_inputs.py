@@ -253,6 +253,18 @@ def test_clips_that_would_take_long_to_decode_are_refused_before_decoding():
         load_video(tiff.getvalue(), num_frames=4, max_pixels=1_000_000)
 
 
+def test_a_clip_of_too_many_frames_is_refused_whatever_its_canvas():
+    """A 1x1 canvas passed the frames-times-pixels check at any frame count, and reaching the sampled frames steps
+    through every frame before them (a 250,000-frame GIF of 7.7 MB took 7 s on the server's prompt thread)."""
+    from tokenmill.multimodal.video import MAX_CLIP_FRAMES
+
+    frames = [Image.new("RGB", (1, 1), (i % 2 * 255, 0, 0)) for i in range(MAX_CLIP_FRAMES + 1)]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=10)
+    with pytest.raises(ValueError, match=f"video of {MAX_CLIP_FRAMES + 1} frames"):
+        load_video(buf.getvalue(), num_frames=4, max_pixels=1_000_000)
+
+
 def test_an_image_whose_resize_would_be_huge_is_refused():
     from tokenmill.multimodal.preprocess import ImageProcessor
 

@@ -152,6 +152,28 @@ def test_tokenize_counts_the_tokens_the_engine_runs_for_images(llava_server, cli
     assert count == usage.prompt_tokens
 
 
+def test_a_slow_image_fetch_holds_up_no_other_request(client, image_host):
+    """Images are fetched and decoded on media threads of their own: one request's slow URLs (here two that time
+    out, a second each) held the single tokenizer thread, and every other request waited behind them."""
+    done = {}
+
+    def slow():
+        try:
+            ask(client, image_part(f"{image_host}/slow.png"), image_part(f"{image_host}/slow.png"))
+        except openai.BadRequestError:
+            pass
+        done["slow"] = time.monotonic()
+
+    worker = threading.Thread(target=slow)
+    worker.start()
+    time.sleep(0.3)  # the slow request is fetching
+    assert client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "To be"}],
+                                          **GREEDY).choices[0].message.content
+    done["text"] = time.monotonic()
+    worker.join(30)
+    assert done["text"] < done["slow"], done
+
+
 def test_too_many_images_a_timeout_and_a_404_are_400s(client, image_host):
     with pytest.raises(openai.BadRequestError, match="at most 2 images"):
         ask(client, *[image_part(png_uri(random_image(i))) for i in range(3)])

@@ -24,6 +24,8 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.sample.grammar import compile_threads
 from tokenmill.sampling_params import SamplingParams
 
+MEDIA_THREADS = 4  # requests whose media are fetched and decoded at once (each request's parts in turn)
+
 logger = logging.getLogger("tokenmill")
 
 
@@ -165,6 +167,8 @@ class AsyncLLM:
         self.num_submitting = 0  # requests between admission and registration (tokenizing)
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-tokenizer")
         self._grammar_pool = ThreadPoolExecutor(max_workers=compile_threads(), thread_name_prefix="tokenmill-grammar")
+        # chat requests' images and video fetched and decoded side by side, off the tokenizer thread
+        self._media_pool = ThreadPoolExecutor(max_workers=MEDIA_THREADS, thread_name_prefix="tokenmill-media")
         self.client = CoreClient(config, log_level)
         self._tasks: list[asyncio.Task] = []
 
@@ -219,6 +223,10 @@ class AsyncLLM:
         finally:
             self.num_submitting -= 1
         return [(text, req.prompt_token_ids) for text, req in processed]
+
+    async def run_media(self, fn, *args):
+        """`fn(*args)` on a media thread: fetching and decoding images, which needs no tokenizer."""
+        return await asyncio.get_running_loop().run_in_executor(self._media_pool, fn, *args)
 
     async def run_tokenizer(self, fn, *args):
         """`fn(*args)` on the tokenizer thread (one thread: Hugging Face tokenizers are not safe to share
@@ -494,6 +502,7 @@ class AsyncLLM:
         self.fail_in_flight("the server is shutting down")
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+        self._media_pool.shutdown(wait=False, cancel_futures=True)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -105,7 +105,7 @@ class InputProcessor:
                  chat_media=None):
         self.tokenizer = tokenizer
         self.mm = mm  # multimodal/processor.py MultiModalProcessor (None: a text-only model)
-        self.chat_media = chat_media  # (resolve_image, resolve_video, limits) for chat content parts
+        self.media_resolvers = chat_media  # (resolve_image, resolve_video, limits) for chat content parts
         self.chat_template: str | None = None  # the server's --chat-template, in place of the tokenizer's
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -153,19 +153,25 @@ class InputProcessor:
                                  f"bytes of text make more than {self.max_model_len} tokens")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def chat_media(self, conversation: list[dict]) -> tuple[list[dict], dict | None]:
+        """The conversation's media fetched and decoded: (its image / video parts as {"type": "image"} parts,
+        the media in order); a text model's text parts joined. Needs no tokenizer: the server runs it on a
+        thread pool of its own, so that one request's slow fetches hold up no other's tokenizing."""
+        if self.mm is None:
+            return [_text_parts_joined(m) for m in conversation], None
+        from tokenmill.multimodal.chat import parse_chat_messages
+
+        resolve_image, resolve_video, limits = self.media_resolvers
+        return parse_chat_messages(conversation, resolve_image=resolve_image, resolve_video=resolve_video,
+                                   limits=limits)
+
     def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True,
                     chat_template: str | None = None, tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None, continue_final_message: bool = False) -> dict:
-        """A conversation as {"prompt": text, "prompt_token_ids": ids} through the model's chat template."""
-        mm_data = None
-        if self.mm is not None:  # image / video content parts -> {"type": "image"} parts + the media in order
-            from tokenmill.multimodal.chat import parse_chat_messages
-
-            resolve_image, resolve_video, limits = self.chat_media
-            conversation, mm_data = parse_chat_messages(conversation, resolve_image=resolve_image,
-                                                        resolve_video=resolve_video, limits=limits)
-        else:
-            conversation = [_text_parts_joined(m) for m in conversation]
+                    template_kwargs: dict | None = None, continue_final_message: bool = False,
+                    media: tuple[list[dict], dict | None] | None = None) -> dict:
+        """A conversation as {"prompt": text, "prompt_token_ids": ids} through the model's chat template.
+        `media`: `chat_media(conversation)`'s result, where the caller resolved it already."""
+        conversation, mm_data = media if media is not None else self.chat_media(conversation)
         text = self.chat_text(conversation, add_generation_prompt, chat_template, tools, template_kwargs,
                               continue_final_message)
         prompt = {"prompt": text, "prompt_token_ids": self.encode_chat(text)}

@@ -42,6 +42,9 @@ def sample_indices(total: int, num_frames: int) -> list[int]:
 # more frames times canvas pixels than this many times the per-image limit is refused before any is decoded (a
 # 37 KB GIF of a 4000 x 4000 canvas and 1,000 one-pixel frames took 40 s)
 MAX_CLIP_DECODE_IMAGES = 32
+# and a clip of more frames than this is refused whatever its canvas: reaching a sampled frame steps through every
+# frame before it (~20 us each), so a 1x1 GIF of 250,000 frames (7.7 MB) took 7 s
+MAX_CLIP_FRAMES = 4096
 
 
 def _animated_frames(data: bytes, num_frames: int, max_pixels: int) -> list[Image.Image]:
@@ -50,6 +53,8 @@ def _animated_frames(data: bytes, num_frames: int, max_pixels: int) -> list[Imag
     def frames():
         total = getattr(img, "n_frames", 1)  # (counted from the frames' headers: no pixels decoded)
         w, h = img.size
+        if total > MAX_CLIP_FRAMES:
+            raise ValueError(f"video of {total} frames: at most {MAX_CLIP_FRAMES} are taken")
         if total > 1 and total * w * h > MAX_CLIP_DECODE_IMAGES * max_pixels:
             raise ValueError(f"video of {total} frames of {w}x{h} would decode {total * w * h} pixels, past the limit "
                              f"of {MAX_CLIP_DECODE_IMAGES} x {max_pixels} (--mm-max-image-pixels)")

@@ -65,21 +65,25 @@ async def render_chat(engine: AsyncLLM, messages: list[ChatMessage], add_generat
         if m.tool_calls is not None:
             message["tool_calls"] = m.tool_calls
         convo.append(message)
+    media = None
+    if multimodal:  # fetched and decoded on the media threads: a slow fetch holds up no other request's tokenizing
+        with engine_errors("messages", only_field=True):  # (a bad image is a 400 naming 'messages')
+            media = await engine.run_media(engine.input_processor.chat_media, convo)
     return await engine.run_tokenizer(_render, engine, convo, add_generation_prompt, template_kwargs, tools,
-                                      continue_final_message, chat_template)
+                                      continue_final_message, chat_template, media)
 
 
 def _render(engine: AsyncLLM, convo: list[dict], add_generation_prompt: bool, template_kwargs: dict | None,
             tools: list[dict] | None = None, continue_final_message: bool = False,
-            chat_template: str | None = None) -> dict:
-    """Template + tokenize; for a multimodal model also fetch, decode and check the images (a bad one is a
-    400 naming 'messages')."""
+            chat_template: str | None = None, media=None) -> dict:
+    """Template + tokenize; for a multimodal model with its images already fetched and decoded (`media`,
+    InputProcessor.chat_media's)."""
     ip = engine.input_processor
     if ip.mm is not None:
         with engine_errors("messages", only_field=True):
             try:
                 return ip.chat_prompt(convo, add_generation_prompt, chat_template, tools, template_kwargs,
-                                      continue_final_message)
+                                      continue_final_message, media)
             except (TypeError, KeyError, AttributeError, jinja2.TemplateError) as e:  # e.g. a role it refuses
                 raise APIError(400, f"chat template failed: {e}", "messages") from None
     try:
