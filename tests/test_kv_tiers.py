@@ -1092,3 +1092,13 @@ def test_stores_the_lower_tiers_cannot_keep_up_with_are_dropped_and_counted(tmp_
     finally:
         gate.set()
         xfer.close()
+
+
+@pytest.mark.parametrize("kw", [dict(kv_host_cache_gb=float("inf")), dict(kv_host_cache_gb=float("nan")),
+                                dict(kv_disk_cache_gb=float("nan")), dict(kv_load_timeout_s=float("nan"))])
+def test_tier_sizes_that_are_not_numbers_are_refused_up_front(kw):
+    """inf and nan passed the sign checks and failed after the weights loaded, with a traceback."""
+    from tokenmill.config import EngineConfig
+
+    with pytest.raises(ValueError, match="must be finite numbers"):
+        EngineConfig(**kw)

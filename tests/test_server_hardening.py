@@ -203,6 +203,30 @@ def test_health_and_token_id_requests_answer_while_a_tokenization_runs(server, s
     assert result["r"].status_code == 200, result["r"].text
 
 
+def test_several_api_keys_and_vllms_environment_variable(monkeypatch):
+    """--api-key takes several keys, as vLLM's does (the second was read as the model); VLLM_API_KEY counts as
+    TOKENMILL_API_KEY does (a vLLM deployment's environment left the server open, without a word)."""
+    import argparse
+
+    from tokenmill.entrypoints.openai.api_server import api_keys
+    from tokenmill.entrypoints.openai.cli_args import add_server_args
+    from tokenmill.entrypoints.openai.guard import GuardMiddleware
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    assert parser.parse_args(["--api-key", "k1", "k2"]).api_key == ["k1", "k2"]
+    guard = GuardMiddleware(None, ["k1", "k2"], 1 << 20, None)
+    assert all(guard._authorized({b"authorization": f"Bearer {k}".encode()}) for k in ("k1", "k2"))
+    assert not guard._authorized({b"authorization": b"Bearer k3"}) and not guard._authorized({})
+    monkeypatch.delenv("TOKENMILL_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert api_keys(None) is None and api_keys(["k"]) == ["k"]
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert api_keys(None) == ["from-vllm"]
+    monkeypatch.setenv("TOKENMILL_API_KEY", "ours")
+    assert api_keys(None) == ["ours"]
+
+
 def test_api_key_guards_tokenizer_and_debug_endpoints(server):
     for method, path, body in (("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [5]}),
                                ("GET", "/debug/engine_stats", None), ("GET", "/v1/models", None)):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -360,6 +361,9 @@ class EngineConfig:
         return bool(self.kv_host_cache_gb or self.kv_disk_cache_dir or self.kv_remote_cache_url)
 
     def _check_kv_tiers(self) -> None:
+        if not (math.isfinite(self.kv_host_cache_gb) and math.isfinite(self.kv_disk_cache_gb)
+                and math.isfinite(self.kv_load_timeout_s)):  # (inf failed late, with a traceback)
+            raise ValueError("kv_host_cache_gb, kv_disk_cache_gb and kv_load_timeout_s must be finite numbers")
         if self.kv_host_cache_gb < 0 or self.kv_disk_cache_gb <= 0:
             raise ValueError("kv_host_cache_gb must be >= 0 and kv_disk_cache_gb > 0")
         if self.kv_load_timeout_s <= 0:

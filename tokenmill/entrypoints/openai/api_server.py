@@ -52,7 +52,14 @@ class ServerState:
         self.created = int(time.time())
 
 
-def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: int = 8 << 20,
+def api_keys(given: list[str] | None) -> list[str] | None:
+    """--api-key's keys, else TOKENMILL_API_KEY, else vLLM's VLLM_API_KEY (a vLLM deployment's environment
+    must not leave the server open); None: no key needed."""
+    env = os.environ.get("TOKENMILL_API_KEY") or os.environ.get("VLLM_API_KEY")
+    return given or ([env] if env else None)
+
+
+def build_app(state: ServerState, api_key: str | list[str] | None = None, max_body_bytes: int = 8 << 20,
               request_id_headers: bool = False) -> FastAPI:
     engine = state.engine
     app = FastAPI(title="tokenmill OpenAI-compatible server", version=tokenmill.__version__)
@@ -233,8 +240,7 @@ async def serve(args) -> int:
         state.chat.reasoning_parser = args.reasoning_parser
         state.chat.trust_request_chat_template = args.trust_request_chat_template
         state.chat.response_role = args.response_role
-        api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY") or None
-        app = build_app(state, api_key, args.max_request_body_bytes, args.enable_request_id_headers)
+        app = build_app(state, api_keys(args.api_key), args.max_request_body_bytes, args.enable_request_id_headers)
         # our drain (lifecycle.py) ends requests past --shutdown-timeout itself; uvicorn's timeout, which
         # cancels request tasks, is only a backstop behind it
         cfg = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,

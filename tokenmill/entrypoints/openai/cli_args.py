@@ -23,10 +23,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) clients use; the first is reported in responses (default: --model)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health, /metrics, /version and "
-                        "the API docs (or set TOKENMILL_API_KEY)")
+                   help="model name(s) clients use; a response carries the name its request used, /v1/models "
+                        "lists them all (default: the --model argument; the shipped model's short name)")
+    p.add_argument("--api-key", nargs="+", default=None,
+                   help="require 'Authorization: Bearer KEY' (any of the keys given) on every endpoint but "
+                        "/health, /metrics, /version and the API docs (or set TOKENMILL_API_KEY, or vLLM's "
+                        "VLLM_API_KEY)")
     p.add_argument("--max-waiting-requests", type=positive_int, default=1024,
                    help="sequences admitted but not yet producing tokens; beyond it requests get 429")
     p.add_argument("--max-request-body-bytes", type=positive_int, default=8 << 20, help="larger bodies get 413")

@@ -22,8 +22,11 @@ class GuardMiddleware:
     the connection closes, so a load balancer moves on), checks the API key (401), and caps the request body
     (413) before any handler parses it. `state.in_flight` counts the requests it let through."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, state):
-        self.app, self.api_key, self.max_body, self.state = app, api_key, max_body_bytes, state
+    def __init__(self, app: ASGIApp, api_key: str | list[str] | None, max_body_bytes: int, state):
+        # any of several keys (vLLM's --api-key takes a list)
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+        self.api_keys = [k.encode() for k in keys if k]
+        self.app, self.max_body, self.state = app, max_body_bytes, state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -33,7 +36,7 @@ class GuardMiddleware:
             return await error_response(503, "the server is shutting down",
                                         headers={"connection": "close"})(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.api_key and path not in PUBLIC_PATHS and not self._authorized(headers):
+        if self.api_keys and path not in PUBLIC_PATHS and not self._authorized(headers):
             return await error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                                         code="invalid_api_key")(scope, receive, send)
         counted = path not in PROBE_PATHS
@@ -46,7 +49,8 @@ class GuardMiddleware:
     def _authorized(self, headers: dict) -> bool:
         auth = headers.get(b"authorization", b"").decode("latin-1")
         token = auth[7:] if auth[:7].lower() == "bearer " else ""
-        return secrets.compare_digest(token.encode(), self.api_key.encode())
+        token = token.encode()
+        return sum(secrets.compare_digest(token, key) for key in self.api_keys) > 0  # (every key compared)
 
     async def _call(self, scope: Scope, receive: Receive, send: Send, headers: dict) -> None:
         if scope["method"] not in ("POST", "PUT", "PATCH"):
