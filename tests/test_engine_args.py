@@ -72,3 +72,17 @@ def test_a_bare_optional_value_flag_before_the_prompt():
     assert parse("generate", "ROMEO:", "--quantize-lm-head") == ("int8", ["ROMEO:"])
     assert parse("generate", "--quantize-lm-head", "--dtype", "float32", "ROMEO:") == ("int8", ["ROMEO:"])
     assert parse("generate", "ROMEO:") == (None, ["ROMEO:"])
+
+
+@pytest.mark.parametrize("value, want", [("32k", 32000), ("32K", 32768), ("25.6k", 25600), ("4096", 4096),
+                                         ("auto", None), ("-1", None)])
+def test_token_counts_take_vllms_suffixes(value, want):
+    """--max-model-len and --max-num-batched-tokens as vLLM takes them (32k was 'invalid int value')."""
+    args = build_parser().parse_args(["generate", "x", "--max-model-len", value, "--max-num-batched-tokens", value])
+    assert engine_kwargs(args)["max_model_len"] == want and engine_kwargs(args)["max_num_batched_tokens"] == want
+
+
+def test_a_token_count_that_is_not_one_is_a_clean_error(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "x", "--max-model-len", "2.5K"])
+    assert "invalid token count '2.5K'" in capsys.readouterr().err

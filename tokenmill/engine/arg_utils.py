@@ -26,6 +26,28 @@ def _scalar_type(annotation) -> type:
     return annotation
 
 
+# token counts written as vLLM takes them: 32k = 32,000, 32K = 32,768, 25.6k = 25,600 (and `auto` / -1 for the
+# model's own context length)
+_HUMAN_INTS = ("max_model_len", "max_num_batched_tokens")
+_UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def human_int(text: str) -> int | None:
+    """An integer, or a token count with vLLM's suffixes (decimal k/m/g, binary K/M/G); `auto` or -1: unset."""
+    text = text.strip()
+    if text in ("auto", "-1"):
+        return None
+    unit = _UNITS.get(text[-1:], 1)
+    number = text[:-1] if unit != 1 else text
+    try:
+        value = float(number) * unit if unit != 1 and unit % 1000 == 0 and "." in number else int(number) * unit
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid token count {text!r} (an integer, or e.g. 32k, 32K)") from None
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"invalid token count {text!r}: not a whole number of tokens")
+    return int(value)
+
+
 def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
     """One flag per EngineConfig field. `defaults` overrides a field's default for this command only
     (eval ppl scores in float32, the ladder runs a small engine)."""
@@ -39,7 +61,7 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
         if kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
         else:
-            kw["type"] = kind
+            kw["type"] = human_int if f.name in _HUMAN_INTS else kind
             if f.metadata.get("choices"):
                 kw["choices"] = [c for c in f.metadata["choices"] if c is not None]
             if f.metadata.get("const") is not None:  # `--flag` alone means const, `--flag V` means V
