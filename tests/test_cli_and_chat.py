@@ -41,6 +41,10 @@ def test_serve_rejects_a_bad_stream_interval_before_loading(llama_dir):
     (["generate", "--kv-cache-memory-gb", "inf", "x"], "must be a finite number"),
     (["generate", "--limit-mm-per-prompt", "{bad", "x"], "limit_mm_per_prompt is not a JSON object"),
     (["generate", "--num-kv-blocks", "0", "x"], "num_kv_blocks must be a positive integer"),
+    (["generate", "--mm-video-num-frames", "0", "x"], "mm_video_num_frames must be a positive integer"),
+    (["generate", "--mm-max-image-pixels", "-5", "x"], "mm_max_image_pixels must be a positive integer"),
+    (["generate", "--distributed-timeout-s", "-1", "x"], "distributed_timeout_s must be a finite number"),
+    (["generate", "--kv-host-cache-gb", "inf", "x"], "must be finite numbers"),  # a traceback after the load
     (["serve", "--port", "70000"], "must be a TCP port"),  # it listened on 70000 - 65536
     (["serve", "--max-waiting-requests", "0"], "must be >= 1"),  # every request got a 400
     (["serve", "--max-request-body-bytes", "-1"], "must be >= 1"),

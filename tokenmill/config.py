@@ -304,7 +304,8 @@ class EngineConfig:
     def _check_sizes(self) -> None:
         """Sizes that would fail deep in torch, or hang: a step budget of 0 schedules nothing, ever."""
         for name in ("block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_threads",
-                     "tensor_parallel_size", "pipeline_parallel_size", "nnodes", "num_kv_blocks"):
+                     "tensor_parallel_size", "pipeline_parallel_size", "nnodes", "num_kv_blocks",
+                     "mm_max_image_pixels", "mm_max_fetch_bytes", "mm_video_num_frames"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -316,6 +317,10 @@ class EngineConfig:
         if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 < gb < float("inf")):
             raise ValueError(f"kv_cache_memory_gb must be a finite number > 0 (leave it unset for the default), "
                              f"got {gb!r}")
+        for name in ("mm_fetch_timeout_s", "distributed_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {v!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2 ** 63 <= self.seed < 2 ** 64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64) (torch's), got {self.seed!r}")
 
